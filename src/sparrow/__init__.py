@@ -1,0 +1,26 @@
+"""sparrow: lossless speculative decoding for LLMs and Video-LLMs."""
+
+from sparrow.config import GREEDY, SamplingConfig, StoppingConfig
+from sparrow.pipeline import Pipeline, load
+from sparrow.types import Draft, GenerationResult, GenerationStats, Prompt, Verdict
+
+_PIPELINES: dict[tuple, Pipeline] = {}
+
+
+def generate(prompt, *, target: str = "qwen2.5-coder-1.5b", drafter: str = "draft-model",
+             draft: str | None = "qwen2.5-coder-0.5b", num_draft_tokens: int | None = None,
+             adaptive: bool = False, dtype: str = "bfloat16", device: str | None = None,
+             **options) -> GenerationResult:
+    """One-call API: loads (and caches) the pipeline, then generates speculatively.
+
+    options: max_new_tokens, temperature, top_k, top_p, seed, stop, chat.
+    """
+    key = (target, drafter, draft, num_draft_tokens, adaptive, dtype, device)
+    if key not in _PIPELINES:
+        _PIPELINES[key] = load(target, drafter=drafter, draft=draft, num_draft_tokens=num_draft_tokens,
+                               adaptive=adaptive, dtype=dtype, device=device)
+    return _PIPELINES[key].generate(prompt, **options)
+
+
+__all__ = ["generate", "load", "Pipeline", "SamplingConfig", "StoppingConfig", "GREEDY", "Draft", "Verdict",
+           "Prompt", "GenerationResult", "GenerationStats"]

@@ -1,0 +1,34 @@
+"""Plain autoregressive decoding: the oracle of the tests and the baseline of the benchmarks.
+
+It shares CachedModel, sampling and Stopper with the speculative engine, so the only
+difference between the two is the loop itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparrow import sampling as S
+from sparrow.cached_model import CachedModel
+from sparrow.config import SamplingConfig
+from sparrow.engine import clock
+from sparrow.stopping import Stopper
+from sparrow.types import GenerationStats, Prompt, StepStats
+
+
+def plain_decode(target: CachedModel, prompt: Prompt, sampling: SamplingConfig, stopper: Stopper,
+                 generator: torch.Generator | None) -> GenerationStats:
+    device = target.device
+    start = clock(device)
+    logits = target.prefill(prompt)
+    token = S.choose(logits, sampling, generator)
+    stopper.push([int(token)])
+    prefill_seconds = clock(device) - start
+    steps: list[StepStats] = []
+    while not stopper.done:
+        t0 = clock(device)
+        logits = target.forward(token.reshape(1))[-1]
+        token = S.choose(logits, sampling, generator)
+        stopper.push([int(token)])
+        steps.append(StepStats(0, 0, 0.0, clock(device) - t0))
+    return GenerationStats.from_steps(steps, prefill_seconds)

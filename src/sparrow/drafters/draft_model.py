@@ -1,0 +1,75 @@
+"""A separate, smaller draft model with the target's vocabulary and its own KV cache.
+
+At temperature > 0 draft tokens are sampled from q (after the same temperature / top-k /
+top-p as the target) and q is returned, so the verifier applies min(1, p/q); at
+temperature 0 they are the draft's argmax (a point mass).
+
+Rollback is lazy: the drafter remembers which tokens its cache holds and, at the next
+proposal, crops to the longest prefix still shared with the committed tokens and feeds the
+rest. That covers rejected drafts and the fully accepted case, where the last draft token
+was never fed (gpt-fast's "fill last token into draft model"), in one rule.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sparrow import sampling as S
+from sparrow.cached_model import CachedModel
+from sparrow.config import SamplingConfig
+from sparrow.drafters.length import DraftLength
+from sparrow.types import Draft, Prompt, Verdict
+
+
+def common_prefix_length(a: Tensor, b: Tensor) -> int:
+    n = min(a.numel(), b.numel())
+    differ = (a[:n].to(b.device) != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n
+
+
+class DraftModelDrafter:
+    name = "draft-model"
+
+    def __init__(self, draft: CachedModel, target_vocab_size: int, num_draft_tokens: int = 6,
+                 adaptive: bool = False) -> None:
+        if draft.vocab_size != target_vocab_size:
+            raise ValueError(
+                f"draft model vocabulary ({draft.vocab_size} tokens) does not match the target's "
+                f"({target_vocab_size} tokens); the draft-model drafter needs the same tokenizer"
+            )
+        self.draft = draft
+        self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
+        self._cached = torch.empty(0, dtype=torch.long)  # [draft.length] tokens whose KV the cache holds
+
+    def prefill(self, prompt: Prompt) -> None:
+        self.length.reset()
+        self.draft.prefill(prompt)
+        self._cached = prompt.input_ids.to(self.draft.device)
+
+    def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        committed = committed.to(self.draft.device)
+        num_tokens = min(max_tokens, self.length.cap)
+        if num_tokens < 1:
+            return Draft.empty(self.draft.device)
+        # Roll back to what is still valid, then feed everything after it (at least the last token).
+        valid = min(common_prefix_length(self._cached, committed), committed.numel() - 1)
+        self.draft.rewind(valid)
+        feed = committed[valid:]
+        tokens, rows = [], []
+        for _ in range(num_tokens):
+            logits = self.draft.forward(feed)[-1]
+            q = S.probs(logits, sampling)  # [vocab]
+            token = S.sample(q, generator) if not sampling.greedy else logits.argmax()
+            tokens.append(token.reshape(1))
+            rows.append(q)
+            confidence = float(logits.float().softmax(-1).max())
+            if not self.length.keep_drafting(confidence):
+                break
+            feed = token.reshape(1)
+        self._cached = torch.cat([committed, *tokens[:-1]])
+        return Draft(tokens=torch.cat(tokens), probs=None if sampling.greedy else torch.stack(rows))
+
+    def observe(self, draft: Draft, verdict: Verdict) -> None:
+        self.length.observe(len(draft), verdict.num_accepted)

@@ -1,0 +1,51 @@
+"""Logits -> probabilities (temperature, top-k, top-p) and seeded sampling.
+
+The same `probs` is applied to target logits (p) and draft logits (q), as lossless
+verification requires.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sparrow.config import SamplingConfig
+
+
+def probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """[..., vocab] logits -> [..., vocab] float32 probabilities.
+
+    Greedy (temperature 0) gives the one-hot distribution of the argmax, so the rejection
+    rules reduce exactly to greedy matching.
+    """
+    logits = logits.float()
+    if sampling.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the first token always stays).
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(p: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token id per row of `p` ([..., vocab] -> [...] int64)."""
+    flat = p.reshape(-1, p.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(p.shape[:-1])
+
+
+def uniform(n: int, device: torch.device, generator: torch.Generator | None) -> Tensor:
+    """[n] float64 uniforms in [0, 1) (float64 as vLLM does: float32 rand can return exactly 0)."""
+    return torch.rand(n, dtype=torch.float64, device=device, generator=generator)
+
+
+def choose(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
+    """Next token from [vocab] logits: argmax when greedy, else a sample of `probs`."""
+    return logits.argmax(-1) if sampling.greedy else sample(probs(logits, sampling), generator)

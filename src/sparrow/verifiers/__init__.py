@@ -1,0 +1,42 @@
+"""Verifiers: decide which draft tokens the target accepts. Registry by name."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from sparrow.config import SamplingConfig
+from sparrow.types import Draft, Verdict
+from sparrow.verifiers.greedy import GreedyVerifier
+from sparrow.verifiers.rejection import RejectionVerifier
+
+
+class Verifier(Protocol):
+    name: str
+
+    def verify(
+        self,
+        draft: Draft,
+        target_logits: Tensor,  # [len(draft) + 1, vocab]: row 0 scores the last committed token
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Verdict: ...
+
+
+VERIFIERS: dict[str, type] = {"greedy": GreedyVerifier, "rejection": RejectionVerifier}
+
+
+def build_verifier(name: str, sampling: SamplingConfig) -> Verifier:
+    """`auto` picks greedy matching at temperature 0 and lossless rejection sampling otherwise."""
+    if name == "auto":
+        name = "greedy" if sampling.greedy else "rejection"
+    if name not in VERIFIERS:
+        raise ValueError(f"unknown verifier {name!r}; expected one of: auto, {', '.join(VERIFIERS)}")
+    if name == "greedy" and not sampling.greedy:
+        raise ValueError(f"verifier 'greedy' needs temperature 0, got temperature={sampling.temperature}")
+    return VERIFIERS[name]()
+
+
+__all__ = ["Verifier", "VERIFIERS", "build_verifier", "GreedyVerifier", "RejectionVerifier"]

@@ -1,0 +1,74 @@
+"""Tiny random models built from transformers configs (float32, CPU) and a tiny tokenizer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from sparrow.models import LoadedModel
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. The dog sleeps.",
+    "Speculative decoding drafts tokens and the target verifies them in one forward pass.",
+    "for i in range(10):\n    print(i * i)\n",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+] * 4
+VOCAB = 320
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def tiny_model(arch: str, seed: int, vocab_size: int = VOCAB, num_layers: int = 2) -> torch.nn.Module:
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=False)
+    torch.manual_seed(seed)  # tests only: model construction draws from the global generator
+    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
+    model = (LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM)(config)
+    with torch.no_grad():  # sharper logits than the default init, so greedy text is not all ties
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    return model.float().eval()
+
+
+def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """A copy with Gaussian noise on every weight: a draft that agrees with the target often, not always."""
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return other
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def target_model(arch):
+    return tiny_model(arch, seed=0)
+
+
+@pytest.fixture(scope="session")
+def loaded_target(target_model, tokenizer) -> LoadedModel:
+    return LoadedModel(model=target_model, tokenizer=tokenizer, name="tiny")
