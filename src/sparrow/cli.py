@@ -30,7 +30,7 @@ class DType(str, Enum):
 
 def fail(message: str) -> None:
     """One line on stderr, exit code 2, no traceback."""
-    err.print(f"error: {message}", markup=False, highlight=False)
+    err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -56,13 +56,20 @@ def generate(
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow
+    from sparrow.config import SamplingConfig, StoppingConfig
 
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, stop=tuple(stop or ()), chat=chat)
-    try:
+    try:  # cheap checks first, so a typo fails before minutes of model loading
+        SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        StoppingConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()))
+        if not prompt.strip():
+            raise ValueError("prompt must not be empty")
+        if k is not None and k < 1:
+            raise ValueError(f"k (num_draft_tokens) must be an integer >= 1, got {k}")
         pipe = sparrow.load(target, drafter=drafter.value, draft=draft, num_draft_tokens=k, adaptive=adaptive,
                             dtype=dtype.value, device=device, progress=not as_json)
-        pipe.request("x" if prompt.strip() else prompt, **options)  # validate flags before any decoding
+        pipe.request(prompt, **options)  # context-length checks need the tokenizer
         if compare:  # warm-up so neither run pays one-time costs (oneDNN kernels, allocator)
             pipe.generate_plain(prompt, **{**options, "max_new_tokens": 2})
         result = pipe.generate(prompt, **options)

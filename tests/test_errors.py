@@ -1,0 +1,118 @@
+"""Bad input gets a clear error naming the argument; the CLI exits non-zero with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import tiny_model
+from sparrow.cli import app
+from sparrow.models import LoadedModel
+from sparrow.pipeline import Pipeline, build_drafter, load
+
+
+@pytest.fixture(scope="module")
+def pipe(loaded_target) -> Pipeline:
+    return Pipeline(loaded_target, build_drafter("prompt-lookup", loaded_target, None, 4))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "options", "match"),
+    [
+        ("", {}, "prompt"),
+        ("   ", {}, "prompt"),
+        ([], {}, "prompt"),
+        ([1, 10**6], {}, "prompt token ids"),
+        ("hi", {"max_new_tokens": 0}, "max_new_tokens"),
+        ("hi", {"max_new_tokens": 2000}, "max_new_tokens"),
+        ("hi", {"temperature": -1.0}, "temperature"),
+        ("hi", {"top_p": 0.0}, "top_p"),
+        ("hi", {"top_p": 1.5}, "top_p"),
+        ("hi", {"top_k": -2}, "top_k"),
+        ("hi", {"stop": [""]}, "stop"),
+        ("hello " * 1100, {}, "prompt is .* tokens long"),
+    ],
+)
+def test_bad_requests_raise_value_error_naming_the_argument(pipe, prompt, options, match):
+    with pytest.raises(ValueError, match=match):
+        pipe.generate(prompt, **options)
+
+
+def test_bad_pipeline_arguments(loaded_target, tokenizer):
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        build_drafter("prompt-lookup", loaded_target, None, 0)
+    with pytest.raises(ValueError, match="unknown drafter 'medusa'"):
+        build_drafter("medusa", loaded_target)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        build_drafter("draft-model", loaded_target, None)
+    with pytest.raises(ValueError, match="unknown verifier"):
+        Pipeline(loaded_target, None, verifier="typical")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        load(loaded_target, drafter="prompt-lookup", num_draft_tokens=0)
+    with pytest.raises(ValueError, match="unknown drafter"):
+        load(loaded_target, drafter="eagle")
+
+
+def test_vocab_mismatch_names_both_sizes(loaded_target, tokenizer):
+    other = LoadedModel(tiny_model("llama", seed=3, vocab_size=500), tokenizer, "other")
+    with pytest.raises(ValueError, match=r"\(500 tokens\).*\(320 tokens\)"):
+        build_drafter("draft-model", loaded_target, other, 4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, loaded_target):
+    path = tmp_path_factory.mktemp("tiny-model")
+    loaded_target.model.save_pretrained(path)
+    loaded_target.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def cli(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["", "--drafter", "prompt-lookup"], "prompt must not be empty"),
+        (["hi", "--drafter", "prompt-lookup", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["hi", "--drafter", "prompt-lookup", "-k", "0"], "num_draft_tokens"),
+        (["hi", "--drafter", "prompt-lookup", "--temperature", "-1"], "temperature"),
+        (["hi", "--drafter", "prompt-lookup", "--top-p", "2"], "top_p"),
+        (["hi", "--draft", "no-such-model"], "no-such-model"),
+    ],
+)
+def test_cli_errors_are_one_line(model_dir, args, match, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = cli("generate", *args, "--target", model_dir, "--dtype", "float32")
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and match in errors[0], result.output
+    assert result.output.rstrip().splitlines()[-1] == errors[0]
+    assert "Traceback" not in result.output
+
+
+def test_cli_unknown_target_preset(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = cli("generate", "hi", "--target", "llama-9000", "--drafter", "none")
+    assert result.exit_code == 2 and "llama-9000" in result.output and "Traceback" not in result.output
+
+
+def test_cli_unknown_drafter_exits_non_zero(model_dir):
+    result = cli("generate", "hi", "--target", model_dir, "--drafter", "medusa")
+    assert result.exit_code != 0 and "medusa" in result.output
+
+
+def test_cli_json_compare_prints_one_object(model_dir):
+    result = cli("generate", "The quick brown fox", "--target", model_dir, "--drafter", "draft-model", "--draft",
+                 model_dir, "--dtype", "float32", "--max-new-tokens", "12", "-k", "4", "--compare", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    for key in ("text", "token_ids", "new_tokens", "seconds", "tokens_per_second", "mean_accepted_tokens",
+                "acceptance_rate", "drafter", "target", "baseline", "identical", "speedup"):
+        assert key in record
+    assert record["identical"] is True and record["new_tokens"] == 12
+    assert record["baseline"]["token_ids"] == record["token_ids"]
+    assert record["acceptance_rate"] == 1.0 and record["mean_accepted_tokens"] > 3  # draft == target

@@ -1,0 +1,82 @@
+"""EOS, stop strings and max_new_tokens are exact when they fall anywhere inside an accepted
+draft block: the output equals plain decoding under the same rule and never overshoots."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparrow.config import StoppingConfig
+from sparrow.models import LoadedModel
+from sparrow.pipeline import Pipeline, build_drafter
+from sparrow.stopping import Stopper
+
+PROMPT = "def add(a, b):"
+K = 8
+
+
+@pytest.fixture(scope="module")
+def full_acceptance(loaded_target) -> Pipeline:
+    """Draft == target, so each round accepts all K drafts and a stop rule lands inside a block."""
+    return Pipeline(loaded_target, build_drafter("draft-model", loaded_target, loaded_target, K))
+
+
+@pytest.fixture(scope="module")
+def reference(loaded_target) -> list[int]:
+    return Pipeline(loaded_target, None).generate_plain(PROMPT, max_new_tokens=3 * K).token_ids
+
+
+def with_eos(pipe: Pipeline, eos: int) -> Pipeline:
+    pipe.eos_token_ids = lambda: frozenset({eos})  # declare a token the model produces to be EOS
+    return pipe
+
+
+@pytest.mark.parametrize("position", range(3 * K))
+def test_eos_at_every_block_position(full_acceptance, reference, loaded_target, position):
+    eos = reference[position]
+    first = reference.index(eos)  # the output must stop at the first occurrence
+    spec = with_eos(Pipeline(loaded_target, full_acceptance.drafter), eos).generate(PROMPT, max_new_tokens=3 * K)
+    plain = with_eos(Pipeline(loaded_target, None), eos).generate_plain(PROMPT, max_new_tokens=3 * K)
+    assert spec.token_ids == plain.token_ids == reference[: first + 1]
+    assert spec.finish_reason == plain.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_new_tokens", range(1, 2 * K + 3))
+def test_max_new_tokens_exact_with_full_acceptance(full_acceptance, reference, max_new_tokens):
+    result = full_acceptance.generate(PROMPT, max_new_tokens=max_new_tokens)
+    assert result.token_ids == reference[:max_new_tokens]
+    assert result.finish_reason == "length"
+    assert result.stats.num_accepted_tokens == result.stats.num_draft_tokens  # drafting really ran
+
+
+def test_stop_strings_at_every_block_position(full_acceptance, reference, loaded_target):
+    tokenizer = loaded_target.tokenizer
+    plain_pipe = Pipeline(loaded_target, None)
+    checked = 0
+    for end in range(1, 3 * K):
+        piece = tokenizer.decode(reference[end - 1 : end])
+        if not piece.strip() or "\ufffd" in piece:
+            continue
+        text_before = tokenizer.decode(reference[: end - 1])
+        spec = full_acceptance.generate(PROMPT, max_new_tokens=3 * K, stop=[piece])
+        plain = plain_pipe.generate_plain(PROMPT, max_new_tokens=3 * K, stop=[piece])
+        assert spec.token_ids == plain.token_ids
+        assert spec.text == plain.text
+        assert piece not in spec.text and spec.finish_reason == "stop"
+        assert len(spec.token_ids) <= end and spec.text == text_before[: len(spec.text)]
+        checked += 1
+    assert checked >= 5
+
+
+def test_stop_string_spanning_tokens(tokenizer):
+    ids = tokenizer("return a + b")["input_ids"]
+    stopper = Stopper(StoppingConfig(max_new_tokens=50, stop_strings=("a + b",)), tokenizer)
+    kept = stopper.push(ids + ids)
+    assert stopper.finish_reason == "stop" and kept == ids and stopper.text() == "return "
+
+
+def test_stopper_drops_tokens_after_the_cut():
+    stopper = Stopper(StoppingConfig(max_new_tokens=3, eos_token_ids=frozenset({7})))
+    assert stopper.push([1, 7, 2]) == [1, 7] and stopper.finish_reason == "stop"
+    assert stopper.push([4]) == []
+    stopper = Stopper(StoppingConfig(max_new_tokens=3))
+    assert stopper.push([1, 2, 3, 4, 5]) == [1, 2, 3] and stopper.finish_reason == "length"
