@@ -97,6 +97,15 @@ def test_unknown_spec_is_a_clean_error(monkeypatch, tmp_path):
     assert "smollm2-135m" in message and "hub" in message and "\n" not in message
 
 
+def test_unreachable_hub_is_a_clean_error(monkeypatch, tmp_path):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(loading, "_hub_reachable", lambda: False)
+    with pytest.raises(ValueError, match="not reachable") as info:
+        load_model("someone/no-such-model-xyz", cache_dir=tmp_path, progress=False)
+    assert "qwen2.5-coder-1.5b" in str(info.value)
+
+
 @pytest.mark.parametrize("spec", ["./missing/model.gguf", "/nonexistent/dir", "missing.gguf"])
 def test_missing_path_is_a_clean_error(spec, tmp_path):
     with pytest.raises(ValueError, match="no such file"):
@@ -108,6 +117,19 @@ def test_non_gguf_file_is_rejected(tmp_path):
     f.write_bytes(b"x")
     with pytest.raises(ValueError, match="not a .gguf"):
         load_model(str(f), cache_dir=tmp_path, progress=False)
+
+
+def test_directory_without_config_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(str(tmp_path), cache_dir=tmp_path, progress=False)
+
+
+def test_broken_gguf_is_one_line(tmp_path):
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="could not load the GGUF file") as info:
+        load_model(str(f), cache_dir=tmp_path, progress=False)
+    assert "\n" not in str(info.value)
 
 
 @pytest.fixture

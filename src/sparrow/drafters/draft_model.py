@@ -59,17 +59,18 @@ class DraftModelDrafter:
         feed = committed[valid:]
         tokens, rows = [], []
         for _ in range(num_tokens):
-            logits = self.draft.forward(feed)[-1]
-            q = S.probs(logits, sampling)  # [vocab]
-            token = S.sample(q, generator) if not sampling.greedy else logits.argmax()
+            logits = self.draft.forward(feed)[-1]  # [vocab]
+            if sampling.greedy:
+                token = logits.argmax()
+            else:
+                rows.append(S.probs(logits, sampling))
+                token = S.sample(rows[-1], generator)
             tokens.append(token.reshape(1))
-            rows.append(q)
-            confidence = float(logits.float().softmax(-1).max())
-            if not self.length.keep_drafting(confidence):
+            if self.length.adaptive and not self.length.keep_drafting(float(logits.float().softmax(-1).max())):
                 break
             feed = token.reshape(1)
         self._cached = torch.cat([committed, *tokens[:-1]])
-        return Draft(tokens=torch.cat(tokens), probs=None if sampling.greedy else torch.stack(rows))
+        return Draft(tokens=torch.cat(tokens), probs=torch.stack(rows) if rows else None)
 
     def observe(self, draft: Draft, verdict: Verdict) -> None:
         self.length.observe(len(draft), verdict.num_accepted)
