@@ -9,7 +9,8 @@ import torch
 
 from conftest import perturbed, tiny_model
 from sparrow.models import LoadedModel
-from sparrow.pipeline import Pipeline, build_drafter
+from sparrow.drafters import build_drafter
+from sparrow.pipeline import Pipeline
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is"]
 
@@ -91,3 +92,23 @@ def test_sampling_is_reproducible_with_a_seed(loaded_target, drafts):
     runs = [pipe.generate(PROMPTS[0], max_new_tokens=30, temperature=0.8, top_p=0.9, seed=5).token_ids
             for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_sliding_window_model_rolls_back_exactly(tokenizer):
+    """Gemma-3 mixes sliding-window layers (window 8 here) with global ones; rollback must stay exact."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                              max_position_embeddings=1024)
+    model = Gemma3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    target = LoadedModel(model, tokenizer, "tiny-gemma3")
+    draft = LoadedModel(perturbed(model, 0.05, seed=2), tokenizer, "close")
+    plain = Pipeline(target, None).generate_plain(PROMPTS[0], max_new_tokens=60).token_ids
+    for k in (2, 8):
+        result = Pipeline(target, build_drafter("draft-model", target, draft, k)).generate(PROMPTS[0], max_new_tokens=60)
+        assert result.token_ids == plain and result.stats.num_accepted_tokens > 0

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from conftest import tiny_model
 from sparrow.cli import app
 from sparrow.models import LoadedModel
-from sparrow.pipeline import Pipeline, build_drafter, load
+from sparrow.drafters import build_drafter
+from sparrow.pipeline import Pipeline, load
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import pytest
 
 from sparrow.config import StoppingConfig
 from sparrow.models import LoadedModel
-from sparrow.pipeline import Pipeline, build_drafter
+from sparrow.drafters import build_drafter
+from sparrow.pipeline import Pipeline
 from sparrow.stopping import Stopper
 
 PROMPT = "def add(a, b):"

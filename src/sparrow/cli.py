@@ -11,15 +11,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from sparrow.drafters import DRAFTERS, REGISTRY, check_drafter_args
+
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Lossless speculative decoding for LLMs and Video-LLMs.")
 err = Console(stderr=True)
-
-
-class DrafterName(str, Enum):
-    draft_model = "draft-model"
-    prompt_lookup = "prompt-lookup"
-    none = "none"
 
 
 class DType(str, Enum):
@@ -38,7 +34,7 @@ def fail(message: str) -> None:
 def generate(
     prompt: Annotated[str, typer.Argument(help="Prompt text.")],
     target: Annotated[str, typer.Option(help="Target model: preset, GGUF file, local dir or hub id.")] = "qwen2.5-coder-1.5b",
-    drafter: Annotated[DrafterName, typer.Option(help="Drafting method.")] = DrafterName.draft_model,
+    drafter: Annotated[str, typer.Option(help=f"Drafting method: {', '.join(DRAFTERS)}.")] = "draft-model",
     draft: Annotated[str, typer.Option(help="Draft model for --drafter draft-model.")] = "qwen2.5-coder-0.5b",
     k: Annotated[Optional[int], typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (max, with --adaptive).")] = None,
     adaptive: Annotated[bool, typer.Option(help="Adapt the draft length online (confidence threshold + round cap).")] = False,
@@ -49,6 +45,8 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed of the sampling generator.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     dtype: Annotated[DType, typer.Option(help="bfloat16 for speed, float32 for exactness.")] = DType.bfloat16,
+    quant: Annotated[Optional[str], typer.Option(help="int8|int4 weight-only target: faster; lossless only relative to the quantized target.")] = None,
+    draft_quant: Annotated[Optional[str], typer.Option(help="int8|int4 draft model, or the quantized-self copy's bits (default int4).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the tokenizer's chat template.")] = False,
     compare: Annotated[bool, typer.Option(help="Also run plain decoding; report identical and speedup.")] = False,
@@ -65,10 +63,9 @@ def generate(
         StoppingConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()))
         if not prompt.strip():
             raise ValueError("prompt must not be empty")
-        if k is not None and k < 1:
-            raise ValueError(f"k (num_draft_tokens) must be an integer >= 1, got {k}")
-        pipe = sparrow.load(target, drafter=drafter.value, draft=draft, num_draft_tokens=k, adaptive=adaptive,
-                            dtype=dtype.value, device=device, progress=not as_json)
+        check_drafter_args(drafter, k)
+        pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
+                            dtype=dtype.value, device=device, progress=not as_json, quant=quant, draft_quant=draft_quant)
         pipe.request(prompt, **options)  # context-length checks need the tokenizer
         if compare:  # warm-up so neither run pays one-time costs (oneDNN kernels, allocator)
             pipe.generate_plain(prompt, **{**options, "max_new_tokens": 2})
@@ -83,8 +80,9 @@ def generate(
         "finish_reason": result.finish_reason, "seconds": result.seconds,
         "tokens_per_second": result.tokens_per_second, "mean_accepted_tokens": stats.mean_accepted_tokens,
         "acceptance_rate": stats.acceptance_rate, "drafter": pipe.drafter_name, "target": target,
-        "draft": draft if drafter == DrafterName.draft_model else None, "dtype": dtype.value,
-        "temperature": temperature, "stats": stats.to_dict(),
+        "draft": draft if drafter in REGISTRY and REGISTRY[drafter].needs_draft_model else None, "dtype": dtype.value,
+        "temperature": temperature, "stats": stats.to_dict(), "quant": quant, "draft_quant": draft_quant,
+        "lossless_relative_to": f"the {quant}-quantized target" if quant else "the target",
     }
     if baseline is not None:
         record["baseline"] = {"token_ids": baseline.token_ids, "seconds": baseline.seconds,

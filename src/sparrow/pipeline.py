@@ -17,15 +17,14 @@ from transformers import PreTrainedTokenizerBase
 from sparrow.baseline import plain_decode
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig, StoppingConfig
-from sparrow.drafters import DRAFTERS, Drafter, DraftModelDrafter, PromptLookupDrafter
+from sparrow.drafters import REGISTRY, Drafter, build_drafter, check_drafter_args
+from sparrow.drafters.cost_length import follow_cost_curve
 from sparrow.engine import speculative_decode
 from sparrow.models import LoadedModel, load_model
+from sparrow.quantization import check_quant_args, quantized_copy
 from sparrow.stopping import Stopper
 from sparrow.types import GenerationResult, GenerationStats, Prompt
 from sparrow.verifiers import VERIFIERS, build_verifier
-
-DEFAULT_NUM_DRAFT_TOKENS = {"draft-model": 6, "prompt-lookup": 8}
-
 
 @dataclass(frozen=True)
 class Request:
@@ -120,36 +119,34 @@ class Pipeline:
                                 finish_reason=stopper.finish_reason or "length", seconds=seconds, stats=stats)
 
 
-def build_drafter(name: str, target: LoadedModel, draft: LoadedModel | None = None,
-                  num_draft_tokens: int | None = None, adaptive: bool = False) -> Drafter | None:
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; expected one of: {', '.join(DRAFTERS)}")
-    if name == "none":
-        return None
-    k = DEFAULT_NUM_DRAFT_TOKENS[name] if num_draft_tokens is None else num_draft_tokens
-    if name == "prompt-lookup":
-        return PromptLookupDrafter(num_draft_tokens=k)
-    if draft is None:
-        raise ValueError("drafter 'draft-model' needs a draft model (--draft / draft=)")
-    return DraftModelDrafter(CachedModel(draft.model), CachedModel(target.model).vocab_size,
-                             num_draft_tokens=k, adaptive=adaptive)
-
-
 def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "draft-model",
          draft: str | LoadedModel | None = "qwen2.5-coder-0.5b", num_draft_tokens: int | None = None,
          adaptive: bool = False, verifier: str = "auto", dtype: str = "bfloat16", device: str | None = None,
-         progress: bool = True) -> Pipeline:
-    """Load a target (and, for the draft-model drafter, a draft) and build a Pipeline."""
-    if drafter not in DRAFTERS:
-        raise ValueError(f"unknown drafter {drafter!r}; expected one of: {', '.join(DRAFTERS)}")
-    if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or num_draft_tokens < 1):
-        raise ValueError(f"k (num_draft_tokens) must be an integer >= 1, got {num_draft_tokens!r}")
+         progress: bool = True, quant: str | None = None, draft_quant: str | None = None,
+         **drafter_options) -> Pipeline:
+    """Load a target (and a draft model when the drafter needs one) and build a Pipeline.
+
+    quant: int8 | int4 weight-only target (lossless only relative to the quantized target).
+    draft_quant: int8 | int4 draft model, or the bits of the "quantized-self" copy (default int4).
+    """
+    check_drafter_args(drafter, num_draft_tokens)
+    needs_draft = drafter in REGISTRY and REGISTRY[drafter].needs_draft_model
+    check_quant_args(drafter, quant, draft_quant, needs_draft)  # before any model is loaded
     if isinstance(target, str):
         target = load_model(target, dtype=dtype, device=device, progress=progress)
-    if drafter == "draft-model" and isinstance(draft, str):
+    if quant is not None:
+        target = quantized_copy(target, quant)
+    if needs_draft and isinstance(draft, str):
         draft = load_model(draft, dtype=dtype, device=device, progress=progress)
-    return Pipeline(target, build_drafter(drafter, target, draft if drafter == "draft-model" else None,
-                                          num_draft_tokens, adaptive), verifier)
+    if needs_draft and draft_quant is not None:
+        draft = quantized_copy(draft, draft_quant, keep_dense=True)  # dense prefill: a draft never changes the output
+    if drafter == "quantized-self" and draft_quant is not None:
+        drafter_options.setdefault("bits", draft_quant)
+    built = build_drafter(drafter, target, draft if needs_draft else None, num_draft_tokens, adaptive,
+                          **drafter_options)
+    if quant is not None or draft_quant is not None:  # quantized kernels: k follows the measured cost curve
+        follow_cost_curve(built, CachedModel(target.model))
+    return Pipeline(target, built, verifier)
 
 
 __all__ = ["Pipeline", "Request", "load", "build_drafter", "GenerationStats"]
