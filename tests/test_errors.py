@@ -108,7 +108,7 @@ def test_cli_unknown_drafter_exits_non_zero(model_dir):
 
 def test_cli_json_compare_prints_one_object(model_dir):
     result = cli("generate", "The quick brown fox", "--target", model_dir, "--drafter", "draft-model", "--draft",
-                 model_dir, "--dtype", "float32", "--max-new-tokens", "12", "-k", "4", "--compare", "--json")
+                 model_dir, "--dtype", "float32", "--max-new-tokens", "12", "-k", "4", "--fixed", "--compare", "--json")
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     for key in ("text", "token_ids", "new_tokens", "seconds", "tokens_per_second", "mean_accepted_tokens",

@@ -9,7 +9,7 @@ _PIPELINES: dict[tuple, Pipeline] = {}
 
 def generate(prompt, *, target: str = "qwen2.5-coder-1.5b", drafter: str = "draft-model",
              draft: str | None = "qwen2.5-coder-0.5b", num_draft_tokens: int | None = None,
-             adaptive: bool = False, dtype: str = "bfloat16", device: str | None = None,
+             adaptive: bool = True, dtype: str = "bfloat16", device: str | None = None,
              **options) -> GenerationResult:
     """One-call API: loads (and caches) the pipeline, then generates speculatively.
 

@@ -37,7 +37,7 @@ def generate(
     drafter: Annotated[str, typer.Option(help=f"Drafting method: {', '.join(DRAFTERS)}.")] = "draft-model",
     draft: Annotated[str, typer.Option(help="Draft model for --drafter draft-model.")] = "qwen2.5-coder-0.5b",
     k: Annotated[Optional[int], typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (max, with --adaptive).")] = None,
-    adaptive: Annotated[bool, typer.Option(help="Adapt the draft length online (confidence threshold + round cap).")] = False,
+    adaptive: Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length online (confidence threshold + round cap, at most k) or draft exactly k.")] = True,
     max_new_tokens: Annotated[int, typer.Option(help="Maximum number of new tokens.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
@@ -67,8 +67,9 @@ def generate(
         pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
                             dtype=dtype.value, device=device, progress=not as_json, quant=quant, draft_quant=draft_quant)
         pipe.request(prompt, **options)  # context-length checks need the tokenizer
-        if compare:  # warm-up so neither run pays one-time costs (oneDNN kernels, allocator)
-            pipe.generate_plain(prompt, **{**options, "max_new_tokens": 2})
+        if compare:  # warm-up on a short prompt, so neither timed run pays one-time costs (kernels, allocator)
+            pipe.generate_plain("Hello", max_new_tokens=4)
+            pipe.generate("Hello", max_new_tokens=4)
         result = pipe.generate(prompt, **options)
         baseline = pipe.generate_plain(prompt, **options) if compare else None
     except (ValueError, RuntimeError, OSError) as e:

@@ -121,7 +121,7 @@ class Pipeline:
 
 def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "draft-model",
          draft: str | LoadedModel | None = "qwen2.5-coder-0.5b", num_draft_tokens: int | None = None,
-         adaptive: bool = False, verifier: str = "auto", dtype: str = "bfloat16", device: str | None = None,
+         adaptive: bool = True, verifier: str = "auto", dtype: str = "bfloat16", device: str | None = None,
          progress: bool = True, quant: str | None = None, draft_quant: str | None = None,
          **drafter_options) -> Pipeline:
     """Load a target (and a draft model when the drafter needs one) and build a Pipeline.
