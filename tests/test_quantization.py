@@ -1,0 +1,197 @@
+"""Weight-only quantization: kernels against dense math, lossless quantized drafts, quantized targets
+that speculate losslessly relative to themselves, the copy built once (memory and disk), the source
+model never modified, and the cost-aware draft length.
+
+Tiny float32 Llama / Qwen2 models with kernel-friendly shapes (hidden 128, MLP 256, vocab 320):
+the int4 kernels need in_features divisible by the group size and out_features by 8.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import sparrow
+from conftest import perturbed
+from sparrow.drafters.cost_length import CostAwareLength, best_length, expected_tokens, measure_cost_curve
+from sparrow.cached_model import CachedModel
+from sparrow.models import LoadedModel
+from sparrow.drafters import build_drafter
+from sparrow.pipeline import Pipeline
+from sparrow import quantization as Q
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is"]
+GROUP = 64
+
+
+def kernel_friendly_model(arch: str, seed: int) -> torch.nn.Module:
+    common = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False)
+    torch.manual_seed(seed)  # tests only: model construction draws from the global generator
+    model = (LlamaForCausalLM(LlamaConfig(**common)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**common)))
+    with torch.no_grad():  # sharper logits than the default init, so greedy text is not all ties
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def target(arch, tokenizer) -> LoadedModel:
+    return LoadedModel(kernel_friendly_model(arch, seed=0), tokenizer, "tiny")
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> dict[str, list[int]]:
+    pipe = Pipeline(target, None)
+    return {p: pipe.generate_plain(p, max_new_tokens=40).token_ids for p in PROMPTS}
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_all(pipe: Pipeline, expected: dict[str, list[int]]) -> tuple[int, int]:
+    drafted = accepted = 0
+    for prompt, tokens in expected.items():
+        result = pipe.generate(prompt, max_new_tokens=len(tokens))
+        assert result.token_ids == tokens, (prompt, result.stats)
+        drafted += result.stats.num_draft_tokens
+        accepted += result.stats.num_accepted_tokens
+    return drafted, accepted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits, tolerance", [(8, 0.02), (4, 0.2)])
+def test_quantized_linear_is_close_to_dense(bits, tolerance, dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96, bias=True).to(dtype)
+    layer = Q.QuantizedLinear.from_linear(linear, bits, GROUP)
+    for shape in [(1, 256), (8, 256), (2, 5, 256)]:
+        x = torch.randn(shape, dtype=dtype)
+        expected, actual = linear(x).float(), layer(x)
+        assert actual.shape == expected.shape and actual.dtype == dtype
+        assert (actual.float() - expected).norm() / expected.norm() < tolerance
+
+
+def test_quantize_model_copies_and_never_modifies_the_source(target):
+    before = snapshot(target.model)
+    copy = Q.quantize_model(target.model, "int4", GROUP)
+    info = copy.sparrow_quantization
+    assert info.bits == 4 and not info.skipped and "lm_head" in info.quantized
+    assert all(not isinstance(m, Q.QuantizedLinear) for m in target.model.modules())
+    assert type(copy.lm_head) is Q.QuantizedLinear
+    assert copy.model.embed_tokens.weight is target.model.model.embed_tokens.weight  # shared, not copied
+    assert Q.weight_bytes(copy) < Q.weight_bytes(target.model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    agree = (copy(ids).logits.argmax(-1) == target.model(ids).logits.argmax(-1)).float().mean()
+    assert agree >= 0.5
+    after = snapshot(target.model)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_layers_the_kernel_cannot_take_are_skipped_or_refused():
+    odd = torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.Linear(64, 100))  # 96 % 64 != 0, 100 % 8 != 0
+    with pytest.raises(ValueError, match="takes none"):
+        Q.quantize_model(odd, 4, 64)
+    mixed = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 100))
+    info = Q.quantize_model(mixed, 4, 64).sparrow_quantization
+    assert info.quantized == ("0",) and info.skipped == ("1",)
+    assert Q.quantize_model(odd, 8).sparrow_quantization.quantized == ("0", "1")  # int8 takes any shape
+
+
+@pytest.mark.parametrize("bits", ["int4", "int8"])
+def test_quantized_self_greedy_equals_plain(target, plain, bits):
+    before = snapshot(target.model)
+    for verifier in ("greedy", "rejection"):
+        drafter = build_drafter("quantized-self", target, None, 4, adaptive=True, bits=bits, group_size=GROUP)
+        assert drafter.name == "quantized-self" and isinstance(drafter.length, CostAwareLength)
+        drafted, accepted = run_all(Pipeline(target, drafter, verifier), plain)
+        assert accepted > 0
+    after = snapshot(target.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the target's weights are never modified
+
+
+@pytest.mark.parametrize("bits", ["int4", "int8"])
+def test_quantized_draft_model_greedy_equals_plain(target, plain, bits):
+    draft = LoadedModel(perturbed(target.model, 0.05, seed=1), target.tokenizer, "close")
+    pipe = sparrow.load(target, drafter="draft-model", draft=draft, num_draft_tokens=4, draft_quant=bits)
+    assert pipe.drafter.draft.model.sparrow_quantization.bits == Q.parse_quant(bits)
+    assert isinstance(pipe.drafter.length, CostAwareLength)  # load() is adaptive by default: the cost curve
+    assert pipe.runner.model is target.model  # the target stays unquantized
+    drafted, accepted = run_all(pipe, plain)
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_quantized_target_speculative_equals_its_own_plain_decoding(target, quant):
+    for drafter, draft in [("draft-model", target), ("prompt-lookup", None)]:
+        pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=4, quant=quant, draft_quant=(
+            "int4" if draft is not None else None))
+        assert pipe.runner.model.sparrow_quantization.name == quant
+        accepted = 0
+        for prompt in PROMPTS:
+            expected = pipe.generate_plain(prompt, max_new_tokens=40).token_ids
+            result = pipe.generate(prompt, max_new_tokens=40)
+            assert result.token_ids == expected, (drafter, prompt)
+            accepted += result.stats.num_accepted_tokens
+        assert accepted > 0
+
+
+def test_quantized_copy_is_built_once_and_reused_from_disk(target, tmp_path, monkeypatch):
+    first = Q.quantized_copy(target, "int8", GROUP)
+    assert Q.quantized_copy(target, "int8", GROUP).model is first.model  # in-process: once per model and bits
+    assert Q.quantized_copy(target, "int4", GROUP).model is not first.model
+    path = tmp_path / "tiny-int4.safetensors"
+    built = Q.quantize_model(target.model, 4, GROUP, cache_file=path)
+    assert path.is_file() and not built.sparrow_quantization.from_disk
+
+    def no_requantizing(*args, **kwargs):
+        raise AssertionError("quantized again although the disk cache matches")
+
+    monkeypatch.setattr(Q.QuantizedLinear, "from_linear", no_requantizing)
+    loaded = Q.quantize_model(target.model, 4, GROUP, cache_file=path)
+    assert loaded.sparrow_quantization.from_disk
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    assert torch.equal(loaded(ids).logits, built(ids).logits)
+
+
+def test_bad_quantization_arguments_fail_before_loading(target):
+    with pytest.raises(ValueError, match="quant 'int3'"):
+        sparrow.load("no-such-model", drafter="none", quant="int3")
+    with pytest.raises(ValueError, match="quantized-self"):
+        sparrow.load("no-such-model", drafter="quantized-self", quant="int4")
+    with pytest.raises(ValueError, match="draft_quant"):
+        sparrow.load("no-such-model", drafter="prompt-lookup", draft_quant="int8")
+    with pytest.raises(ValueError, match="group_size"):
+        Q.quantize_model(target.model, 4, group_size=48)
+
+
+def test_cost_aware_length_follows_the_cost_curve():
+    flat = tuple(100.0 for _ in range(9))  # bf16-like: verifying 8 tokens costs one
+    steep = tuple(25.0 + 20.0 * n for n in range(1, 10))  # quantized-like: verify cost grows with n
+    assert best_length(0.9, 10.0, flat, 8) == 8
+    assert best_length(0.9, 10.0, steep, 8) < 8
+    assert best_length(0.3, 10.0, flat, 8) < best_length(0.95, 10.0, flat, 8)
+    assert expected_tokens(1.0, 4) == 5 and abs(expected_tokens(0.5, 1) - 1.5) < 1e-12
+    length = CostAwareLength(8, draft_ms=10.0, verify_ms=flat)
+    for _ in range(30):
+        length.observe(length.cap, 0)  # nothing accepted: drafting long stops paying
+    assert length.cap < 8 and length.acceptance < 0.2
+
+
+def test_measure_cost_curve_covers_every_length(target):
+    runner = CachedModel(target.model)
+    draft_ms, verify_ms = measure_cost_curve(runner, CachedModel(target.model), max_tokens=5, context_tokens=8,
+                                             repeats=1)
+    assert draft_ms > 0 and len(verify_ms) == 6 and all(t > 0 for t in verify_ms)
+
+
+def test_a_draft_copy_prefills_with_the_shared_dense_weights(target):
+    copy = Q.quantized_copy(target, "int4", GROUP, keep_dense=True).model
+    assert copy.lm_head.dense is target.model.lm_head.weight  # shared, not copied
+    long_ids = torch.arange(Q.DENSE_FROM_TOKENS)[None] % 300
+    assert torch.equal(copy(long_ids).logits, target.model(long_ids).logits)  # prefill: the dense path
+    short_ids = long_ids[:, :4]
+    assert not torch.equal(copy(short_ids).logits, target.model(short_ids).logits)  # decode: the int4 kernel
