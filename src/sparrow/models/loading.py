@@ -1,0 +1,325 @@
+"""Load a target or draft model: a preset name, a ``.gguf`` file, a local directory or a hub id.
+
+Presets are dequantized from GGUF once and then cached as safetensors under
+``<cache_dir>/models/<preset>-<dtype>/``, so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.utils import logging as hf_logging
+
+from sparrow.models.presets import PRESETS, Preset, default_cache_dir, gguf_path, is_installed
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready for decoding, with its tokenizer."""
+
+    model: PreTrainedModel  # eval mode, on device, requested dtype
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # preset name, path or hub id as the user gave it
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` -> CUDA if available, else the CPU; otherwise parse and check ``device``."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"invalid device {device!r}: expected e.g. 'cpu', 'cuda', 'cuda:0'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name (or a supported ``torch.dtype``) to a ``torch.dtype``."""
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"invalid dtype {dtype!r}: expected one of {', '.join(_DTYPES)}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cache_dir_for(preset: Preset, dtype: torch.dtype, cache_dir: Path) -> Path:
+    return cache_dir / "models" / f"{preset.name}-{_dtype_name(dtype)}"
+
+
+def list_presets(cache_dir: Path | str | None = None) -> list[dict]:
+    """One dict per preset: name, description, installed, cached (and cached_dtypes)."""
+    root = Path(cache_dir or default_cache_dir()).expanduser()
+    rows = []
+    for preset in PRESETS.values():
+        dtypes = (torch.bfloat16, torch.float16, torch.float32)
+        cached = [_dtype_name(d) for d in dtypes if _cache_dir_for(preset, d, root).is_dir()]
+        rows.append(
+            {
+                "name": preset.name,
+                "description": preset.description,
+                "installed": is_installed(preset),
+                "cached": bool(cached),
+                "cached_dtypes": cached,
+            }
+        )
+    return rows
+
+
+class _Progress:
+    """Rich spinner plus one line per step on stderr; a no-op when disabled."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.console = Console(stderr=True) if enabled else None
+        self._status = None
+
+    def __enter__(self) -> _Progress:
+        if self.console is not None:
+            self._status = self.console.status("loading …")
+            self._status.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            self._status.stop()
+
+    def __call__(self, message: str) -> None:
+        if self.console is not None and self._status is not None:
+            self.console.print(f"[dim]sparrow:[/dim] {escape(message)}", highlight=False, soft_wrap=True)
+            self._status.update(message)
+
+
+@contextlib.contextmanager
+def _quiet_transformers(silence_warnings: bool) -> Iterator[None]:
+    """Hide transformers' progress bars (our spinner replaces them), optionally its warnings too.
+
+    The GGUF dequantizer uses a plain ``tqdm`` that ignores transformers' switch,
+    so it is swapped for a disabled one for the duration.
+    """
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    if silence_warnings:
+        hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+
+
+def _from_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Dequantize a GGUF file into a dense model (never kept packed)."""
+    d, f = str(path.parent), path.name
+    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=f, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+    )
+    return model, tokenizer
+
+
+def _from_dir(path: str, dtype: torch.dtype, **kwargs: object) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    return model, tokenizer
+
+
+def _save_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Write a safetensors copy into a temp dir, then rename it into place atomically."""
+    model.hf_quantizer = None  # a GGUF-quantized model refuses save_pretrained
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():  # another process did not win the race: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_preset(
+    preset: Preset, dtype: torch.dtype, cache_dir: Path, say: _Progress
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    cached = _cache_dir_for(preset, dtype, cache_dir)
+    if not cached.is_dir():
+        path = gguf_path(preset, cache_dir, report=say)
+        say(f"dequantizing {preset.name} to {_dtype_name(dtype)} (first time only, ~15-90 s) …")
+        model, tokenizer = _from_gguf(path, dtype)
+        say(f"saving safetensors cache to {cached} …")
+        try:
+            _save_cache(model, tokenizer, cached)
+        except OSError as exc:  # the cache is an optimisation: keep the loaded model
+            say(f"warning: could not write the cache ({exc}); continuing without it")
+            return model, tokenizer
+        del model, tokenizer
+        gc.collect()
+    say(f"loading cached {preset.name} ({_dtype_name(dtype)}) …")
+    return _from_dir(str(cached), dtype)
+
+
+def _looks_like_path(spec: str) -> bool:
+    """True for things a hub id can't be: ./x, /x, ~/x, a/b/c, x.gguf, or a Windows path."""
+    if spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1:
+        return True
+    return os.sep != "/" and os.sep in spec
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message squeezed onto one line, shortened to ``limit`` characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _offline() -> bool:
+    flags = (os.environ.get(k, "").upper() for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(f in {"1", "ON", "YES", "TRUE"} for f in flags)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Quick TCP check of the hub endpoint, so a typo doesn't sit through ~45 s of retries."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # can't probe through a proxy; let the hub client try
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _from_hub(spec: str, dtype: torch.dtype, say: _Progress) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a hub id: from the local Hugging Face cache if there, else from the network."""
+    def not_found(reason: str) -> ValueError:
+        return ValueError(
+            f"model spec {spec!r} is not a preset ({', '.join(PRESETS)}), not a local path, "
+            f"and could not be fetched from the Hugging Face hub: {reason}"
+        )
+
+    try:
+        return _from_dir(spec, dtype, local_files_only=True)
+    except OSError:
+        pass  # not in the local cache
+    except Exception as exc:  # invalid repo id, unsupported architecture, ...
+        raise not_found(_one_line(exc)) from None
+    if _offline():
+        raise not_found("offline mode (HF_HUB_OFFLINE) and not in the local Hugging Face cache")
+    if not _hub_reachable():
+        raise not_found("the hub is not reachable (no network?)")
+    say(f"fetching {spec} from the Hugging Face hub …")
+    try:
+        return _from_dir(spec, dtype)
+    except Exception as exc:  # hub errors come in many types; report one clean line
+        raise not_found(_one_line(exc)) from None
+
+
+def _load_local(
+    spec: str, path: Path, dtype: torch.dtype, say: _Progress, quiet: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load an existing local path: a ``.gguf`` file or a Hugging Face model directory."""
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model spec {spec!r} is a directory without a config.json, not a Hugging Face model")
+        say(f"loading {path} …")
+        kind, load = "local directory", functools.partial(_from_dir, str(path), dtype)
+    elif path.suffix == ".gguf":
+        say(f"dequantizing {path.name} to {_dtype_name(dtype)} …")
+        kind, load, quiet = "GGUF file", functools.partial(_from_gguf, path, dtype), True
+    else:
+        raise ValueError(f"model spec {spec!r} is a file but not a .gguf file")
+    with _quiet_transformers(quiet):
+        try:
+            return load()
+        except Exception as exc:  # a broken or unsupported file: one clear line, cause chained
+            raise ValueError(f"model spec {spec!r}: could not load the {kind}: {_one_line(exc)}") from exc
+
+
+def _load_any(
+    spec: str, dtype: torch.dtype, cache_dir: Path, say: _Progress, quiet: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Dispatch on what ``spec`` is: preset, local path or hub id."""
+    preset = PRESETS.get(spec.strip().lower())
+    path = Path(spec).expanduser()
+    if preset is not None:
+        with _quiet_transformers(True):
+            return _load_preset(preset, dtype, cache_dir, say)
+    if path.exists():
+        return _load_local(spec, path, dtype, say, quiet)
+    if _looks_like_path(spec):
+        raise ValueError(
+            f"model spec {spec!r} is not a preset ({', '.join(PRESETS)}) and no such file or directory exists"
+        )
+    with _quiet_transformers(quiet):
+        return _from_hub(spec, dtype, say)
+
+
+def load_model(
+    spec: str,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device | None = None,
+    cache_dir: Path | str | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer, in eval mode, on ``device``, in ``dtype``.
+
+    ``spec`` is a preset name (see ``PRESETS``), a path to a ``.gguf`` file, a local
+    directory holding a Hugging Face model, or a Hugging Face hub id.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"invalid model spec {spec!r}: expected a preset name, a path or a hub id")
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    start = time.perf_counter()
+    with _Progress(progress) as say:
+        model, tokenizer = _load_any(spec, torch_dtype, root, say, quiet=not progress)
+        model = model.to(dev).eval()
+        say(f"loaded {spec} ({_dtype_name(torch_dtype)}, {dev}) in {time.perf_counter() - start:.1f} s")
+    return LoadedModel(model=model, tokenizer=tokenizer, name=spec)
