@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(BIN)/sparrow generate "$(PROMPT)" --chat --compare --draft-quant int4
+	$(BIN)/sparrow generate '$(PROMPT)' --chat --compare --draft-quant int4
 
 test: setup
 	$(BIN)/python -m pytest -q
