@@ -23,25 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from common import load_prompts, render_speedup_table
 from sparrow.models import load_model
 from sparrow.pipeline import Pipeline, build_drafter
 
 HERE = Path(__file__).parent
 BASELINE = {"sparrow-cross-vocab": "sparrow-plain", "sparrow-cross-vocab-fixed": "sparrow-plain",
             "sparrow-draft-model": "sparrow-plain", "hf-uad": "hf-plain"}
-
-
-def load_prompts(path: Path, ids: list[str] | None) -> list[dict]:
-    data = json.loads(path.read_text())
-    prompts = [{**p, "prompt": p["prompt"].format(**data["texts"])} for p in data["prompts"]]
-    return [p for p in prompts if not ids or p["id"] in ids]
 
 
 class ForwardCounter:
@@ -91,30 +84,7 @@ def run_method(method: str, pipes: dict[str, Pipeline], target, draft, counter: 
 
 
 def render(rows: list[dict]) -> str:
-    """Markdown: tok/s, speedup over the method's own plain baseline, mean accepted tokens, identical outputs."""
-    by = defaultdict(list)
-    for r in rows:
-        by[(r["kind"], r["method"])].append(r)
-    kinds = list(dict.fromkeys(r["kind"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    lines = ["| method | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
-    for method in methods:
-        cells = []
-        for kind in kinds:
-            group = by[(kind, method)]
-            tps = statistics.mean(r["tokens_per_second"] for r in group)
-            base = BASELINE.get(method)
-            cell = f"{tps:.2f} tok/s"
-            if base:
-                cell += f", **{tps / statistics.mean(r['tokens_per_second'] for r in by[(kind, base)]):.2f}x**"
-                mat = [r["mean_accepted_tokens"] for r in group if r["mean_accepted_tokens"] is not None]
-                if mat:
-                    cell += f", {statistics.mean(mat):.2f} tok/fwd"
-                same = sum(bool(r["identical_to_sparrow_plain"]) for r in group)
-                cell += f", identical {same}/{len(group)}"
-            cells.append(cell)
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return render_speedup_table(rows, BASELINE, per_step="tok/fwd", identical_key="identical_to_sparrow_plain")
 
 
 def main() -> None:

@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from common import load_prompts, render_speedup_table
 from sparrow.models import load_model
 from sparrow.drafters import build_drafter
 from sparrow.pipeline import Pipeline
@@ -29,11 +28,6 @@ HERE = Path(__file__).parent
 SPARROW_METHODS = ("sparrow-draft-model", "sparrow-draft-model-adaptive", "sparrow-prompt-lookup")
 HF_METHODS = ("hf-assisted", "hf-prompt-lookup")
 BASELINE = {**{m: "sparrow-plain" for m in SPARROW_METHODS}, **{m: "hf-plain" for m in HF_METHODS}}
-
-
-def load_prompts(path: Path) -> list[dict]:
-    data = json.loads(path.read_text())
-    return [{**p, "prompt": p["prompt"].format(**data["texts"])} for p in data["prompts"]]
 
 
 def hf_generate(target, draft, ids: torch.Tensor, method: str, max_new_tokens: int) -> list[int]:
@@ -68,31 +62,7 @@ def run_method(method: str, pipes: dict[str, Pipeline], target, draft, prompt: s
 
 
 def render(rows: list[dict]) -> str:
-    """Markdown table: mean tok/s, speedup over the method's own plain baseline, mean accepted tokens."""
-    by = defaultdict(list)
-    for r in rows:
-        by[(r["kind"], r["method"])].append(r)
-    kinds = list(dict.fromkeys(r["kind"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    lines = ["| method | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
-    for method in methods:
-        cells = []
-        for kind in kinds:
-            group = by[(kind, method)]
-            tps = statistics.mean(r["tokens_per_second"] for r in group)
-            base = BASELINE.get(method)
-            cell = f"{tps:.2f} tok/s"
-            if base:
-                cell += f", **{tps / statistics.mean(r['tokens_per_second'] for r in by[(kind, base)]):.2f}x**"
-            mat = [r["mean_accepted_tokens"] for r in group if r["mean_accepted_tokens"] is not None]
-            if mat and base:
-                cell += f", {statistics.mean(mat):.2f} tok/step"
-            same = sum(r["identical_to_baseline"] for r in group if r["identical_to_baseline"] is not None)
-            if base:
-                cell += f", identical {same}/{len(group)}"
-            cells.append(cell)
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return render_speedup_table(rows, BASELINE, per_step="tok/step", identical_key="identical_to_baseline")
 
 
 def main() -> None:

@@ -1,0 +1,44 @@
+"""Shared by the benchmark scripts: the prompt set, and the markdown table rendered from JSONL rows."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def load_prompts(path: Path, ids: list[str] | None = None) -> list[dict]:
+    """Prompts of `path` (benchmarks/prompts.json) with their texts filled in; only `ids` if given."""
+    data = json.loads(path.read_text())
+    prompts = [{**p, "prompt": p["prompt"].format(**data["texts"])} for p in data["prompts"]]
+    return [p for p in prompts if not ids or p["id"] in ids]
+
+
+def render_speedup_table(rows: list[dict], baseline: dict[str, str], per_step: str, identical_key: str) -> str:
+    """Markdown: a row per method, a column per prompt kind. Each cell: mean tok/s and, for methods with a
+    baseline, the speedup over that baseline's mean tok/s, mean tokens per target forward (`per_step`
+    label) and how many outputs are identical (`identical_key` of the rows)."""
+    by = defaultdict(list)
+    for r in rows:
+        by[(r["kind"], r["method"])].append(r)
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = ["| method | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for method in methods:
+        cells = []
+        for kind in kinds:
+            group = by[(kind, method)]
+            tps = statistics.mean(r["tokens_per_second"] for r in group)
+            cell = f"{tps:.2f} tok/s"
+            base = baseline.get(method)
+            if base:
+                cell += f", **{tps / statistics.mean(r['tokens_per_second'] for r in by[(kind, base)]):.2f}x**"
+                accepted = [r["mean_accepted_tokens"] for r in group if r["mean_accepted_tokens"] is not None]
+                if accepted:
+                    cell += f", {statistics.mean(accepted):.2f} {per_step}"
+                same = sum(bool(r[identical_key]) for r in group)
+                cell += f", identical {same}/{len(group)}"
+            cells.append(cell)
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
