@@ -63,8 +63,10 @@ def test_prompt_lookup_greedy_equals_plain(loaded_target, baselines, k, verifier
     assert accepted > 0
 
 
-def test_adaptive_draft_length_greedy_equals_plain(loaded_target, drafts, baselines):
-    pipe = Pipeline(loaded_target, build_drafter("draft-model", loaded_target, drafts["close"], 8, adaptive=True))
+@pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup"])
+def test_adaptive_draft_length_greedy_equals_plain(loaded_target, drafts, baselines, drafter):
+    draft = drafts["close"] if drafter == "draft-model" else None
+    pipe = Pipeline(loaded_target, build_drafter(drafter, loaded_target, draft, 16, adaptive=True))
     drafted, accepted = run(pipe, 40, baselines)
     assert 0 < accepted < drafted
 

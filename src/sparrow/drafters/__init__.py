@@ -49,12 +49,12 @@ def _draft_model(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int,
 
 
 def _prompt_lookup(target: LoadedModel, draft: None, num_draft_tokens: int, adaptive: bool) -> Drafter:
-    return PromptLookupDrafter(num_draft_tokens=num_draft_tokens)
+    return PromptLookupDrafter(num_draft_tokens=num_draft_tokens, adaptive=adaptive)
 
 
 REGISTRY: dict[str, DrafterEntry] = {
     "draft-model": DrafterEntry(_draft_model, default_num_draft_tokens=8, needs_draft_model=True),
-    "prompt-lookup": DrafterEntry(_prompt_lookup, default_num_draft_tokens=8),
+    "prompt-lookup": DrafterEntry(_prompt_lookup, default_num_draft_tokens=16),
     "quantized-self": DrafterEntry(build_quantized_self, default_num_draft_tokens=8),
     "cross-vocab": DrafterEntry(cross_vocab.build, default_num_draft_tokens=8, needs_draft_model=True),
 }

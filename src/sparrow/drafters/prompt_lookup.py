@@ -33,10 +33,12 @@ def find_continuation(context: Tensor, min_n: int, max_n: int, k: int) -> Tensor
 class PromptLookupDrafter:
     name = "prompt-lookup"
 
-    def __init__(self, num_draft_tokens: int = 8, min_n: int = 1, max_n: int = 3) -> None:
+    def __init__(self, num_draft_tokens: int = 16, min_n: int = 1, max_n: int = 3, adaptive: bool = False) -> None:
+        """adaptive: the round cap grows after fully accepted drafts and shrinks after rejections, so
+        long copies get long drafts while spurious matches (code, free text) stop costing verify width."""
         if min_n < 1 or max_n < min_n:
             raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.length = DraftLength(num_draft_tokens)
+        self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
         self.min_n, self.max_n = min_n, max_n
 
     def prefill(self, prompt: Prompt) -> None:
