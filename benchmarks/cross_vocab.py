@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from common import load_prompts, render_speedup_table
+from common import hf_generate, load_prompts, render_speedup_table
 from sparrow.models import load_model
 from sparrow.pipeline import Pipeline, build_drafter
 
@@ -48,15 +48,11 @@ class ForwardCounter:
         self.calls += 1
 
 
-def hf_generate(target, draft, ids: torch.Tensor, method: str, max_new_tokens: int) -> list[int]:
-    options = dict(max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-                   pad_token_id=target.tokenizer.pad_token_id or target.tokenizer.eos_token_id)
+def peer_options(method: str, draft, target) -> dict:
+    """transformers' universal assisted decoding (draft with another tokenizer)."""
     if method == "hf-uad":
-        options.update(assistant_model=draft.model, tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
-    with torch.inference_mode():
-        out = target.model.generate(ids[None].to(target.model.device), attention_mask=torch.ones_like(ids)[None],
-                                    **options)
-    return out[0, ids.numel():].tolist()
+        return {"assistant_model": draft.model, "tokenizer": target.tokenizer, "assistant_tokenizer": draft.tokenizer}
+    return {}
 
 
 def run_method(method: str, pipes: dict[str, Pipeline], target, draft, counter: ForwardCounter, prompt: str,
@@ -65,7 +61,7 @@ def run_method(method: str, pipes: dict[str, Pipeline], target, draft, counter: 
         ids = pipes["sparrow-plain"].encode(prompt, chat=True).input_ids
         before = counter.calls
         start = time.perf_counter()
-        tokens = hf_generate(target, draft, ids, method, max_new_tokens)
+        tokens = hf_generate(target, ids, max_new_tokens, **peer_options(method, draft, target))
         seconds = time.perf_counter() - start
         forwards = counter.calls - before
         return {"token_ids": tokens, "seconds": seconds, "target_forwards": forwards,

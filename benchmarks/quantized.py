@@ -35,7 +35,7 @@ import torch
 from sparrow.drafters.cost_length import CostAwareLength, follow_cost_curve
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline, build_drafter
-from sparrow.quantization import quantized_copy, weight_bytes
+from sparrow.quantization import quantized_copy
 
 HERE = Path(__file__).parent
 ONE_PER_KIND = ("code-prime", "edit-garden", "summary-harbour")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common import load_prompts, render_speedup_table
+from common import hf_generate, load_prompts, render_speedup_table
 from sparrow.models import load_model
 from sparrow.drafters import build_drafter
 from sparrow.pipeline import Pipeline
@@ -30,24 +30,18 @@ HF_METHODS = ("hf-assisted", "hf-prompt-lookup")
 BASELINE = {**{m: "sparrow-plain" for m in SPARROW_METHODS}, **{m: "hf-plain" for m in HF_METHODS}}
 
 
-def hf_generate(target, draft, ids: torch.Tensor, method: str, max_new_tokens: int) -> list[int]:
-    options = dict(max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-                   pad_token_id=target.tokenizer.pad_token_id or target.tokenizer.eos_token_id)
+def peer_options(method: str, draft) -> dict:
+    """transformers' assisted generation with the draft model, or its prompt lookup."""
     if method == "hf-assisted":
-        options["assistant_model"] = draft.model
-    elif method == "hf-prompt-lookup":
-        options["prompt_lookup_num_tokens"] = 10
-    with torch.inference_mode():
-        out = target.model.generate(ids[None].to(target.model.device), attention_mask=torch.ones_like(ids)[None],
-                                    **options)
-    return out[0, ids.numel():].tolist()
+        return {"assistant_model": draft.model}
+    return {"prompt_lookup_num_tokens": 10} if method == "hf-prompt-lookup" else {}
 
 
 def run_method(method: str, pipes: dict[str, Pipeline], target, draft, prompt: str, max_new_tokens: int) -> dict:
     if method.startswith("hf-"):
         ids = pipes["sparrow-plain"].encode(prompt, chat=True).input_ids
         start = time.perf_counter()
-        tokens = hf_generate(target, draft, ids, method, max_new_tokens)
+        tokens = hf_generate(target, ids, max_new_tokens, **peer_options(method, draft))
         seconds = time.perf_counter() - start
         return {"token_ids": tokens, "seconds": seconds, "mean_accepted_tokens": None, "acceptance_rate": None}
     pipe = pipes[method]
