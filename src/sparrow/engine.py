@@ -29,7 +29,7 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
     device = target.device
     start = clock(device)
     first_logits = target.prefill(prompt)  # cache: prompt; invariant from here on: cache == committed[:-1]
-    drafter.prefill(prompt)
+    drafter.prefill(prompt, target)
     committed = prompt.input_ids.to(device)
     committed = torch.cat([committed, S.choose(first_logits, sampling, generator).reshape(1)])
     stopper.push(committed[-1:].tolist())

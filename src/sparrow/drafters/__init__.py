@@ -23,8 +23,9 @@ from sparrow.types import Draft, Prompt, Verdict
 class Drafter(Protocol):
     name: str
 
-    def prefill(self, prompt: Prompt) -> None:
-        """Start a new generation from `prompt`."""
+    def prefill(self, prompt: Prompt, target: CachedModel) -> None:
+        """Start a new generation from `prompt`. `target` has just prefilled it: self-drafters may read
+        its cache and append to it while drafting, but must leave it cropped back to its length."""
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:

@@ -159,7 +159,7 @@ class CrossVocabDrafter:
             pending = pending[covered:]
 
     # --- Drafter protocol ----------------------------------------------------------------------
-    def prefill(self, prompt: Prompt) -> None:
+    def prefill(self, prompt: Prompt, target: CachedModel | None = None) -> None:
         self.length.reset()
         self.budget.reset()
         self._start(prompt.input_ids.tolist())

@@ -42,7 +42,7 @@ class DraftModelDrafter:
         self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
         self._cached = torch.empty(0, dtype=torch.long)  # [draft.length] tokens whose KV the cache holds
 
-    def prefill(self, prompt: Prompt) -> None:
+    def prefill(self, prompt: Prompt, target: CachedModel | None = None) -> None:
         self.length.reset()
         self.draft.prefill(prompt)
         self._cached = prompt.input_ids.to(self.draft.device)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.length import DraftLength
 from sparrow.types import Draft, Prompt, Verdict
@@ -41,7 +42,7 @@ class PromptLookupDrafter:
         self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
         self.min_n, self.max_n = min_n, max_n
 
-    def prefill(self, prompt: Prompt) -> None:
+    def prefill(self, prompt: Prompt, target: CachedModel | None = None) -> None:
         self.length.reset()
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
