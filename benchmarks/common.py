@@ -7,6 +7,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from sparrow.bench.peers import hf_generate  # noqa: F401  (re-exported for the benchmark scripts)
+
 
 def load_prompts(path: Path, ids: list[str] | None = None) -> list[dict]:
     """Prompts of `path` (benchmarks/prompts.json) with their texts filled in; only `ids` if given."""
@@ -42,16 +44,3 @@ def render_speedup_table(rows: list[dict], baseline: dict[str, str], per_step: s
             cells.append(cell)
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def hf_generate(target, ids, max_new_tokens: int, **peer_options) -> list[int]:
-    """transformers' own greedy `generate` on the prompt ids ([n]); `peer_options` pick the peer mode
-    (assistant_model=..., prompt_lookup_num_tokens=..., tokenizer/assistant_tokenizer=...). New tokens only."""
-    import torch
-
-    options = dict(max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-                   pad_token_id=target.tokenizer.pad_token_id or target.tokenizer.eos_token_id, **peer_options)
-    with torch.inference_mode():
-        out = target.model.generate(ids[None].to(target.model.device), attention_mask=torch.ones_like(ids)[None],
-                                    **options)
-    return out[0, ids.numel():].tolist()

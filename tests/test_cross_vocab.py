@@ -387,7 +387,7 @@ def test_sampling_preserves_the_target_distribution(target, drafts, monkeypatch)
     assert matches(counts, joint), (counts, joint)
     import sparrow.pipeline
 
-    monkeypatch.setattr(sparrow.pipeline, "build_verifier", lambda name, sampling: AcceptIfPossible())
+    monkeypatch.setattr(sparrow.pipeline, "build_verifier", lambda name, sampling, **_: AcceptIfPossible())
     assert not matches(emitted(pipe, prompt, sampling)[0], joint)  # negative control: the same check fails
 
 

@@ -8,7 +8,7 @@ _PIPELINES: dict[tuple, Pipeline] = {}
 
 
 def generate(prompt, *, target: str = "qwen2.5-coder-1.5b", drafter: str = "draft-model",
-             draft: str | None = "qwen2.5-coder-0.5b", num_draft_tokens: int | None = None,
+             draft: str | None = "default", num_draft_tokens: int | None = None,
              adaptive: bool = True, dtype: str = "bfloat16", device: str | None = None,
              quant: str | None = None, draft_quant: str | None = None, **options) -> GenerationResult:
     """One-call API: loads (and caches) the pipeline, then generates speculatively.

@@ -35,7 +35,7 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="Prompt text.")],
     target: Annotated[str, typer.Option(help="Target model: preset, GGUF file, local dir or hub id.")] = "qwen2.5-coder-1.5b",
     drafter: Annotated[str, typer.Option(help=f"Drafting method: {', '.join(DRAFTERS)}.")] = "draft-model",
-    draft: Annotated[str, typer.Option(help="Draft model for --drafter draft-model.")] = "qwen2.5-coder-0.5b",
+    draft: Annotated[str, typer.Option(help="Draft model: preset, local dir or hub id; 'default' = qwen2.5-coder-0.5b for draft-model/cross-vocab/auto, none for visual-prune (self-draft).")] = "default",
     k: Annotated[Optional[int], typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (max, with --adaptive).")] = None,
     adaptive: Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length online (confidence threshold + round cap, at most k) or draft exactly k.")] = True,
     max_new_tokens: Annotated[int, typer.Option(help="Maximum number of new tokens.")] = 128,
@@ -51,21 +51,32 @@ def generate(
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the tokenizer's chat template.")] = False,
     compare: Annotated[bool, typer.Option(help="Also run plain decoding; report identical and speedup.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
+    video: Annotated[Optional[str], typer.Option(help="Video file or directory of frames (needs a VLM target).")] = None,
+    frames: Annotated[Optional[int], typer.Option(help="Frames sampled uniformly from --video (default 8).")] = None,
+    image: Annotated[Optional[list[str]], typer.Option(help="Image file (repeatable; needs a VLM target).")] = None,
+    verify: Annotated[str, typer.Option(help="Verifier: auto (lossless), greedy, rejection, or loose (LOSSY, LVSpec-style).")] = "auto",
+    drop_rate: Annotated[Optional[float], typer.Option(help="--drafter visual-prune: share of visual tokens the draft drops (default 0.9).")] = None,
+    draft_kv: Annotated[Optional[str], typer.Option(help="--drafter sparse: draft-side KV policy topk|mm-shiftkv|hybridkv (target cache untouched).")] = None,
+    draft_kv_budget: Annotated[Optional[int], typer.Option(help="--drafter sparse: visual KV entries the draft keeps per layer and KV head.")] = None,
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow
     from sparrow.config import SamplingConfig, StoppingConfig
+    from sparrow.vision.video import check_media_args
 
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   seed=seed, stop=tuple(stop or ()), chat=chat)
+                   seed=seed, stop=tuple(stop or ()), chat=chat, video=video, frames=frames, image=image or None)
     try:  # cheap checks first, so a typo fails before minutes of model loading
         SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
         StoppingConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()))
         if not prompt.strip():
             raise ValueError("prompt must not be empty")
         check_drafter_args(drafter, k)
+        drafter_options = video_drafter_options(drafter, verify, drop_rate, draft_kv, draft_kv_budget)
+        check_media_args(video, frames, image)
         pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
-                            dtype=dtype.value, device=device, progress=not as_json, quant=quant, draft_quant=draft_quant)
+                            dtype=dtype.value, device=device, progress=not as_json, quant=quant, draft_quant=draft_quant,
+                            verifier=verify, **drafter_options)
         pipe.request(prompt, **options)  # context-length checks need the tokenizer
         if compare:  # warm-up on a short prompt, so neither timed run pays one-time costs (kernels, allocator)
             pipe.generate_plain("Hello", max_new_tokens=4)
@@ -81,10 +92,12 @@ def generate(
         "finish_reason": result.finish_reason, "seconds": result.seconds,
         "tokens_per_second": result.tokens_per_second, "mean_accepted_tokens": stats.mean_accepted_tokens,
         "acceptance_rate": stats.acceptance_rate, "drafter": pipe.drafter_name, "target": target,
-        "draft": draft if drafter in REGISTRY and REGISTRY[drafter].needs_draft_model else None, "dtype": dtype.value,
+        "draft": draft_name(drafter, draft), "dtype": dtype.value,
         "temperature": temperature, "stats": stats.to_dict(), "quant": quant, "draft_quant": draft_quant,
         "lossless_relative_to": f"the {quant}-quantized target" if quant else "the target",
     }
+    if verify == "loose":  # LOSSY: the output may differ from the target's own output
+        record.update(verifier="loose", lossy=True, lossless_relative_to=None)
     if baseline is not None:
         record["baseline"] = {"token_ids": baseline.token_ids, "seconds": baseline.seconds,
                               "tokens_per_second": baseline.tokens_per_second}
@@ -97,12 +110,48 @@ def generate(
     table = Table(show_header=False, box=None)
     table.add_row("drafter", f"{pipe.drafter_name} (target {target})")
     table.add_row("tokens", f"{result.new_tokens} in {result.seconds:.2f} s = {result.tokens_per_second:.2f} tok/s")
+    if verify == "loose":
+        table.add_row("verification", "loose (LOSSY: output may differ from the target's)")
     table.add_row("mean accepted tokens / step", f"{stats.mean_accepted_tokens:.2f} (acceptance {stats.acceptance_rate:.2f})")
     if baseline is not None:
         table.add_row("plain decoding", f"{baseline.tokens_per_second:.2f} tok/s")
         table.add_row("speedup", f"{record['speedup']:.2f}x")
         table.add_row("identical to plain decoding", "yes" if record["identical"] else "no")
     err.print(table)
+
+
+def draft_name(drafter: str, draft: str) -> str | None:
+    """The draft model a run used (None for drafters without one)."""
+    entry = REGISTRY.get(drafter)
+    if entry is None or not (entry.needs_draft_model or entry.uses_draft_model):
+        return None
+    return entry.default_draft if draft == "default" else draft
+
+
+def video_drafter_options(drafter: str, verify: str, drop_rate: float | None, draft_kv: str | None,
+                          draft_kv_budget: int | None) -> dict:
+    """Validate --verify/--drop-rate/--draft-kv/--draft-kv-budget; the drafter options they turn into."""
+    from sparrow.drafters.kv_compress import SELECTORS
+    from sparrow.drafters.visual_prune import visual_budget
+    from sparrow.verifiers import VERIFIERS
+
+    if verify not in ("auto", *VERIFIERS):
+        raise ValueError(f"unknown verifier {verify!r}; expected one of: auto, {', '.join(VERIFIERS)}")
+    options: dict = {}
+    if drop_rate is not None:
+        if drafter != "visual-prune":
+            raise ValueError("--drop-rate applies to --drafter visual-prune only")
+        visual_budget(1, drop_rate)
+        options["drop_rate"] = drop_rate
+    if draft_kv is not None or draft_kv_budget is not None:
+        if drafter != "sparse":
+            raise ValueError("--draft-kv/--draft-kv-budget apply to --drafter sparse only")
+        if draft_kv is not None and draft_kv not in SELECTORS:
+            raise ValueError(f"unknown --draft-kv {draft_kv!r}; expected one of: {', '.join(SELECTORS)}")
+        if draft_kv_budget is not None and draft_kv_budget < 1:
+            raise ValueError(f"--draft-kv-budget must be an integer >= 1, got {draft_kv_budget}")
+        options.update(draft_kv=draft_kv, draft_kv_budget=draft_kv_budget)
+    return options
 
 
 @app.command()
@@ -115,6 +164,15 @@ def models() -> None:
         table.add_row(row["name"], "yes" if row["installed"] else "no", "yes" if row["cached"] else "no",
                       row["description"])
     Console().print(table)
+
+
+from sparrow.bench.command import bench  # noqa: E402  (heavy imports stay inside the command)
+
+app.command()(bench)
+
+from sparrow.tuning import tune_app  # noqa: E402
+
+app.add_typer(tune_app, name="tune")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,14 @@ class Pipeline:
             ids.append(self.tokenizer.eos_token_id)
         return frozenset(ids)
 
-    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> Prompt:
+    def encode(self, prompt: str | Sequence[int], chat: bool = False, *, video=None, frames: int | None = None,
+               image=None) -> Prompt:
+        """Tokenize a prompt; with video (file, frame dir, array) / image (file(s)), run the VLM's processor."""
+        if video is not None or image is not None or frames is not None:
+            from sparrow.vision.prompt import encode_media
+
+            return encode_media(self.target.processor, prompt, video=video, frames=frames, image=image,
+                                model_name=f"target {self.target.name!r}")
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt must not be empty")
@@ -80,11 +87,11 @@ class Pipeline:
 
     def request(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
-                chat: bool = False) -> Request:
+                chat: bool = False, video=None, frames: int | None = None, image=None) -> Request:
         sampling = SamplingConfig(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
         stopping = StoppingConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids(),
                                   stop_strings=tuple(stop))
-        encoded = self.encode(prompt, chat)
+        encoded = self.encode(prompt, chat, video=video, frames=frames, image=image)
         context = self.runner.context_length
         n = encoded.input_ids.numel()
         if context is not None and n >= context:
@@ -109,7 +116,7 @@ class Pipeline:
         stopper = Stopper(request.stopping, self.tokenizer)
         start = time.perf_counter()
         if speculative and self.drafter is not None:
-            verifier = build_verifier(self.verifier, request.sampling)
+            verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
             stats = speculative_decode(self.runner, self.drafter, verifier, request.prompt, request.sampling,
                                        stopper, generator)
         else:
@@ -120,17 +127,22 @@ class Pipeline:
 
 
 def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "draft-model",
-         draft: str | LoadedModel | None = "qwen2.5-coder-0.5b", num_draft_tokens: int | None = None,
+         draft: str | LoadedModel | None = "default", num_draft_tokens: int | None = None,
          adaptive: bool = True, verifier: str = "auto", dtype: str = "bfloat16", device: str | None = None,
          progress: bool = True, quant: str | None = None, draft_quant: str | None = None,
          **drafter_options) -> Pipeline:
-    """Load a target (and a draft model when the drafter needs one) and build a Pipeline.
+    """Load a target (and a draft model when the drafter needs or uses one) and build a Pipeline.
+
+    draft: preset, path or hub id, a LoadedModel, None (no draft), or "default" (qwen2.5-coder-0.5b for
+    draft-model / cross-vocab / auto; none for visual-prune, which then drafts with the pruned target).
 
     quant: int8 | int4 weight-only target (lossless only relative to the quantized target).
     draft_quant: int8 | int4 draft model, or the bits of the "quantized-self" copy (default int4).
     """
     check_drafter_args(drafter, num_draft_tokens)
-    needs_draft = drafter in REGISTRY and REGISTRY[drafter].needs_draft_model
+    if isinstance(draft, str) and draft == "default":  # the drafter's own default (none for self-drafters)
+        draft = REGISTRY[drafter].default_draft if drafter in REGISTRY else None
+    needs_draft = drafter in REGISTRY and (REGISTRY[drafter].needs_draft_model or REGISTRY[drafter].uses_draft_model)
     check_quant_args(drafter, quant, draft_quant, needs_draft)  # before any model is loaded
     if isinstance(target, str):
         target = load_model(target, dtype=dtype, device=device, progress=progress)
@@ -138,7 +150,7 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
         target = quantized_copy(target, quant)
     if needs_draft and isinstance(draft, str):
         draft = load_model(draft, dtype=dtype, device=device, progress=progress)
-    if needs_draft and draft_quant is not None:
+    if needs_draft and draft is not None and draft_quant is not None:
         draft = quantized_copy(draft, draft_quant, keep_dense=True)  # dense prefill: a draft never changes the output
     if drafter == "quantized-self" and draft_quant is not None:
         drafter_options.setdefault("bits", draft_quant)

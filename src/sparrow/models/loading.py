@@ -22,11 +22,15 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
     AutoTokenizer,
     GgufConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    ProcessorMixin,
 )
 from transformers.utils import logging as hf_logging
 
@@ -49,6 +53,11 @@ class LoadedModel:
     model: PreTrainedModel  # eval mode, on device, requested dtype
     tokenizer: PreTrainedTokenizerBase
     name: str  # preset name, path or hub id as the user gave it
+    processor: ProcessorMixin | None = None  # a VLM's processor (images/videos -> model inputs); None for text LMs
+
+    @property
+    def is_vlm(self) -> bool:
+        return self.processor is not None
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -160,6 +169,11 @@ def _from_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
 
 
 def _from_dir(path: str, dtype: torch.dtype, **kwargs: object) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A text LM with its tokenizer, or a VLM (config with a vision_config) with its processor in that slot."""
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    if getattr(config, "vision_config", None) is not None:
+        processor = AutoProcessor.from_pretrained(path, **kwargs)
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **kwargs), processor
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     return model, tokenizer
@@ -321,5 +335,7 @@ def load_model(
     with _Progress(progress) as say:
         model, tokenizer = _load_any(spec, torch_dtype, root, say, quiet=not progress)
         model = model.to(dev).eval()
+        processor = tokenizer if isinstance(tokenizer, ProcessorMixin) else None  # a VLM (see _from_dir)
+        tokenizer = processor.tokenizer if processor is not None else tokenizer
         say(f"loaded {spec} ({_dtype_name(torch_dtype)}, {dev}) in {time.perf_counter() - start:.1f} s")
-    return LoadedModel(model=model, tokenizer=tokenizer, name=spec)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=spec, processor=processor)

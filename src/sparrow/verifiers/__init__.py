@@ -10,6 +10,7 @@ from torch import Tensor
 from sparrow.config import SamplingConfig
 from sparrow.types import Draft, Verdict
 from sparrow.verifiers.greedy import GreedyVerifier
+from sparrow.verifiers.loose import LooseVerifier
 from sparrow.verifiers.rejection import RejectionVerifier
 
 
@@ -25,18 +26,22 @@ class Verifier(Protocol):
     ) -> Verdict: ...
 
 
-VERIFIERS: dict[str, type] = {"greedy": GreedyVerifier, "rejection": RejectionVerifier}
+VERIFIERS: dict[str, type] = {"greedy": GreedyVerifier, "rejection": RejectionVerifier,
+                               "loose": LooseVerifier}  # loose is LOSSY (LooseVerifier.lossy); never "auto"
 
 
-def build_verifier(name: str, sampling: SamplingConfig) -> Verifier:
-    """`auto` picks greedy matching at temperature 0 and lossless rejection sampling otherwise."""
+def build_verifier(name: str, sampling: SamplingConfig, tokenizer=None) -> Verifier:
+    """`auto` picks greedy matching at temperature 0 and lossless rejection sampling otherwise.
+    `tokenizer` (optional) lets the lossy "loose" verifier tell filler tokens from visual facts."""
     if name == "auto":
         name = "greedy" if sampling.greedy else "rejection"
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; expected one of: auto, {', '.join(VERIFIERS)}")
     if name == "greedy" and not sampling.greedy:
         raise ValueError(f"verifier 'greedy' needs temperature 0, got temperature={sampling.temperature}")
+    if name == "loose" and tokenizer is not None:
+        return LooseVerifier.for_tokenizer(tokenizer, len(tokenizer))
     return VERIFIERS[name]()
 
 
-__all__ = ["Verifier", "VERIFIERS", "build_verifier", "GreedyVerifier", "RejectionVerifier"]
+__all__ = ["Verifier", "VERIFIERS", "build_verifier", "GreedyVerifier", "RejectionVerifier", "LooseVerifier"]

@@ -1,0 +1,269 @@
+"""Long-context benchmark: plain decoding vs layer-skip, sparse (StD), prompt lookup and a draft model
+at 2k-16k prompt tokens, one process, greedy, bfloat16.
+
+The target prefills each prompt once, in the plain run; the other methods restore a copy of that
+prefilled cache instead of prefilling again (a 16k prefill takes minutes on a small CPU). Their decode
+is the real thing; their end-to-end time is the measured target prefill + their own drafter prefill
+(e.g. the draft model's prefill) + decode. The sparse drafter's prompt queries are captured during that
+same plain prefill. Reported per method and length: decode-only and end-to-end tokens/s and speedups
+over plain, mean tokens per target forward, peak RSS (and CUDA peak memory), identical-to-plain.
+
+    flock /tmp/sparrow-cpu.lock python benchmarks/long_context.py --lengths 2048 4096 --max-new-tokens 64
+    python benchmarks/long_context.py --render-only          # table + plot from the JSONL rows
+
+Methods: plain, layer-skip, sparse (or sparse:<budget>, e.g. sparse:512 or sparse:0.05), prompt-lookup,
+draft-model. Rows are appended to <out>.jsonl; the table and plot use the latest row per (length, method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import threading
+from pathlib import Path
+
+import psutil
+import torch
+from transformers import DynamicCache
+
+from long_prompts import build_prompt, documentation
+from sparrow.cached_model import CachedModel
+from sparrow.drafters import REGISTRY, build_drafter
+from sparrow.drafters.sparse import DEFAULT_BUDGET, SparseDrafter
+from sparrow.engine import clock
+from sparrow.models import load_model
+from sparrow.pipeline import Pipeline
+from sparrow.types import Prompt
+
+HERE = Path(__file__).parent
+METHODS = ("plain", "layer-skip", "sparse", "prompt-lookup", "draft-model")
+
+
+class RestoringRunner(CachedModel):
+    """A CachedModel whose prefill of the snapshot's prompt restores a copy of the snapshot's cache."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.snapshot: tuple[torch.Tensor, DynamicCache, torch.Tensor] | None = None
+        self.restore_seconds = 0.0
+
+    @staticmethod
+    def _copy(cache: DynamicCache, config) -> DynamicCache:
+        copy = DynamicCache(config=config)
+        for i, layer in enumerate(cache.layers):
+            copy.update(layer.keys.clone(), layer.values.clone(), i)
+        return copy
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt) -> torch.Tensor:
+        start = clock(self.device)
+        if self.snapshot is not None and torch.equal(self.snapshot[0], prompt.input_ids):
+            self.cache = self._copy(self.snapshot[1], self.model.config)
+            self.restore_seconds = clock(self.device) - start
+            return self.snapshot[2].clone()
+        logits = super().prefill(prompt)
+        self.snapshot = (prompt.input_ids.clone(), self._copy(self.cache, self.model.config), logits.clone())
+        self.restore_seconds = 0.0
+        return logits
+
+
+class PeakMemory:
+    """Peak RSS (sampled every 20 ms) and CUDA peak allocation while the block runs."""
+
+    def __enter__(self) -> PeakMemory:
+        self.process, self.rss, self._stop = psutil.Process(), 0, threading.Event()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.rss = max(self.rss, self.process.memory_info().rss)
+            self._stop.wait(0.02)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.rss = max(self.rss, self.process.memory_info().rss)
+        self.cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
+def sparse_budget(method: str, default: int | float) -> int | float:
+    if ":" not in method:
+        return default
+    value = method.split(":", 1)[1]
+    return float(value) if "." in value else int(value)
+
+
+def build(method: str, target, draft, sparse_default) -> object | None:
+    if method == "plain":
+        return None
+    if method.startswith("sparse"):
+        return SparseDrafter(target.model, REGISTRY["sparse"].default_num_draft_tokens, adaptive=True,
+                             budget=sparse_budget(method, sparse_default))
+    return build_drafter(method, target, draft if method == "draft-model" else None, None, adaptive=True)
+
+
+def run_length(length: int, methods: list[str], target, draft, text: str, args) -> list[dict]:
+    ids = build_prompt(target.tokenizer, length, text)
+    runner = RestoringRunner(target.model)
+    drafters = {m: build(m, target, draft, args.budget) for m in ["plain", *methods]
+                if m != "layer-skip" or "layer-skip" in REGISTRY}
+    rows, plain = [], None
+    captured = {}
+    for method in ["plain", *[m for m in methods if m != "plain"]]:
+        row = {"length": length, "prompt_tokens": len(ids), "method": method, "max_new_tokens": args.max_new_tokens,
+               "dtype": args.dtype, "machine": platform.machine(), "threads": torch.get_num_threads()}
+        if method not in drafters:
+            rows.append({**row, "available": False, "note": f"drafter {method!r} is not registered"})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        drafter = drafters[method]
+        pipe = Pipeline(target, drafter)
+        pipe.runner = runner
+        if isinstance(drafter, SparseDrafter) and captured:
+            drafter.capture.layers = dict(captured)  # the plain run's prefill queries
+        with PeakMemory() as memory:
+            run = pipe.generate_plain if drafter is None else pipe.generate
+            result = run(ids, max_new_tokens=args.max_new_tokens)
+        stats = result.stats
+        if method == "plain":
+            plain = {"tokens": result.token_ids, "prefill": stats.prefill_seconds}
+            captured = next((dict(d.capture.layers) for d in drafters.values() if isinstance(d, SparseDrafter)), {})
+        decode_seconds = result.seconds - stats.prefill_seconds
+        e2e_seconds = result.seconds if drafter is None else plain["prefill"] + result.seconds - runner.restore_seconds
+        row.update({
+            "available": True, "new_tokens": result.new_tokens, "seconds": result.seconds,
+            "target_prefill_seconds": plain["prefill"], "restore_seconds": runner.restore_seconds,
+            "drafter_prefill_seconds": stats.prefill_seconds - runner.restore_seconds if drafter else 0.0,
+            "decode_seconds": decode_seconds, "e2e_seconds": e2e_seconds,
+            "decode_tokens_per_second": (result.new_tokens - 1) / decode_seconds,
+            "e2e_tokens_per_second": result.new_tokens / e2e_seconds,
+            "mean_accepted_tokens": stats.mean_accepted_tokens if drafter else 1.0,
+            "acceptance_rate": stats.acceptance_rate if drafter else None,
+            "steps": stats.steps, "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
+            "draft_ms_per_token": (1000 * stats.draft_seconds / stats.num_draft_tokens
+                                   if stats.num_draft_tokens else None),
+            "target_ms_per_forward": 1000 * stats.verify_seconds / stats.steps if stats.steps else None,
+            "peak_rss_bytes": memory.rss, "cuda_peak_bytes": memory.cuda,
+            "identical_to_plain": result.token_ids == plain["tokens"],
+        })
+        if isinstance(drafter, SparseDrafter):
+            row.update({"budget": drafter.budget, "sinks": drafter.sinks, "window": drafter.window,
+                        "draft_prompt_entries": int(drafter.kept[0].shape[1])})
+        if method == "plain":
+            row["text"] = result.text
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "text"}), flush=True)
+    return rows
+
+
+def latest(rows: list[dict]) -> dict[tuple[int, str], dict]:
+    out = {}
+    for r in rows:
+        out[(r["length"], r["method"])] = r
+    return out
+
+
+def render(rows: list[dict]) -> str:
+    by = latest(rows)
+    lengths = sorted({k[0] for k in by})
+    methods = list(dict.fromkeys(k[1] for k in by))
+    lines = ["| method | " + " | ".join(f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for method in methods:
+        cells = []
+        for n in lengths:
+            r, base = by.get((n, method)), by.get((n, "plain"))
+            if r is None:
+                cells.append("—")
+            elif not r.get("available", True):
+                cells.append("missing")
+            elif method == "plain":
+                cells.append(f"{r['decode_tokens_per_second']:.2f} tok/s decode, "
+                             f"prefill {r['target_prefill_seconds']:.0f} s, RSS {r['peak_rss_bytes'] / 2**30:.1f} GiB")
+            else:
+                decode = r["decode_tokens_per_second"] / base["decode_tokens_per_second"]
+                e2e = r["e2e_tokens_per_second"] / base["e2e_tokens_per_second"]
+                cells.append(f"{r['decode_tokens_per_second']:.2f} tok/s, **{decode:.2f}x** decode, {e2e:.2f}x e2e, "
+                             f"{r['mean_accepted_tokens']:.2f} tok/step, RSS {r['peak_rss_bytes'] / 2**30:.1f} GiB, "
+                             f"{'identical' if r['identical_to_plain'] else 'DIFFERENT'}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = latest(rows)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(k[1] for k in by):
+        if method == "plain":
+            continue
+        points = sorted((n, r, by[(n, "plain")]) for (n, m), r in by.items()
+                        if m == method and r.get("available", True) and (n, "plain") in by)
+        if not points:
+            continue
+        xs = [n for n, _, _ in points]
+        line, = ax.plot(xs, [r["decode_tokens_per_second"] / b["decode_tokens_per_second"] for _, r, b in points],
+                        marker="o", label=f"{method} (decode)")
+        ax.plot(xs, [r["e2e_tokens_per_second"] / b["e2e_tokens_per_second"] for _, r, b in points],
+                marker="x", linestyle="--", color=line.get_color(), alpha=0.6, label=f"{method} (end-to-end)")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title("qwen2.5-coder-1.5b, greedy, long prompts")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--budget", type=lambda s: float(s) if "." in s else int(s), default=DEFAULT_BUDGET,
+                        help="sparse: KV entries kept per layer and KV head (int) or fraction of the prompt (float)")
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "long_context")
+    parser.add_argument("--render-only", action="store_true")
+    args = parser.parse_args()
+    jsonl = args.out.with_suffix(".jsonl")
+    if not args.render_only:
+        for m in args.methods:
+            if m.split(":")[0] not in METHODS:
+                parser.error(f"unknown method {m!r}; expected one of {', '.join(METHODS)} (sparse:<budget> allowed)")
+        target = load_model(args.target, dtype=args.dtype, device=args.device, progress=False)
+        draft = (load_model(args.draft, dtype=args.dtype, device=args.device, progress=False)
+                 if "draft-model" in args.methods else None)
+        text = documentation()
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+        for length in args.lengths:
+            rows = run_length(length, args.methods, target, draft, text, args)
+            with jsonl.open("a") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    table = render(rows)
+    args.out.with_suffix(".md").write_text(
+        "# Long-context decoding (qwen2.5-coder-1.5b target, greedy)\n\n"
+        "Generated by `benchmarks/long_context.py` from the latest JSONL row per (length, method). Speedups over "
+        "plain decoding of the same prompt in the same process; decode = after the prefill, end-to-end = target "
+        "prefill (measured once) + drafter prefill + decode.\n\n" + table + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

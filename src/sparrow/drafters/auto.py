@@ -1,0 +1,349 @@
+"""Auto drafter: per round, the drafting method with the highest measured tokens per second, or none.
+
+Candidates are ordinary drafters: prompt lookup, the draft model when one is given (cross-vocab
+when its vocabulary differs from the target's), and self-drafts (layer-skip when it is registered
+and tuned for the target; quantized-self on request, since it builds an int4 copy of the target).
+"none" (an empty draft, i.e. a plain decoding step) is always an option.
+
+Each option's throughput is estimated online from what its rounds cost and yielded:
+
+    rate(c)    = sum tokens / (sum draft seconds + sum verify_seconds(k + 1))   (exponentially forgotten)
+    rate(none) = 1 / verify_seconds(1)
+
+with tokens = accepted drafts + the bonus token, and verify_seconds(n) = a + b (n - 1) fitted to
+every round's target forward (`VerifyCost`). Draft seconds are timed around the candidate's
+propose(); verify seconds from the end of propose() to observe(), which the engine calls right
+after verification.
+
+Policy, every round:
+1. Prompt lookup costs almost nothing, so it proposes every round. When it finds a match and its
+   rate is the best known one (or still unknown), its draft is used.
+2. Otherwise model-based candidates are probed (a couple of rounds each at first), then the
+   option with the highest rate among them and "none" is used. A candidate that is not chosen is
+   re-probed for one round after `reprobe_interval` rounds, the interval doubling (up to
+   `max_reprobe_interval`) each time the probe does not win, so a useless draft costs only a
+   round now and then, and speculation that does not pay turns into plain decoding.
+3. Prompt lookup's proposals that are not used are scored anyway once the committed tokens reach
+   past them (a shadow verdict: the longest prefix equal to what was committed, which is exactly
+   what greedy verification would have accepted), so its estimate follows the text for free.
+
+Lossless whatever it picks: each round's Draft is the chosen candidate's own (argmax or n-gram
+drafts with probs None, sampled drafts with their q), and the verifier does the rest. Candidates
+with their own caches (draft model, cross-vocab) re-sync lazily from `committed` when they draft
+again; they are prefilled lazily, on their first use in a request.
+
+Caveat: with sampling the choices depend on wall-clock time, and a sampled draft consumes random
+numbers, so a seed fixes the output distribution but not the exact tokens from run to run.
+`choices` records what each round used (for benchmarks and tests).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from sparrow.cached_model import CachedModel
+from sparrow.config import SamplingConfig
+from sparrow.drafters.cross_vocab import CrossVocabDrafter
+from sparrow.drafters.draft_model import DraftModelDrafter
+from sparrow.drafters.prompt_lookup import PromptLookupDrafter
+from sparrow.types import Draft, Prompt, Verdict
+
+if TYPE_CHECKING:
+    from sparrow.drafters import Drafter
+    from sparrow.models import LoadedModel
+
+PLAIN = "none"
+
+
+@dataclass(frozen=True)
+class AutoRound:
+    """What one round used and what it yielded."""
+
+    choice: str  # a candidate's name, or "none" (a plain decoding step)
+    drafted: int
+    accepted: int
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    forgetting: float = 0.8
+    """Per-observation decay of an option's statistics, so its estimate follows the text."""
+    probe_rounds: int = 2
+    """Rounds a model-based candidate drafts before it is judged."""
+    reprobe_interval: int = 8
+    """Rounds before a candidate that is not chosen is tried again; doubles after each losing probe."""
+    max_reprobe_interval: int = 64
+    probe_weight: float = 0.2
+    """Weight left to a candidate's old statistics when it is re-probed (the probe then counts most)."""
+    carry_over: float = 0.5
+    """Weight left to the statistics of earlier requests at prefill (costs carry over, the text does not)."""
+
+    def __post_init__(self) -> None:
+        for name in ("forgetting", "probe_weight", "carry_over"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"AutoConfig.{name} must lie in [0, 1], got {getattr(self, name)!r}")
+        if self.probe_rounds < 1 or self.reprobe_interval < 1 or self.max_reprobe_interval < self.reprobe_interval:
+            raise ValueError("AutoConfig needs probe_rounds >= 1 and 1 <= reprobe_interval <= max_reprobe_interval")
+
+
+@dataclass
+class VerifyCost:
+    """Seconds of one target forward over n tokens, a + b (n - 1), by exponentially weighted least squares."""
+
+    forgetting: float = 0.97
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wy, wxx, wxy with x = n - 1
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        x = float(num_tokens - 1)
+        self._sums = [self.forgetting * s for s in self._sums]
+        for i, term in enumerate((1.0, x, seconds, x * x, x * seconds)):
+            self._sums[i] += term
+
+    @property
+    def known(self) -> bool:
+        return self._sums[0] > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b): seconds for one token, and per extra token (b >= 0; 0 until two widths were seen)."""
+        w, wx, wy, wxx, wxy = self._sums
+        assert w > 0, "no verify time observed yet"
+        spread = w * wxx - wx * wx
+        slope = max(0.0, (w * wxy - wx * wy) / spread) if spread > 1e-9 * max(w * wxx, 1e-12) else 0.0
+        return max((wy - slope * wx) / w, 1e-9), slope
+
+    def seconds(self, num_tokens: int) -> float:
+        a, b = self.coefficients()
+        return a + b * (num_tokens - 1)
+
+
+@dataclass
+class Throughput:
+    """An option's rounds, exponentially forgotten: tokens yielded, draft seconds, rounds, draft tokens."""
+
+    tokens: float = 0.0
+    draft_seconds: float = 0.0
+    rounds: float = 0.0
+    drafted: float = 0.0
+    count: int = 0  # observations ever (not forgotten)
+
+    def add(self, tokens: int, draft_seconds: float, drafted: int, forgetting: float) -> None:
+        self.scale(forgetting)
+        self.tokens += tokens
+        self.draft_seconds += draft_seconds
+        self.rounds += 1
+        self.drafted += drafted
+        self.count += 1
+
+    def scale(self, factor: float) -> None:
+        self.tokens *= factor
+        self.draft_seconds *= factor
+        self.rounds *= factor
+        self.drafted *= factor
+
+    def rate(self, verify: VerifyCost) -> float | None:
+        """Tokens per second, or None before the first observation."""
+        if self.rounds <= 0 or not verify.known:
+            return None
+        a, b = verify.coefficients()
+        return self.tokens / max(self.draft_seconds + a * self.rounds + b * self.drafted, 1e-12)
+
+
+@dataclass
+class _Shadow:
+    """A prompt-lookup proposal that was not used, scored once the committed tokens reach past it."""
+
+    position: int  # committed length when proposed: the draft continues committed[position:]
+    tokens: list[int]
+    draft_seconds: float
+
+
+class AutoDrafter:
+    name = "auto"
+
+    def __init__(self, candidates: Sequence[Drafter], clock: Callable[[], float] | None = None,
+                 config: AutoConfig | None = None) -> None:
+        """candidates: drafters with distinct names ("none" is implicit). clock: seconds, injectable for
+        tests; default: sparrow.engine.clock on the target's device."""
+        names = [c.name for c in candidates]
+        if len(set(names)) != len(names) or PLAIN in names:
+            raise ValueError(f"auto drafter candidates need distinct names other than {PLAIN!r}, got {names}")
+        self.config = config or AutoConfig()
+        self.candidates: dict[str, Drafter] = {c.name: c for c in candidates}
+        lookups = [c.name for c in candidates if isinstance(c, PromptLookupDrafter)]
+        self.lookup: str | None = lookups[0] if lookups else None
+        self.models = [n for n in names if n != self.lookup]  # candidates that cost real compute to probe
+        self._clock = clock
+        self.verify = VerifyCost()
+        self.stats = {n: Throughput() for n in names}
+        self.choices: list[str] = []  # what each round of the current request used
+        self.rounds: list[AutoRound] = []  # the same, with what each round yielded
+        self._interval = {n: self.config.reprobe_interval for n in self.models}
+        self._next_probe = dict.fromkeys(self.models, 0)
+        self._shadows: list[_Shadow] = []
+        self._lazy: set[str] = set()
+        self._prompt: Prompt | None = None
+        self._target: CachedModel | None = None
+        self._round: dict[str, Any] = {}
+
+    # --- Drafter protocol ----------------------------------------------------------------------
+    def prefill(self, prompt: Prompt, target: CachedModel) -> None:
+        if self._clock is None:
+            from sparrow.engine import clock  # the engine imports the drafters package
+
+            device = target.device
+            self._clock = lambda: clock(device)
+        self._prompt, self._target = prompt, target
+        self.choices, self.rounds = [], []
+        self._shadows = []
+        for stats in self.stats.values():
+            stats.scale(self.config.carry_over)
+        if self.lookup is not None:  # a lookup's worth is all in the text: start afresh (its first match is tried)
+            self.stats[self.lookup] = Throughput()
+        self._interval = {n: self.config.reprobe_interval for n in self.models}
+        self._next_probe = {n: self.config.reprobe_interval if self.stats[n].count else 0 for n in self.models}
+        # Drafters with their own model prefill on first use; the rest (they may read the target's
+        # fresh cache) now.
+        self._lazy = {n for n, c in self.candidates.items() if isinstance(c, (DraftModelDrafter, CrossVocabDrafter))}
+        for name, candidate in self.candidates.items():
+            if name not in self._lazy:
+                candidate.prefill(prompt, target)
+
+    def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        start = self._clock()
+        if max_tokens < 1:
+            return self._chosen(PLAIN, Draft.empty(committed.device), 0.0, probe=False)
+        self._score_shadows(committed)
+        lookup_draft = None
+        if self.lookup is not None:
+            lookup_draft = self.candidates[self.lookup].propose(committed, max_tokens, sampling, generator)
+        lookup_seconds = self._clock() - start
+        if lookup_draft is not None and len(lookup_draft) and self._lookup_wins():
+            return self._chosen(self.lookup, lookup_draft, lookup_seconds, probe=False)
+        if lookup_draft is not None and len(lookup_draft):
+            self._shadows.append(_Shadow(committed.numel(), lookup_draft.tokens.tolist(), lookup_seconds))
+        name, probe = self._pick_model()
+        if name == PLAIN:
+            return self._chosen(PLAIN, Draft.empty(committed.device), 0.0, probe=False)
+        if name in self._lazy:
+            self._lazy.discard(name)
+            self.candidates[name].prefill(self._prompt, self._target)
+        if probe:
+            self.stats[name].scale(self.config.probe_weight)  # stale: let this round count most
+        t0 = self._clock()
+        draft = self.candidates[name].propose(committed, max_tokens, sampling, generator)
+        return self._chosen(name, draft, self._clock() - t0, probe)
+
+    def observe(self, draft: Draft, verdict: Verdict) -> None:
+        verify_seconds = self._clock() - self._round["end"]
+        self.verify.observe(len(draft) + 1, verify_seconds)
+        name = self._round["name"]
+        self.rounds.append(AutoRound(name, len(draft), verdict.num_accepted))
+        if name == PLAIN:
+            return
+        self.candidates[name].observe(draft, verdict)
+        self.stats[name].add(verdict.num_accepted + 1, self._round["draft_seconds"], len(draft), self.config.forgetting)
+        if name in self._next_probe:
+            if self._round["probe"]:
+                wins = self._rate(name) >= max(self._rate(n) or 0.0 for n in self._options() if n != name)
+                grown = min(2 * self._interval[name], self.config.max_reprobe_interval)
+                self._interval[name] = self.config.reprobe_interval if wins else grown
+            self._next_probe[name] = len(self.choices) + self._interval[name]
+
+    # --- policy --------------------------------------------------------------------------------
+    def _options(self) -> list[str]:
+        return [*self.models, PLAIN]
+
+    def _rate(self, name: str) -> float | None:
+        if name == PLAIN:
+            return 1.0 / self.verify.seconds(1) if self.verify.known else None
+        return self.stats[name].rate(self.verify)
+
+    def _lookup_wins(self) -> bool:
+        """Use this round's prompt-lookup match? Yes unless a known option is measured to be faster."""
+        mine = self._rate(self.lookup)
+        if mine is None:
+            return True
+        others = [r for r in map(self._rate, self._options()) if r is not None]
+        return mine >= max(others, default=0.0)
+
+    def _pick_model(self) -> tuple[str, bool]:
+        """(option, whether it is a probe) for a round without a prompt-lookup draft."""
+        for name in self.models:
+            if self.stats[name].count < self.config.probe_rounds:
+                return name, False
+        rates = {n: self._rate(n) for n in self._options()}
+        best = max(rates, key=lambda n: -1.0 if rates[n] is None else rates[n])
+        due = [n for n in self.models if n != best and len(self.choices) >= self._next_probe[n]]
+        if due:
+            return min(due, key=self._next_probe.__getitem__), True
+        return best, False
+
+    def _chosen(self, name: str, draft: Draft, draft_seconds: float, probe: bool) -> Draft:
+        self.choices.append(name)
+        self._round = {"name": name, "draft_seconds": draft_seconds, "probe": probe, "end": self._clock()}
+        return draft
+
+    def _score_shadows(self, committed: Tensor) -> None:
+        """Score unused prompt-lookup proposals whose outcome the committed tokens now decide."""
+        if not self._shadows:
+            return
+        first = min(s.position for s in self._shadows)
+        known = committed[first:].tolist()
+        lookup = self.candidates[self.lookup]
+        pending = []
+        for shadow in self._shadows:
+            actual = known[shadow.position - first:]
+            accepted = 0
+            while accepted < min(len(actual), len(shadow.tokens)) and actual[accepted] == shadow.tokens[accepted]:
+                accepted += 1
+            if accepted < len(actual):  # decided: a mismatch, or every token matched and the next is known
+                drafted = len(shadow.tokens)
+                self.stats[self.lookup].add(accepted + 1, shadow.draft_seconds, drafted, self.config.forgetting)
+                verdict = Verdict(tokens=torch.tensor(actual[: accepted + 1]), num_accepted=accepted)
+                lookup.observe(Draft(tokens=torch.tensor(shadow.tokens)), verdict)
+            else:
+                pending.append(shadow)
+        self._shadows = pending
+
+    def counts(self) -> dict[str, int]:
+        """How many rounds of the current request each option was used for."""
+        return dict(Counter(self.choices))
+
+
+def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int, adaptive: bool,
+          quantized_self: bool = False, layer_skip: bool = True, clock: Callable[[], float] | None = None,
+          config: AutoConfig | None = None) -> AutoDrafter:
+    """Registry builder for "auto". `num_draft_tokens` caps every candidate (each keeps its own default
+    when that is lower). quantized_self: also try an int4 copy of the target (built now: memory and
+    seconds). layer_skip: try "layer-skip" when it is registered and tuned for this target."""
+    from sparrow.drafters import REGISTRY  # this module is imported by the registry
+
+    def make(name: str, draft_model: LoadedModel | None, **options: Any) -> Drafter:
+        entry = REGISTRY[name]
+        return entry.build(target, draft_model, min(num_draft_tokens, entry.default_num_draft_tokens), adaptive,
+                           **options)
+
+    candidates = [make("prompt-lookup", None)]
+    if draft is not None:
+        same_vocab = CachedModel(draft.model).vocab_size == CachedModel(target.model).vocab_size
+        candidates.append(make("draft-model", draft) if same_vocab else make("cross-vocab", draft, backoff=False))
+    if layer_skip and "layer-skip" in REGISTRY:
+        try:
+            with warnings.catch_warnings():  # a set measured to lose comes back disabled: left out below
+                warnings.simplefilter("ignore")
+                skipper = make("layer-skip", None, backoff=False)  # backing off is this drafter's job
+            if getattr(skipper, "enabled", True):
+                candidates.append(skipper)
+        except ValueError:  # no tuned skip set for this target (or a quantized target)
+            pass
+    if quantized_self:
+        candidates.append(make("quantized-self", None))
+    return AutoDrafter(candidates, clock=clock, config=config)

@@ -1,0 +1,161 @@
+"""Sparse-to-Dense (StD) self-draft: the target drafts for itself while attending to a few prompt KV entries.
+
+At prefill, for every layer and KV head, a selector (default: StD's top-K by mean attention from the
+last `window` prompt queries, see kv_selection.py) picks `budget` entries of the span; attention sinks,
+the recent window and everything outside the span are always kept. The selection is gathered once
+into the draft's own DynamicCache and stays fixed. Each round the draft cache first receives the KV
+of the tokens committed since the last round, copied from the target's cache (same weights, so that
+is their real KV), then drafts with explicit position ids (the true positions: the draft cache is
+shorter than the context) and finally drops its drafted entries again. Verification attends to the
+target's dense cache, so the output is exactly the target's.
+
+The prompt queries come from the target's own prefill through the capture wrapper
+(attention_capture.py): the target's numerics are untouched and nothing is re-run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+from sparrow import sampling as S
+from sparrow.attention_capture import QueryCapture
+from sparrow.cached_model import CachedModel
+from sparrow.config import SamplingConfig
+from sparrow.drafters.kv_selection import KVSelector, TopKAttention, check_budget, kept_positions
+from sparrow.drafters.length import DraftLength
+from sparrow.types import Draft, Prompt, Verdict
+
+DEFAULT_BUDGET = 1024
+DEFAULT_SINKS = 4
+DEFAULT_WINDOW = 32
+
+Span = tuple[int, int] | Callable[[Prompt], tuple[int, int]] | None
+
+
+def _check_count(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+class SparseDrafter:
+    name = "sparse"
+
+    def __init__(self, model: PreTrainedModel, num_draft_tokens: int = 8, adaptive: bool = False,
+                 budget: int | float = DEFAULT_BUDGET, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW,
+                 span: Span = None, selector: KVSelector | None = None) -> None:
+        check_budget(budget)
+        _check_count("sinks", sinks, 0)
+        _check_count("window", window, 1)
+        if span is not None and not callable(span):
+            if not (isinstance(span, tuple) and len(span) == 2 and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                        for i in span) and 0 <= span[0] <= span[1]):
+                raise ValueError("span must be None, a callable, or (start, end) ints with 0 <= start <= end, "
+                                 f"got {span!r}")
+        self.model = model
+        self.budget, self.sinks, self.window, self.span = budget, sinks, window, span
+        self.selector: KVSelector = selector if selector is not None else TopKAttention()
+        self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
+        self.capture = QueryCapture(model, window).start()  # records the target's prefill queries
+        self.kept: tuple[Tensor, ...] = ()  # per layer [kv_heads, m] prompt positions in the draft cache
+        self.cache: DynamicCache | None = None
+        self._target: CachedModel | None = None
+        self._synced = 0  # target positions whose KV the draft cache holds (the kept prompt ones, then all)
+        self._base = 0  # draft cache length holding exactly those
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt, target: CachedModel) -> None:
+        """Select the draft's prompt KV from the target's just-prefilled cache."""
+        if target.model is not self.model:
+            raise ValueError("the sparse drafter must be used with the target model it was built on")
+        self.length.reset()
+        n = prompt.input_ids.numel()
+        assert target.cache is not None and target.length == n, (target.length, n)
+        if any(target.cache.is_sliding):
+            raise ValueError("drafter 'sparse' needs a model whose layers all use full attention "
+                             "(sliding-window layers keep no full prompt cache)")
+        captured = self.capture.take(n, len(target.cache.layers))
+        span = self.span(prompt) if callable(self.span) else self.span
+        self.cache = DynamicCache()
+        kept = []
+        for layer, (entry, cached) in enumerate(zip(captured, target.cache.layers)):
+            keys, values = cached.keys, cached.values  # [1, kv_heads, n, d]
+            idx = kept_positions(self.selector, entry.queries, keys[0], self.budget, self.sinks, self.window,
+                                 span, layer=layer, scaling=entry.scaling)  # [kv_heads, m]
+            gather = idx[None, :, :, None]
+            self.cache.update(keys.gather(2, gather.expand(-1, -1, -1, keys.shape[-1])),
+                              values.gather(2, gather.expand(-1, -1, -1, values.shape[-1])), layer)
+            kept.append(idx)
+        self.kept = tuple(kept)
+        self._target, self._synced, self._base = target, n, self.cache.get_seq_length()
+
+    def _sync(self, upto: int) -> None:
+        """Append the target's KV of positions [synced, upto) (committed since the last round)."""
+        if upto > self._synced:
+            for layer, cached in enumerate(self._target.cache.layers):
+                self.cache.update(cached.keys[:, :, self._synced:upto], cached.values[:, :, self._synced:upto], layer)
+            self._base += upto - self._synced
+            self._synced = upto
+
+    def _forward(self, token: Tensor, position: int) -> Tensor:
+        """One draft step: [1] token at true `position` -> [vocab] logits."""
+        positions = self._target.position_ids(position, 1)
+        if positions is None:
+            positions = torch.tensor([[position]], device=self._target.device)
+        out = self.model(input_ids=token.reshape(1, 1), past_key_values=self.cache, use_cache=True,
+                         position_ids=positions)
+        return out.logits[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        assert self.cache is not None and self._target is not None, "prefill() must run before propose()"
+        device = self._target.device
+        committed = committed.to(device)
+        num_tokens = min(max_tokens, self.length.cap)
+        if num_tokens < 1:
+            return Draft.empty(device)
+        position = committed.numel() - 1
+        assert self._target.length == position, (self._target.length, position)  # target cache == committed[:-1]
+        self._sync(position)
+        token = committed[-1:]
+        tokens, rows = [], []
+        for i in range(num_tokens):
+            logits = self._forward(token, position + i)
+            if sampling.greedy:
+                token = logits.argmax().reshape(1)
+            else:
+                rows.append(S.probs(logits, sampling))
+                token = S.sample(rows[-1], generator).reshape(1)
+            tokens.append(token)
+            if self.length.adaptive and not self.length.keep_drafting(float(logits.float().softmax(-1).max())):
+                break
+        self.cache.crop(self._base - self.cache.get_seq_length())  # drop the draft's own (sparse) KV
+        return Draft(tokens=torch.cat(tokens), probs=torch.stack(rows) if rows else None)
+
+    def observe(self, draft: Draft, verdict: Verdict) -> None:
+        self.length.observe(len(draft), verdict.num_accepted)
+
+
+def build(target, draft: None, num_draft_tokens: int, adaptive: bool, budget: int | float = DEFAULT_BUDGET,
+          sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW, span: Span = None,
+          selector: KVSelector | None = None, draft_kv: str | None = None,
+          draft_kv_budget: int | float | None = None) -> SparseDrafter:
+    """Registry builder for "sparse" (`target` is a LoadedModel). For a VLM the span defaults to the
+    visual tokens (Sparse-to-Dense); `draft_kv` names a selection policy (topk, mm-shiftkv, hybridkv)
+    and `draft_kv_budget` overrides `budget`."""
+    from sparrow.drafters import kv_compress, visual_prune
+
+    if span is None and getattr(target.model.config, "vision_config", None) is not None:
+        span = visual_prune.visual_span(target.model.config)
+    if draft_kv is not None:
+        if selector is not None:
+            raise ValueError("give either selector= or draft_kv=, not both")
+        selector = kv_compress.build_selector(draft_kv, target.model)
+    if draft_kv_budget is not None:
+        budget = draft_kv_budget
+    return SparseDrafter(target.model, num_draft_tokens, adaptive, budget=budget, sinks=sinks, window=window,
+                         span=span, selector=selector)
