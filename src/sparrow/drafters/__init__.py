@@ -43,7 +43,7 @@ class DrafterEntry:
     """How to build a drafter by name; `build(target, draft, num_draft_tokens, adaptive, **options)`."""
 
     build: Callable[..., Drafter]
-    default_num_draft_tokens: int
+    default_num_draft_tokens: int | None  # None: the builder picks (layer-skip: the k its set was tuned for)
     needs_draft_model: bool = False
     uses_draft_model: bool = False  # optional: used when one is given ("auto")
     default_draft: str | None = None  # the draft model `sparrow.load(draft="default")` picks
@@ -66,7 +66,7 @@ REGISTRY: dict[str, DrafterEntry] = {
     "auto": DrafterEntry(auto.build, default_num_draft_tokens=16, uses_draft_model=True, default_draft="qwen2.5-coder-0.5b"),
     "sparse": DrafterEntry(sparse.build, default_num_draft_tokens=8),
     "visual-prune": DrafterEntry(visual_prune.build, default_num_draft_tokens=8, uses_draft_model=True),
-    "layer-skip": DrafterEntry(build_layer_skip, default_num_draft_tokens=4),
+    "layer-skip": DrafterEntry(build_layer_skip, default_num_draft_tokens=None),
 }
 DRAFTERS = (*REGISTRY, "none")  # "none" = plain decoding
 

@@ -328,8 +328,9 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
 
     def make(name: str, draft_model: LoadedModel | None, **options: Any) -> Drafter:
         entry = REGISTRY[name]
-        return entry.build(target, draft_model, min(num_draft_tokens, entry.default_num_draft_tokens), adaptive,
-                           **options)
+        default = entry.default_num_draft_tokens  # None: the builder's own choice (layer-skip: its tuned k)
+        return entry.build(target, draft_model, None if default is None else min(num_draft_tokens, default),
+                           adaptive, **options)
 
     candidates = [make("prompt-lookup", None)]
     if draft is not None:

@@ -416,7 +416,10 @@ def resolve_record(target: LoadedModel, skip_set: SkipSet | str | dict | None,
     return record
 
 
-def build_layer_skip(target: LoadedModel, draft: None, num_draft_tokens: int, adaptive: bool,
+DEFAULT_NUM_DRAFT_TOKENS = 4  # for a skip set given without a tuned record
+
+
+def build_layer_skip(target: LoadedModel, draft: None, num_draft_tokens: int | None, adaptive: bool,
                      skip_set: SkipSet | str | dict | None = None, skip_file: str | Path | None = None,
                      force: bool = False, backoff: bool | None = None, sample_drafts: bool = True) -> LayerSkipDrafter:
     """Registry builder for "layer-skip". Without skip_set / skip_file the set shipped for the preset is used.
@@ -438,5 +441,7 @@ def build_layer_skip(target: LoadedModel, draft: None, num_draft_tokens: int, ad
                           "Pass force=True to draft with it anyway.", stacklevel=2)
     else:
         skip = found
+    if num_draft_tokens is None:  # not given: the k the set was tuned for
+        num_draft_tokens = found.num_draft_tokens if isinstance(found, SkipRecord) else DEFAULT_NUM_DRAFT_TOKENS
     return LayerSkipDrafter(target.model, skip, num_draft_tokens, adaptive, backoff=backoff, enabled=enabled,
                             sample_drafts=sample_drafts)
