@@ -72,3 +72,12 @@ def target_model(arch):
 @pytest.fixture(scope="session")
 def loaded_target(target_model, tokenizer) -> LoadedModel:
     return LoadedModel(model=target_model, tokenizer=tokenizer, name="tiny")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared CPU two threads' spin waits cost 10-40x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -65,13 +65,7 @@ def drafts(target_model, tokenizer, arch) -> dict[str, LoadedModel]:
     }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a loaded machine: one thread avoids 10-40x slowdowns from oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -181,13 +181,6 @@ def test_cli_bad_input_fails_before_loading_models(data, args, message):
 
 # ---------------------------------------------------------------- a whole run on tiny models
 
-@pytest.fixture
-def one_thread():
-    """Tiny models on a shared, busy CPU: one intra-op thread avoids the thread pool's spin waits (~7x)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_bench_run_writes_rows_report_and_plots(data, tokenizer, tmp_path, one_thread):

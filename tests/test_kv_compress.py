@@ -18,13 +18,7 @@ from sparrow.vision.prompt import visual_token_positions
 from sparrow.vision.video import Video
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads and slow down badly on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_layer(seed: int, heads: int = 4, kv_heads: int = 2, w: int = 8, n: int = 80, d: int = 16):

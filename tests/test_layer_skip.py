@@ -23,13 +23,7 @@ PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of Fra
 ROUNDS = [("mlp=3", 1, False), ("attention=2;mlp=1", 4, False), ("layers=2-3", 4, True), ("attention=1-3", 8, True)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~20x faster on one thread when the machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_gemma3() -> torch.nn.Module:

@@ -121,13 +121,7 @@ from sparrow.pipeline import Pipeline  # noqa: E402
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads and slow down badly on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_loose_pipeline_accepts_at_least_strict_and_reports_fidelity(loaded_target, tokenizer):

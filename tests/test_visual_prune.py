@@ -11,13 +11,7 @@ from hypothesis import strategies as st
 from sparrow.drafters.visual_prune import plan_pruning, prune_visual_tokens, visual_budget
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads and slow down badly on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_budget_and_stages_on_a_known_case():

@@ -21,12 +21,7 @@ QUESTION = "What moves in the video?"
 NEW_TOKENS = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models gain nothing from threads and suffer from a busy CPU
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

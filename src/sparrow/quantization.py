@@ -305,8 +305,8 @@ def quantized_copy(loaded: LoadedModel, quant: str | int, group_size: int = DEFA
     if key not in copies:
         path = quantized_cache_file(loaded, bits, group_size, cache_dir)
         copies[key] = quantize_model(loaded.model, bits, group_size, cache_file=path, keep_dense=keep_dense)
-    return LoadedModel(model=copies[key], tokenizer=loaded.tokenizer,
-                       name=f"{loaded.name} (int{bits})")
+    return LoadedModel(model=copies[key], tokenizer=loaded.tokenizer, name=f"{loaded.name} (int{bits})",
+                       processor=loaded.processor)
 
 
 def weight_bytes(model: nn.Module) -> int:
