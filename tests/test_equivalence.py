@@ -114,3 +114,11 @@ def test_sliding_window_model_rolls_back_exactly(tokenizer):
     for k in (2, 8):
         result = Pipeline(target, build_drafter("draft-model", target, draft, k)).generate(PROMPTS[0], max_new_tokens=60)
         assert result.token_ids == plain and result.stats.num_accepted_tokens > 0
+    # Rejections once the window is full: the target must crop sliding layers past their window.
+    torch.manual_seed(1)
+    far = LoadedModel(Gemma3ForCausalLM(config).float().eval(), tokenizer, "unrelated")
+    long_prompt = " ".join(PROMPTS)
+    plain = Pipeline(target, None).generate_plain(long_prompt, max_new_tokens=40).token_ids
+    result = Pipeline(target, build_drafter("draft-model", target, far, 4)).generate(long_prompt, max_new_tokens=40)
+    stats = result.stats
+    assert result.token_ids == plain and stats.num_accepted_tokens < stats.num_draft_tokens  # rejected: rewound

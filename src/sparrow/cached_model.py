@@ -61,6 +61,9 @@ class CachedModel:
     def prefill(self, prompt: Prompt) -> Tensor:
         """Reset the cache and run the prompt. Returns [vocab] logits for the first new token."""
         self.cache = DynamicCache(config=self.model.config)
+        # Sliding-window layers (Gemma-3) drop states beyond the window unless they record the past, and
+        # then could not be rewound once the window is full; rewind() trims them back to the window.
+        self.cache.activate_past_recording()
         out = self.model(
             input_ids=prompt.input_ids.to(self.device)[None],
             past_key_values=self.cache,
@@ -68,6 +71,7 @@ class CachedModel:
             logits_to_keep=1,
             **prompt.model_inputs,
         )
+        self.cache.crop(0)  # sliding-window layers back to their window (a no-op for full-attention layers)
         return out.logits[0, -1]
 
     @torch.inference_mode()
@@ -89,5 +93,4 @@ class CachedModel:
         assert self.cache is not None
         surplus = self.length - length
         assert surplus >= 0, f"cannot rewind a cache of length {self.length} forward to {length}"
-        if surplus:
-            self.cache.crop(-surplus)  # transformers >= 5: negative = number of positions to drop
+        self.cache.crop(-surplus)  # transformers >= 5: negative = positions to drop; 0 trims sliding layers

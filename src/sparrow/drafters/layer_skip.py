@@ -328,11 +328,7 @@ class LayerSkipDrafter:
     def prefill(self, prompt: Prompt, target: CachedModel) -> None:
         if target.model is not self.model:
             raise ValueError("layer-skip: the target is not the model this drafter was built for")
-        self.target = target
-        if hasattr(target.cache, "activate_past_recording"):
-            # Sliding-window layers drop states beyond the window unless they record the past; cropping the
-            # drafted positions (and the target's own rewind) needs them.
-            target.cache.activate_past_recording()
+        self.target = target  # its cache records the past, so drafted positions can be cropped (CachedModel)
         self.length.reset()
         self.budget.reset()
         self._round_end = None
