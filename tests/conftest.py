@@ -44,6 +44,22 @@ def tiny_model(arch: str, seed: int, vocab_size: int = VOCAB, num_layers: int = 
     return model.float().eval()
 
 
+def tiny_gemma3(num_layers: int = 6, seed: int = 0, sharpen: bool = True) -> torch.nn.Module:
+    """Gemma-3 with sliding-window layers (window 8; with 6 layers: five sliding, one global)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)  # tests only: model construction draws from the global generator
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                              max_position_embeddings=1024)
+    model = Gemma3ForCausalLM(config).float().eval()
+    if sharpen:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
     """A copy with Gaussian noise on every weight: a draft that agrees with the target often, not always."""
     other = copy.deepcopy(model)

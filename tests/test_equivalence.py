@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import perturbed, tiny_model
+from conftest import perturbed, tiny_gemma3, tiny_model
 from sparrow.models import LoadedModel
 from sparrow.drafters import build_drafter
 from sparrow.pipeline import Pipeline
@@ -98,16 +98,7 @@ def test_sampling_is_reproducible_with_a_seed(loaded_target, drafts):
 
 def test_sliding_window_model_rolls_back_exactly(tokenizer):
     """Gemma-3 mixes sliding-window layers (window 8 here) with global ones; rollback must stay exact."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                              max_position_embeddings=1024)
-    model = Gemma3ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.generation_config.eos_token_id = None
+    model = tiny_gemma3(num_layers=4)
     target = LoadedModel(model, tokenizer, "tiny-gemma3")
     draft = LoadedModel(perturbed(model, 0.05, seed=2), tokenizer, "close")
     plain = Pipeline(target, None).generate_plain(PROMPTS[0], max_new_tokens=60).token_ids
@@ -115,8 +106,7 @@ def test_sliding_window_model_rolls_back_exactly(tokenizer):
         result = Pipeline(target, build_drafter("draft-model", target, draft, k)).generate(PROMPTS[0], max_new_tokens=60)
         assert result.token_ids == plain and result.stats.num_accepted_tokens > 0
     # Rejections once the window is full: the target must crop sliding layers past their window.
-    torch.manual_seed(1)
-    far = LoadedModel(Gemma3ForCausalLM(config).float().eval(), tokenizer, "unrelated")
+    far = LoadedModel(tiny_gemma3(num_layers=4, seed=1, sharpen=False), tokenizer, "unrelated")
     long_prompt = " ".join(PROMPTS)
     plain = Pipeline(target, None).generate_plain(long_prompt, max_new_tokens=40).token_ids
     result = Pipeline(target, build_drafter("draft-model", target, far, 4)).generate(long_prompt, max_new_tokens=40)

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import tiny_gemma3, tiny_model
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters import build_drafter
@@ -24,21 +24,6 @@ ROUNDS = [("mlp=3", 1, False), ("attention=2;mlp=1", 4, False), ("layers=2-3", 4
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_gemma3() -> torch.nn.Module:
-    """Six layers: five sliding-window (window 8) and one global, like Gemma-3's pattern."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)  # tests only: model construction draws from the global generator
-    config = Gemma3TextConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                              max_position_embeddings=1024)
-    model = Gemma3ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.generation_config.eos_token_id = None
-    return model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
