@@ -11,7 +11,7 @@ import torch
 from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.engine import clock
+from sparrow.timing import now as clock
 from sparrow.stopping import Stopper
 from sparrow.types import GenerationStats, Prompt, StepStats
 
@@ -20,14 +20,14 @@ def plain_decode(target: CachedModel, prompt: Prompt, sampling: SamplingConfig, 
                  generator: torch.Generator | None) -> GenerationStats:
     device = target.device
     start = clock(device)
-    logits = target.prefill(prompt)
+    logits = target.prefill(prompt).logits[-1]
     token = S.choose(logits, sampling, generator)
     stopper.push([int(token)])
     prefill_seconds = clock(device) - start
     steps: list[StepStats] = []
     while not stopper.done:
         t0 = clock(device)
-        logits = target.forward(token.reshape(1))[-1]
+        logits = target.forward(token.reshape(1)).logits[-1]
         token = S.choose(logits, sampling, generator)
         stopper.push([int(token)])
         steps.append(StepStats(0, 0, 0.0, clock(device) - t0))

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from sparrow.types import Prompt
+from sparrow.types import Prompt, TargetOutput
 
 
 def _text_config(config):
@@ -53,13 +53,14 @@ class CachedModel:
         """Number of positions whose KV the cache holds."""
         return self.cache.get_seq_length() if self.cache is not None else 0
 
-    def position_ids(self, start: int, num_tokens: int) -> Tensor | None:
-        """Position ids for tokens at cache positions [start, start + n); None lets the model decide."""
-        return None
+    def position_ids(self, positions: Tensor) -> Tensor:
+        """The model's `position_ids` for tokens at cache-index positions `positions` ([n] int64)."""
+        return positions.to(self.device)[None]
 
     @torch.inference_mode()
-    def prefill(self, prompt: Prompt) -> Tensor:
-        """Reset the cache and run the prompt. Returns [vocab] logits for the first new token."""
+    def prefill(self, prompt: Prompt, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """Reset the cache and run the prompt. Returns the logits of the last prompt row ([1, vocab]) and,
+        when asked for, the hidden states of every prompt row ([len(hidden_layers), n, d])."""
         self.cache = DynamicCache(config=self.model.config)
         # Sliding-window layers (Gemma-3) drop states beyond the window unless they record the past, and
         # then could not be rewound once the window is full; rewind() trims them back to the window.
@@ -69,24 +70,81 @@ class CachedModel:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
+            output_hidden_states=bool(hidden_layers),
             **prompt.model_inputs,
         )
         self.cache.crop(0)  # sliding-window layers back to their window (a no-op for full-attention layers)
-        return out.logits[0, -1]
+        return self._output(out, hidden_layers)
 
     @torch.inference_mode()
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Append `tokens` ([n] int64) after the cached positions. Returns [n, vocab] logits."""
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,
+                hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """Append `tokens` ([n] int64) after the cached positions. Returns [n, vocab] logits (and hidden states).
+
+        positions: [n] cache-index positions (default: the next n); a tree passes `start + depth`.
+        mask: [n, length + n] bool, True = may attend (default: causal); a tree passes its ancestor mask.
+        Sliding-window layers additionally see only keys less than `sliding_window` positions back.
+        """
         assert tokens.ndim == 1 and tokens.numel() > 0, tuple(tokens.shape)
         assert self.cache is not None, "prefill() must run before forward()"
-        start = self.length
+        n, start = tokens.numel(), self.length
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device)
+        assert positions.shape == (n,), (tuple(positions.shape), n)
+        extra = {}
+        if mask is not None:
+            assert mask.shape == (n, start + n) and mask.dtype == torch.bool, (tuple(mask.shape), mask.dtype, n, start)
+            extra["attention_mask"] = self._attention_mask(mask.to(self.device), positions.to(self.device))
         out = self.model(
             input_ids=tokens.to(self.device)[None],
             past_key_values=self.cache,
             use_cache=True,
-            position_ids=self.position_ids(start, tokens.numel()),
+            position_ids=self.position_ids(positions),
+            output_hidden_states=bool(hidden_layers),
+            **extra,
         )
-        return out.logits[0]
+        return self._output(out, hidden_layers)
+
+    def _output(self, out, hidden_layers: tuple[int, ...]) -> TargetOutput:
+        hidden = torch.stack([out.hidden_states[i][0] for i in hidden_layers]) if hidden_layers else None
+        return TargetOutput(out.logits[0], hidden)
+
+    def _attention_mask(self, mask: Tensor, positions: Tensor) -> Tensor | dict[str, Tensor]:
+        """[n, length + n] bool -> the model's additive 4-D mask; a dict per layer type when some layers
+        use a sliding window (their cache hands attention only the keys of `get_mask_sizes`)."""
+        n = positions.numel()
+        dtype = next(self.model.parameters()).dtype
+        full = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        layer_types = list(getattr(self.config, "layer_types", None) or [])
+        if "sliding_attention" not in layer_types:
+            return full[None, None]
+        window = self.config.sliding_window
+        start = self.length
+        key_positions = torch.cat([torch.arange(start, device=mask.device), positions])
+        near = positions[:, None] - key_positions[None, :] < window  # HF: kv_idx > q_idx - sliding_window
+        sliding = full.masked_fill(~near, torch.finfo(dtype).min)
+        kv_length, kv_offset = self.cache.get_mask_sizes(n, layer_types.index("sliding_attention"))
+        sliding = sliding[:, kv_offset : kv_offset + kv_length]
+        return {"full_attention": full[None, None], "sliding_attention": sliding[None, None]}
+
+    def keep(self, start: int, nodes: Tensor) -> None:
+        """After scoring [root, *draft nodes] at cache positions start, start + 1, ...: keep the root and the
+        draft `nodes` ([m] int64, root to leaf) and drop the other nodes, compacting the cache to start + 1 + m
+        positions. For a chain prefix (nodes == arange(m)) this is a plain crop."""
+        assert self.cache is not None
+        m = nodes.numel()
+        scored = self.length - start - 1  # draft nodes in the cache
+        assert scored >= m, f"cannot keep {m} of {scored} scored nodes"
+        nodes = nodes.to(self.device)
+        if m and not bool((nodes == torch.arange(m, device=self.device)).all()):
+            for layer in self.cache.layers:
+                if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.numel() == 0:
+                    continue
+                first = layer.keys.shape[-2] - scored  # index of node 0 in this layer's stored keys
+                source = nodes + first
+                layer.keys[..., first : first + m, :] = layer.keys.index_select(-2, source)
+                layer.values[..., first : first + m, :] = layer.values.index_select(-2, source)
+        self.rewind(start + 1 + m)
 
     def rewind(self, length: int) -> None:
         """Drop cached positions >= length."""

@@ -2,52 +2,65 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.drafters import Drafter
+from sparrow.drafters.base import Drafter
 from sparrow.stopping import Stopper
-from sparrow.types import GenerationStats, Prompt, StepStats
+from sparrow.timing import now
+from sparrow.tree import TreeLayout
+from sparrow.types import Draft, GenerationStats, Prompt, StepStats, TargetOutput
 from sparrow.verifiers import Verifier
 
 
-def clock(device: torch.device) -> float:
-    """perf_counter after the device has finished queued work (CUDA kernels run asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+def score(target: CachedModel, last: torch.Tensor, draft: Draft, hidden_layers: tuple[int, ...]) -> TargetOutput:
+    """One target forward over [last committed token, *draft nodes] -> [len(draft) + 1] rows.
+
+    A chain runs with the model's own causal mask; a tree with its ancestor mask and depth positions.
+    """
+    tokens = torch.cat([last, draft.tokens.to(last.device)])
+    if not draft.is_tree:
+        return target.forward(tokens, hidden_layers=hidden_layers)
+    layout = TreeLayout.of(draft.parents.to(target.device), target.length)
+    return target.forward(tokens, layout.positions, layout.mask, hidden_layers)
 
 
 def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier, prompt: Prompt,
-                       sampling: SamplingConfig, stopper: Stopper,
-                       generator: torch.Generator | None) -> GenerationStats:
-    """Generate into `stopper.tokens`; the target's output distribution is unchanged (lossless)."""
-    device = target.device
-    start = clock(device)
-    first_logits = target.prefill(prompt)  # cache: prompt; invariant from here on: cache == committed[:-1]
-    drafter.prefill(prompt, target)
-    committed = prompt.input_ids.to(device)
-    committed = torch.cat([committed, S.choose(first_logits, sampling, generator).reshape(1)])
+                       sampling: SamplingConfig, stopper: Stopper, generator: torch.Generator | None,
+                       sync_timing: bool = True) -> GenerationStats:
+    """Generate into `stopper.tokens`; the target's output distribution is unchanged (lossless).
+
+    sync_timing: on CUDA, synchronise before each clock read so draft and verify seconds are exact
+    (the adaptive policies compare them); False measures only what the host waited for.
+    """
+    device, layers = target.device, drafter.hidden_layers
+    start = now(device, sync_timing)
+    out = target.prefill(prompt, layers)  # cache: prompt; invariant from here on: cache == committed[:-1]
+    drafter.prefill(prompt, target, out)
+    committed = torch.cat([prompt.input_ids.to(device), S.choose(out.logits[-1], sampling, generator).reshape(1)])
     stopper.push(committed[-1:].tolist())
-    prefill_seconds = clock(device) - start
+    prefill_seconds = now(device, sync_timing) - start
     steps: list[StepStats] = []
     while not stopper.done:
-        t0 = clock(device)
-        # 1. Draft: never more than the budget allows, since each round also yields one target token.
+        t0 = now(device, sync_timing)
+        # 1. Draft a chain or a tree; never more nodes than the budget allows, since each round adds a target token.
         draft = drafter.propose(committed, stopper.remaining - 1, sampling, generator)
-        t1 = clock(device)
-        # 2. Score: one target forward over [last committed token, *draft] -> [k + 1, vocab].
-        target_logits = target.forward(torch.cat([committed[-1:], draft.tokens.to(device)]))
-        # 3. Verify: the accepted prefix plus one bonus or recovered token.
-        verdict = verifier.verify(draft, target_logits, sampling, generator)
-        # 4. Commit: the target drops KV of rejected drafts; the drafter hears the verdict.
+        t1 = now(device, sync_timing)
+        # 2. Score: one target forward over [last committed token, *draft] -> [n + 1] rows.
+        base = target.length
+        out = score(target, committed[-1:], draft, layers)
+        # 3. Verify: the accepted path plus one bonus or recovered token.
+        verdict = verifier.verify(draft, out.logits, sampling, generator)
+        # 4. Commit: the target keeps the accepted path's KV (compaction; a crop for chains).
+        nodes = verdict.accepted_nodes
+        target.keep(base, nodes)
         committed = torch.cat([committed, verdict.tokens.to(device)])
-        target.rewind(committed.numel() - 1)
-        drafter.observe(draft, verdict)
+        step = StepStats(len(draft), verdict.num_accepted, t1 - t0, now(device, sync_timing) - t1,
+                         tree=draft.is_tree, first_branch=verdict.first_branch)
+        steps.append(step)
+        # 5. Feedback: the target's outputs for the committed rows [root, *path] and the round's timings.
+        drafter.observe(draft, verdict, out.rows(torch.cat([nodes.new_zeros(1), nodes + 1])), step)
         stopper.push(verdict.tokens.tolist())  # EOS / stop string / length cut inside the block
-        steps.append(StepStats(len(draft), verdict.num_accepted, t1 - t0, clock(device) - t1))
     return GenerationStats.from_steps(steps, prefill_seconds)

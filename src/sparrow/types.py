@@ -23,22 +23,42 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Draft:
-    """A proposed continuation of the committed tokens, in the *target* vocabulary."""
+    """A proposed continuation of the committed tokens, in the *target* vocabulary: a chain, or a tree.
 
-    tokens: Tensor  # [k] int64, k >= 0
+    A tree is a list of nodes in topological order: `parents[i]` is the index of node i's parent,
+    -1 for the root (the last committed token), and always < i. A chain is the tree in which every
+    node's parent is the node before it; `parents is None` stands for that chain.
+    Siblings (nodes with the same parent) are tried in index order by the verifiers.
+    """
+
+    tokens: Tensor  # [n] int64, n >= 0
     probs: Tensor | None = None
-    """[k, vocab] draft distribution q each token was sampled from; None means a point mass
-    (argmax or n-gram drafts), which the rejection verifier treats with the q = 1 rule."""
+    """[n, vocab] draft distribution q node i was *sampled* from (siblings sampled i.i.d. share their
+    parent's q); None means every node is a deterministic proposal (argmax, top-k children, n-gram),
+    which the rejection verifier treats with the q = 1 rule."""
+    parents: Tensor | None = None  # [n] int64, -1 = root; None = chain
 
     def __post_init__(self) -> None:
         assert self.tokens.ndim == 1, f"Draft.tokens must be 1-D, got {tuple(self.tokens.shape)}"
+        n = self.tokens.numel()
         if self.probs is not None:
-            assert self.probs.ndim == 2 and self.probs.shape[0] == self.tokens.numel(), (
-                f"Draft.probs must be [k, vocab] with k={self.tokens.numel()}, got {tuple(self.probs.shape)}"
+            assert self.probs.ndim == 2 and self.probs.shape[0] == n, (
+                f"Draft.probs must be [n, vocab] with n={n}, got {tuple(self.probs.shape)}"
             )
+        if self.parents is not None:
+            assert self.parents.shape == (n,), f"Draft.parents must be [{n}], got {tuple(self.parents.shape)}"
+            assert bool((self.parents < torch.arange(n, device=self.parents.device)).all()) and (
+                n == 0 or int(self.parents.min()) >= -1), f"Draft.parents must satisfy -1 <= parents[i] < i: {self.parents}"
 
     def __len__(self) -> int:
         return self.tokens.numel()
+
+    @property
+    def is_tree(self) -> bool:
+        """True unless the draft is a chain (parents None, or each node's parent is the previous node)."""
+        if self.parents is None:
+            return False
+        return not bool((self.parents == torch.arange(-1, len(self) - 1, device=self.parents.device)).all())
 
     @staticmethod
     def empty(device: torch.device | str) -> Draft:
@@ -49,23 +69,67 @@ class Draft:
 class Verdict:
     """What the verifier decided for one round."""
 
-    tokens: Tensor  # [num_accepted + 1]: the accepted draft prefix, then one bonus or recovered token
-    num_accepted: int  # 0 .. len(draft)
+    tokens: Tensor  # [num_accepted + 1]: the accepted draft path, then one bonus or recovered token
+    num_accepted: int  # 0 .. depth of the draft
+    path: Tensor | None = None
+    """[num_accepted] int64 indices of the accepted draft nodes, root to leaf; None means the chain
+    prefix arange(num_accepted)."""
 
     def __post_init__(self) -> None:
         assert self.tokens.ndim == 1 and self.tokens.numel() == self.num_accepted + 1, (
             f"Verdict.tokens must hold num_accepted + 1 = {self.num_accepted + 1} tokens, got {tuple(self.tokens.shape)}"
         )
+        if self.path is not None:
+            assert self.path.shape == (self.num_accepted,), (tuple(self.path.shape), self.num_accepted)
+
+    @property
+    def accepted_nodes(self) -> Tensor:
+        """[num_accepted] draft node indices kept (the chain prefix when `path` is None)."""
+        if self.path is not None:
+            return self.path
+        return torch.arange(self.num_accepted, device=self.tokens.device)
+
+    @property
+    def first_branch(self) -> bool:
+        """False when the accepted path left the first-child spine (a non-first sibling was accepted)."""
+        if self.path is None or self.num_accepted == 0:
+            return True
+        return bool((self.path == torch.arange(self.num_accepted, device=self.path.device)).all())
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """The target's outputs for some rows of one forward: logits, and the hidden states drafters asked for."""
+
+    logits: Tensor  # [n, vocab]
+    hidden: Tensor | None = None
+    """[len(layers), n, hidden] hidden states of the requested layers (transformers' `hidden_states`
+    indexing: 0 = embeddings, i = output of decoder layer i, num_layers = final, after the last norm);
+    None when no drafter asked for any."""
+
+    def __post_init__(self) -> None:
+        assert self.logits.ndim == 2, f"TargetOutput.logits must be [n, vocab], got {tuple(self.logits.shape)}"
+        if self.hidden is not None:
+            assert self.hidden.ndim == 3 and self.hidden.shape[1] == self.logits.shape[0], (
+                f"TargetOutput.hidden must be [layers, {self.logits.shape[0]}, d], got {tuple(self.hidden.shape)}")
+
+    def rows(self, index: Tensor) -> TargetOutput:
+        """The outputs of the rows `index` ([m] int64)."""
+        index = index.to(self.logits.device)
+        hidden = None if self.hidden is None else self.hidden.index_select(1, index.to(self.hidden.device))
+        return TargetOutput(self.logits.index_select(0, index), hidden)
 
 
 @dataclass(frozen=True)
 class StepStats:
     """One speculative round."""
 
-    num_draft_tokens: int
+    num_draft_tokens: int  # draft nodes verified (the tree's size, or the chain's length)
     num_accepted: int
     draft_seconds: float
-    verify_seconds: float
+    verify_seconds: float  # the target's scoring forward and the verifier, measured by the engine
+    tree: bool = False  # the draft was a tree (a chain otherwise)
+    first_branch: bool = True  # the accepted path was the first-child spine (always, for chains)
 
 
 @dataclass(frozen=True)
@@ -80,6 +144,8 @@ class GenerationStats:
     prefill_seconds: float
     draft_seconds: float
     verify_seconds: float
+    tree_steps: int = 0  # rounds whose draft was a tree
+    branch_steps: int = 0  # rounds where the accepted path was not the first-child spine of the tree
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -98,10 +164,11 @@ class GenerationStats:
     def from_steps(steps: list[StepStats], prefill_seconds: float) -> GenerationStats:
         width = max((s.num_draft_tokens for s in steps), default=0)
         accepted, drafted = [0] * width, [0] * width
-        for s in steps:
-            for i in range(s.num_draft_tokens):
-                drafted[i] += 1
-                accepted[i] += i < s.num_accepted
+        for s in steps:  # per position = per depth: a tree counts as drafting every depth its path reached
+            for i in range(s.num_draft_tokens if not s.tree else s.num_accepted + 1):
+                if i < width:
+                    drafted[i] += 1
+                    accepted[i] += i < s.num_accepted
         return GenerationStats(
             steps=len(steps),
             num_draft_tokens=sum(s.num_draft_tokens for s in steps),
@@ -111,6 +178,8 @@ class GenerationStats:
             prefill_seconds=prefill_seconds,
             draft_seconds=sum(s.draft_seconds for s in steps),
             verify_seconds=sum(s.verify_seconds for s in steps),
+            tree_steps=sum(s.tree for s in steps),
+            branch_steps=sum(not s.first_branch for s in steps),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,6 +193,8 @@ class GenerationStats:
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
+            "tree_steps": self.tree_steps,
+            "branch_steps": self.branch_steps,
         }
 
 

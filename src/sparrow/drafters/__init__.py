@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -12,6 +12,7 @@ from torch import Tensor
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters import auto, cross_vocab
+from sparrow.drafters.base import Drafter
 from sparrow.drafters import sparse
 from sparrow.drafters import visual_prune
 from sparrow.drafters.draft_model import DraftModelDrafter
@@ -20,22 +21,6 @@ from sparrow.drafters.length import DraftLength
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
 from sparrow.drafters.quantized_self import build_quantized_self
 from sparrow.models import LoadedModel
-from sparrow.types import Draft, Prompt, Verdict
-
-
-class Drafter(Protocol):
-    name: str
-
-    def prefill(self, prompt: Prompt, target: CachedModel) -> None:
-        """Start a new generation from `prompt`. `target` has just prefilled it: self-drafters may read
-        its cache and append to it while drafting, but must leave it cropped back to its length."""
-
-    def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Draft:
-        """Up to `max_tokens` draft tokens continuing `committed` ([n] prompt + generated tokens)."""
-
-    def observe(self, draft: Draft, verdict: Verdict) -> None:
-        """Feedback after verification (adaptive draft length, bookkeeping)."""
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ from sparrow.config import SamplingConfig
 from sparrow.drafters.cross_vocab import CrossVocabDrafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter
-from sparrow.types import Draft, Prompt, Verdict
+from sparrow.timing import now
+from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 if TYPE_CHECKING:
     from sparrow.drafters import Drafter
@@ -165,6 +166,7 @@ class _Shadow:
 
 
 class AutoDrafter:
+    hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "auto"
 
     def __init__(self, candidates: Sequence[Drafter], clock: Callable[[], float] | None = None,
@@ -190,16 +192,15 @@ class AutoDrafter:
         self._lazy: set[str] = set()
         self._prompt: Prompt | None = None
         self._target: CachedModel | None = None
+        self._prefill_out: TargetOutput | None = None
         self._round: dict[str, Any] = {}
 
     # --- Drafter protocol ----------------------------------------------------------------------
-    def prefill(self, prompt: Prompt, target: CachedModel) -> None:
+    def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:
         if self._clock is None:
-            from sparrow.engine import clock  # the engine imports the drafters package
-
             device = target.device
-            self._clock = lambda: clock(device)
-        self._prompt, self._target = prompt, target
+            self._clock = lambda: now(device)
+        self._prompt, self._target, self._prefill_out = prompt, target, out
         self.choices, self.rounds = [], []
         self._shadows = []
         for stats in self.stats.values():
@@ -213,7 +214,7 @@ class AutoDrafter:
         self._lazy = {n for n, c in self.candidates.items() if isinstance(c, (DraftModelDrafter, CrossVocabDrafter))}
         for name, candidate in self.candidates.items():
             if name not in self._lazy:
-                candidate.prefill(prompt, target)
+                candidate.prefill(prompt, target, out)
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
@@ -234,21 +235,22 @@ class AutoDrafter:
             return self._chosen(PLAIN, Draft.empty(committed.device), 0.0, probe=False)
         if name in self._lazy:
             self._lazy.discard(name)
-            self.candidates[name].prefill(self._prompt, self._target)
+            self.candidates[name].prefill(self._prompt, self._target, self._prefill_out)
         if probe:
             self.stats[name].scale(self.config.probe_weight)  # stale: let this round count most
         t0 = self._clock()
         draft = self.candidates[name].propose(committed, max_tokens, sampling, generator)
         return self._chosen(name, draft, self._clock() - t0, probe)
 
-    def observe(self, draft: Draft, verdict: Verdict) -> None:
+    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
+                step: StepStats | None = None) -> None:
         verify_seconds = self._clock() - self._round["end"]
         self.verify.observe(len(draft) + 1, verify_seconds)
         name = self._round["name"]
         self.rounds.append(AutoRound(name, len(draft), verdict.num_accepted))
         if name == PLAIN:
             return
-        self.candidates[name].observe(draft, verdict)
+        self.candidates[name].observe(draft, verdict, out, step)
         self.stats[name].add(verdict.num_accepted + 1, self._round["draft_seconds"], len(draft), self.config.forgetting)
         if name in self._next_probe:
             if self._round["probe"]:

@@ -46,7 +46,7 @@ from sparrow.drafters.budget import DraftBudget
 from sparrow.drafters.dtw import carry_confidence, dtw_path, target_to_source
 from sparrow.drafters.length import DraftLength
 from sparrow.drafters.token_bytes import TokenBytes, valid_utf8_prefix
-from sparrow.types import Draft, Prompt, Verdict
+from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 if TYPE_CHECKING:
     from sparrow.models import LoadedModel
@@ -94,6 +94,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class CrossVocabDrafter:
+    hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "cross-vocab"
 
     def __init__(self, draft: CachedModel, target_tokenizer: PreTrainedTokenizerBase,
@@ -159,7 +160,7 @@ class CrossVocabDrafter:
             pending = pending[covered:]
 
     # --- Drafter protocol ----------------------------------------------------------------------
-    def prefill(self, prompt: Prompt, target: CachedModel | None = None) -> None:
+    def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
         self.budget.reset()
         self._start(prompt.input_ids.tolist())
@@ -186,7 +187,8 @@ class CrossVocabDrafter:
         self._round_end = _now(self.draft.device)
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=self.draft.device))
 
-    def observe(self, draft: Draft, verdict: Verdict) -> None:
+    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
+                step: StepStats | None = None) -> None:
         self.length.observe(len(draft), verdict.num_accepted)
         self.budget.record_verdict(len(draft), verdict.num_accepted)
 
@@ -198,7 +200,7 @@ class CrossVocabDrafter:
         feed = self._draft_ids[valid:]
         generated, confidence = [], []
         for _ in range(steps):
-            logits = self.draft.forward(torch.tensor(feed, dtype=torch.long, device=self.draft.device))[-1]
+            logits = self.draft.forward(torch.tensor(feed, dtype=torch.long, device=self.draft.device)).logits[-1]
             probs = logits[: len(self.draft_vocab)].float().softmax(-1)  # padded rows are no tokens
             top, token = probs.max(-1)
             generated.append(int(token))

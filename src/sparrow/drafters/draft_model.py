@@ -19,7 +19,7 @@ from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.length import DraftLength
-from sparrow.types import Draft, Prompt, Verdict
+from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
 def common_prefix_length(a: Tensor, b: Tensor) -> int:
@@ -29,6 +29,7 @@ def common_prefix_length(a: Tensor, b: Tensor) -> int:
 
 
 class DraftModelDrafter:
+    hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "draft-model"
 
     def __init__(self, draft: CachedModel, target_vocab_size: int, num_draft_tokens: int = 6,
@@ -42,7 +43,7 @@ class DraftModelDrafter:
         self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
         self._cached = torch.empty(0, dtype=torch.long)  # [draft.length] tokens whose KV the cache holds
 
-    def prefill(self, prompt: Prompt, target: CachedModel | None = None) -> None:
+    def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
         self.draft.prefill(prompt)
         self._cached = prompt.input_ids.to(self.draft.device)
@@ -59,7 +60,7 @@ class DraftModelDrafter:
         feed = committed[valid:]
         tokens, rows = [], []
         for _ in range(num_tokens):
-            logits = self.draft.forward(feed)[-1]  # [vocab]
+            logits = self.draft.forward(feed).logits[-1]  # [vocab]
             if sampling.greedy:
                 token = logits.argmax()
             else:
@@ -72,5 +73,6 @@ class DraftModelDrafter:
         self._cached = torch.cat([committed, *tokens[:-1]])
         return Draft(tokens=torch.cat(tokens), probs=torch.stack(rows) if rows else None)
 
-    def observe(self, draft: Draft, verdict: Verdict) -> None:
+    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
+                step: StepStats | None = None) -> None:
         self.length.observe(len(draft), verdict.num_accepted)

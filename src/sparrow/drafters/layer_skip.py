@@ -50,7 +50,7 @@ from sparrow.drafters.budget import DraftBudget
 from sparrow.drafters.length import DraftLength
 from sparrow.models import LoadedModel
 from sparrow.models.presets import default_cache_dir
-from sparrow.types import Draft, Prompt, Verdict
+from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
 # --- skip sets -------------------------------------------------------------------------------------
@@ -309,6 +309,7 @@ def _now(device: torch.device) -> float:
 
 
 class LayerSkipDrafter:
+    hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "layer-skip"
 
     def __init__(self, model: PreTrainedModel, skip: SkipSet, num_draft_tokens: int = 4, adaptive: bool = True,
@@ -325,7 +326,7 @@ class LayerSkipDrafter:
         self._round_end: float | None = None
         self._last_proposed = 0
 
-    def prefill(self, prompt: Prompt, target: CachedModel) -> None:
+    def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:
         if target.model is not self.model:
             raise ValueError("layer-skip: the target is not the model this drafter was built for")
         self.target = target  # its cache records the past, so drafted positions can be cropped (CachedModel)
@@ -338,9 +339,7 @@ class LayerSkipDrafter:
     def step(self, token: Tensor, position: int) -> Tensor:
         """One draft forward of `token` ([1]) at cache position `position` -> [vocab] logits."""
         target = self.target
-        positions = target.position_ids(position, 1)
-        if positions is None:
-            positions = torch.tensor([[position]], device=target.device)
+        positions = target.position_ids(torch.tensor([position]))
         out = self.view(input_ids=token.to(target.device)[None], past_key_values=target.cache, use_cache=True,
                         position_ids=positions, logits_to_keep=1)
         return out.logits[0, -1]
@@ -384,7 +383,8 @@ class LayerSkipDrafter:
             crop_layers(self.target.cache, start)  # drafted KV is never kept
         return Draft(tokens=torch.cat(tokens), probs=torch.stack(rows) if rows else None)
 
-    def observe(self, draft: Draft, verdict: Verdict) -> None:
+    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
+                step: StepStats | None = None) -> None:
         self.length.observe(len(draft), verdict.num_accepted)
         self.budget.record_verdict(len(draft), verdict.num_accepted)
 

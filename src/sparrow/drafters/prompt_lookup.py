@@ -10,7 +10,7 @@ from torch import Tensor
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.length import DraftLength
-from sparrow.types import Draft, Prompt, Verdict
+from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
 def find_continuation(context: Tensor, min_n: int, max_n: int, k: int) -> Tensor:
@@ -32,6 +32,7 @@ def find_continuation(context: Tensor, min_n: int, max_n: int, k: int) -> Tensor
 
 
 class PromptLookupDrafter:
+    hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "prompt-lookup"
 
     def __init__(self, num_draft_tokens: int = 16, min_n: int = 1, max_n: int = 3, adaptive: bool = False) -> None:
@@ -42,7 +43,7 @@ class PromptLookupDrafter:
         self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
         self.min_n, self.max_n = min_n, max_n
 
-    def prefill(self, prompt: Prompt, target: CachedModel | None = None) -> None:
+    def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
@@ -50,5 +51,6 @@ class PromptLookupDrafter:
         k = min(max_tokens, self.length.cap)
         return Draft(tokens=find_continuation(committed, self.min_n, self.max_n, k))
 
-    def observe(self, draft: Draft, verdict: Verdict) -> None:
+    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
+                step: StepStats | None = None) -> None:
         self.length.observe(len(draft), verdict.num_accepted)

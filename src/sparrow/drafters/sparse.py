@@ -27,7 +27,7 @@ from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.kv_selection import KVSelector, TopKAttention, check_budget, kept_positions
 from sparrow.drafters.length import DraftLength
-from sparrow.types import Draft, Prompt, Verdict
+from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 DEFAULT_BUDGET = 1024
 DEFAULT_SINKS = 4
@@ -42,6 +42,7 @@ def _check_count(name: str, value: int, minimum: int) -> None:
 
 
 class SparseDrafter:
+    hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "sparse"
 
     def __init__(self, model: PreTrainedModel, num_draft_tokens: int = 8, adaptive: bool = False,
@@ -67,7 +68,7 @@ class SparseDrafter:
         self._base = 0  # draft cache length holding exactly those
 
     @torch.inference_mode()
-    def prefill(self, prompt: Prompt, target: CachedModel) -> None:
+    def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:
         """Select the draft's prompt KV from the target's just-prefilled cache."""
         if target.model is not self.model:
             raise ValueError("the sparse drafter must be used with the target model it was built on")
@@ -102,9 +103,7 @@ class SparseDrafter:
 
     def _forward(self, token: Tensor, position: int) -> Tensor:
         """One draft step: [1] token at true `position` -> [vocab] logits."""
-        positions = self._target.position_ids(position, 1)
-        if positions is None:
-            positions = torch.tensor([[position]], device=self._target.device)
+        positions = self._target.position_ids(torch.tensor([position]))
         out = self.model(input_ids=token.reshape(1, 1), past_key_values=self.cache, use_cache=True,
                          position_ids=positions)
         return out.logits[0, -1]
@@ -136,7 +135,8 @@ class SparseDrafter:
         self.cache.crop(self._base - self.cache.get_seq_length())  # drop the draft's own (sparse) KV
         return Draft(tokens=torch.cat(tokens), probs=torch.stack(rows) if rows else None)
 
-    def observe(self, draft: Draft, verdict: Verdict) -> None:
+    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
+                step: StepStats | None = None) -> None:
         self.length.observe(len(draft), verdict.num_accepted)
 
 

@@ -40,7 +40,7 @@ from sparrow.attention_capture import QueryCapture
 from sparrow.cached_model import CachedModel
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.kv_selection import attention_scores
-from sparrow.types import Prompt
+from sparrow.types import Prompt, TargetOutput
 from sparrow.vision.prompt import visual_token_positions
 
 DEFAULT_DROP_RATE = 0.9
@@ -176,7 +176,7 @@ class PrunedView:
     def length(self) -> int:
         return self.runner.length + self.pruned
 
-    def prefill(self, prompt: Prompt, keep: Tensor) -> Tensor:
+    def prefill(self, prompt: Prompt, keep: Tensor) -> TargetOutput:
         """Prefill the prompt positions `keep` ([m] ascending, the last prompt token included)."""
         n = prompt.input_ids.numel()
         assert int(keep[-1]) == n - 1, "the last prompt token must be kept"
@@ -188,8 +188,14 @@ class PrunedView:
         assert self.runner.length == keep.numel(), (self.runner.length, keep.numel())
         return logits
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.runner.forward(tokens)
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,
+                hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """CachedModel.forward in full-prompt coordinates (the runner's cache lacks the pruned positions)."""
+        if positions is not None:
+            positions = positions - self.pruned
+        if mask is not None:
+            mask = mask[:, self.pruned:]
+        return self.runner.forward(tokens, positions, mask, hidden_layers)
 
     def rewind(self, length: int) -> None:
         assert length >= self.pruned, "cannot rewind into the pruned prompt"
@@ -223,7 +229,7 @@ class VisualPruneDrafter(DraftModelDrafter):
         self.last_visual: Tensor | None = None  # [N] prompt positions of the visual tokens
 
     @torch.inference_mode()
-    def prefill(self, prompt: Prompt, target: CachedModel | None = None) -> None:
+    def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         if target is None or target.model is not self.target_model:
             raise ValueError("the visual-prune drafter must be used with the target model it was built on")
         self.length.reset()

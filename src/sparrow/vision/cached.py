@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from sparrow.cached_model import CachedModel
-from sparrow.types import Prompt
+from sparrow.types import Prompt, TargetOutput
 
 VISUAL_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
                  "image_sizes_videos", "second_per_grid_ts", "mm_token_type_ids", "batch_num_images")
@@ -99,8 +99,8 @@ class VisionCachedModel(CachedModel):
         return {k: _to(v, self.device, dtype if k.startswith("pixel_values") else None)
                 for k, v in prompt.model_inputs.items()}
 
-    def prefill(self, prompt: Prompt) -> Tensor:
-        return super().prefill(replace(prompt, model_inputs=self.model_inputs(prompt)))
+    def prefill(self, prompt: Prompt, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        return super().prefill(replace(prompt, model_inputs=self.model_inputs(prompt)), hidden_layers)
 
 
 class MRopeCachedModel(VisionCachedModel):
@@ -113,12 +113,13 @@ class MRopeCachedModel(VisionCachedModel):
         from the cache but keeps full-sequence positions sets rope_delta = delta + m."""
         self.prompt_positions: Tensor | None = None  # [3, 1, n] positions of the last prefilled prompt
 
-    def position_ids(self, start: int, num_tokens: int) -> Tensor:
-        ids = torch.arange(start, start + num_tokens, device=self.device) + self.rope_delta
-        return ids.view(1, 1, num_tokens).expand(3, 1, num_tokens)
+    def position_ids(self, positions: Tensor) -> Tensor:
+        ids = positions.to(self.device) + self.rope_delta
+        return ids.view(1, 1, -1).expand(3, 1, ids.numel())
 
-    def prefill(self, prompt: Prompt) -> Tensor:
+    def prefill(self, prompt: Prompt, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         inputs = self.model_inputs(prompt)
         positions, self.rope_delta = mrope_positions(self.model, replace(prompt, model_inputs=inputs))
         self.prompt_positions = positions
-        return CachedModel.prefill(self, replace(prompt, model_inputs={**inputs, "position_ids": positions}))
+        return CachedModel.prefill(self, replace(prompt, model_inputs={**inputs, "position_ids": positions}),
+                                   hidden_layers)
