@@ -62,10 +62,10 @@ class PositionRecorder:
         self.seen: dict[int, list[tuple[int, ...]]] = defaultdict(list)
         runner.position_ids = self
 
-    def __call__(self, start: int, n: int):
-        ids = self.inner(start, n)
-        for i in range(n):
-            self.seen[start + i].append(tuple(ids[:, 0, i].tolist()) if ids is not None else (start + i,))
+    def __call__(self, positions: torch.Tensor):
+        ids = self.inner(positions)  # [3, 1, n] (M-RoPE) or [1, n]
+        for i, index in enumerate(positions.tolist()):
+            self.seen[index].append(tuple(ids[..., i].flatten().tolist()))
         return ids
 
 
@@ -129,7 +129,7 @@ def test_positions_are_transformers_own_and_ignore_stale_model_state(models, med
     runner.prefill(prompt)
     assert runner.rope_delta == hf_delta < 0  # visual tokens share positions: text resumes below its index
     n = prompt.input_ids.numel()
-    assert runner.position_ids(n, 3)[:, 0].tolist() == [[n + hf_delta + i for i in range(3)]] * 3
+    assert runner.position_ids(torch.arange(n, n + 3))[:, 0].tolist() == [[n + hf_delta + i for i in range(3)]] * 3
     temporal = runner.prompt_positions[0, 0, visual_token_positions(prompt, target.model.config, "video")]
     assert temporal.unique().numel() == 4  # 4 temporal patches at distinct times (real fps metadata)
     expected = pipe.generate_plain(QUESTION, max_new_tokens=20, video=media["mp4"]).token_ids

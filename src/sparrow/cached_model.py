@@ -127,6 +127,7 @@ class CachedModel:
         sliding = sliding[:, kv_offset : kv_offset + kv_length]
         return {"full_attention": full[None, None], "sliding_attention": sliding[None, None]}
 
+    @torch.inference_mode()
     def keep(self, start: int, nodes: Tensor) -> None:
         """After scoring [root, *draft nodes] at cache positions start, start + 1, ...: keep the root and the
         draft `nodes` ([m] int64, root to leaf) and drop the other nodes, compacting the cache to start + 1 + m

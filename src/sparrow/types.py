@@ -103,15 +103,16 @@ class TargetOutput:
 
     logits: Tensor  # [n, vocab]
     hidden: Tensor | None = None
-    """[len(layers), n, hidden] hidden states of the requested layers (transformers' `hidden_states`
+    """[len(layers), m, hidden] hidden states of the requested layers (transformers' `hidden_states`
     indexing: 0 = embeddings, i = output of decoder layer i, num_layers = final, after the last norm);
-    None when no drafter asked for any."""
+    None when no drafter asked for any. m == n, except after a prefill: its logits cover only the last
+    prompt row (m >= n; rows aligned at the end), its hidden states every prompt row."""
 
     def __post_init__(self) -> None:
         assert self.logits.ndim == 2, f"TargetOutput.logits must be [n, vocab], got {tuple(self.logits.shape)}"
         if self.hidden is not None:
-            assert self.hidden.ndim == 3 and self.hidden.shape[1] == self.logits.shape[0], (
-                f"TargetOutput.hidden must be [layers, {self.logits.shape[0]}, d], got {tuple(self.hidden.shape)}")
+            assert self.hidden.ndim == 3 and self.hidden.shape[1] >= self.logits.shape[0], (
+                f"TargetOutput.hidden must be [layers, >= {self.logits.shape[0]}, d], got {tuple(self.hidden.shape)}")
 
     def rows(self, index: Tensor) -> TargetOutput:
         """The outputs of the rows `index` ([m] int64)."""
