@@ -19,6 +19,9 @@ from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.length import DraftLength
+from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape, verify_cost_curve
+from sparrow.models import LoadedModel
+from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
@@ -33,13 +36,15 @@ class DraftModelDrafter:
     name = "draft-model"
 
     def __init__(self, draft: CachedModel, target_vocab_size: int, num_draft_tokens: int = 6,
-                 adaptive: bool = False) -> None:
+                 adaptive: bool = False, tree: TreeShape | None = None) -> None:
+        """tree: draft an EAGLE-2 dynamic tree of that shape each round instead of a chain of k tokens."""
         if draft.vocab_size != target_vocab_size:
             raise ValueError(
                 f"draft model vocabulary ({draft.vocab_size} tokens) does not match the target's "
                 f"({target_vocab_size} tokens); the draft-model drafter needs the same tokenizer"
             )
         self.draft = draft
+        self.tree = tree
         self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
         self._cached = torch.empty(0, dtype=torch.long)  # [draft.length] tokens whose KV the cache holds
 
@@ -57,6 +62,9 @@ class DraftModelDrafter:
         # Roll back to what is still valid, then feed everything after it (at least the last token).
         valid = min(common_prefix_length(self._cached, committed), committed.numel() - 1)
         self.draft.rewind(valid)
+        if self.tree is not None:
+            self._cached = committed
+            return dynamic_tree(self.draft, committed, self.tree, max_tokens, sampling)
         feed = committed[valid:]
         tokens, rows = [], []
         for _ in range(num_tokens):
@@ -75,4 +83,16 @@ class DraftModelDrafter:
 
     def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
                 step: StepStats | None = None) -> None:
-        self.length.observe(len(draft), verdict.num_accepted)
+        if draft.parents is None:
+            self.length.observe(len(draft), verdict.num_accepted)
+
+
+def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adaptive: bool,
+          tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 6) -> DraftModelDrafter:
+    """Registry builder for "draft-model" (and the base of "quantized-self"): a chain of k tokens a round, or
+    with `tree_budget` > 0 (or "auto": from the measured verify cost curve) an EAGLE-2 dynamic tree."""
+    target_runner, draft_runner = runner_for(target.model), runner_for(draft.model)
+    shape = resolve_shape(tree_budget, tree_topk, tree_depth,
+                          verify_ms=lambda: verify_cost_curve(target_runner, draft_runner))
+    return DraftModelDrafter(draft_runner, target_runner.vocab_size, num_draft_tokens=num_draft_tokens,
+                             adaptive=adaptive, tree=shape)

@@ -10,6 +10,8 @@ from torch import Tensor
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.length import DraftLength
+from sparrow.drafters.tree_draft import TreeShape, resolve_shape
+from sparrow.tree import merge_paths
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
@@ -31,17 +33,43 @@ def find_continuation(context: Tensor, min_n: int, max_n: int, k: int) -> Tensor
     return context[:0]
 
 
+def find_continuations(context: Tensor, min_n: int, max_n: int, k: int, limit: int) -> list[Tensor]:
+    """Up to `limit` distinct continuations of at most k tokens: what followed earlier matches of the context's
+    suffix n-grams, longest n first, most recent match first (the first one is `find_continuation`'s)."""
+    assert context.ndim == 1, tuple(context.shape)
+    found: list[Tensor] = []
+    seen: set[tuple[int, ...]] = set()
+    for n in range(min(max_n, context.numel() - 1), min_n - 1, -1):
+        suffix = context[-n:]
+        hits = (context[:-1].unfold(0, n, 1) == suffix).all(-1).nonzero().flatten().tolist()
+        for hit in reversed(hits):
+            continuation = context[hit + n : hit + n + k]
+            key = tuple(continuation.tolist())
+            if continuation.numel() and key not in seen:
+                seen.add(key)
+                found.append(continuation)
+                if len(found) == limit:
+                    return found
+    return found
+
+
 class PromptLookupDrafter:
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "prompt-lookup"
 
-    def __init__(self, num_draft_tokens: int = 16, min_n: int = 1, max_n: int = 3, adaptive: bool = False) -> None:
+    def __init__(self, num_draft_tokens: int = 16, min_n: int = 1, max_n: int = 3, adaptive: bool = False,
+                 tree: TreeShape | None = None) -> None:
         """adaptive: the round cap grows after fully accepted drafts and shrinks after rejections, so
-        long copies get long drafts while spurious matches (code, free text) stop costing verify width."""
+        long copies get long drafts while spurious matches (code, free text) stop costing verify width.
+        tree: merge the continuations of up to `tree.topk` different matches into one trie: the best match
+        keeps the chain's length (the round cap), the others at most `tree.depth` tokens; at most
+        `tree.budget` nodes beyond the best match's."""
         if min_n < 1 or max_n < min_n:
             raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
         self.min_n, self.max_n = min_n, max_n
+        self.tree = tree
+        self._first = 0  # length of the best match's continuation in the last draft
 
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
@@ -49,8 +77,31 @@ class PromptLookupDrafter:
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         k = min(max_tokens, self.length.cap)
-        return Draft(tokens=find_continuation(committed, self.min_n, self.max_n, k))
+        if self.tree is None:
+            return Draft(tokens=find_continuation(committed, self.min_n, self.max_n, k))
+        found = find_continuations(committed, self.min_n, self.max_n, k, self.tree.topk)
+        if not found:
+            self._first = 0
+            return Draft.empty(committed.device)
+        depth = min(self.tree.depth, max_tokens)
+        tokens, parents = merge_paths([found[0].tolist(), *(c[:depth].tolist() for c in found[1:])])
+        self._first = found[0].numel()
+        size = max(self._first, min(tokens.numel(), self.tree.budget))  # creation order keeps it a tree
+        return Draft(tokens=tokens[:size].to(committed.device), parents=parents[:size].to(committed.device))
 
     def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
                 step: StepStats | None = None) -> None:
-        self.length.observe(len(draft), verdict.num_accepted)
+        if draft.parents is None:
+            self.length.observe(len(draft), verdict.num_accepted)
+        else:  # the cap rule follows the best match's continuation
+            self.length.observe(self._first, min(verdict.num_accepted, self._first))
+
+
+def build(target, draft: None, num_draft_tokens: int, adaptive: bool, tree_budget: int | str = 0, tree_topk: int = 4,
+          tree_depth: int = 6) -> PromptLookupDrafter:
+    """Registry builder for "prompt-lookup"; `tree_budget` > 0 merges several matches into a trie
+    ("auto" = tree_topk * tree_depth nodes: drafting them costs nothing, the target verifies them)."""
+    if tree_budget == "auto":
+        tree_budget = tree_topk * tree_depth
+    return PromptLookupDrafter(num_draft_tokens=num_draft_tokens, adaptive=adaptive,
+                               tree=resolve_shape(tree_budget, tree_topk, tree_depth))
