@@ -163,13 +163,13 @@ class GenerationStats:
 
     @staticmethod
     def from_steps(steps: list[StepStats], prefill_seconds: float) -> GenerationStats:
-        width = max((s.num_draft_tokens for s in steps), default=0)
+        reach = [s.num_draft_tokens if not s.tree else s.num_accepted + 1 for s in steps]  # depths a round drafted
+        width = max(reach, default=0)
         accepted, drafted = [0] * width, [0] * width
-        for s in steps:  # per position = per depth: a tree counts as drafting every depth its path reached
-            for i in range(s.num_draft_tokens if not s.tree else s.num_accepted + 1):
-                if i < width:
-                    drafted[i] += 1
-                    accepted[i] += i < s.num_accepted
+        for s, r in zip(steps, reach):  # per position = per depth; a tree counts the depths its path reached
+            for i in range(r):
+                drafted[i] += 1
+                accepted[i] += i < s.num_accepted
         return GenerationStats(
             steps=len(steps),
             num_draft_tokens=sum(s.num_draft_tokens for s in steps),

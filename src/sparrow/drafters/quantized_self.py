@@ -9,9 +9,10 @@ disk); an adaptive draft length follows the measured cost curve (see cost_length
 
 from __future__ import annotations
 
-from sparrow.cached_model import CachedModel
+from sparrow.runner import runner_for
 from sparrow.drafters.cost_length import follow_cost_curve
 from sparrow.drafters.draft_model import DraftModelDrafter
+from sparrow.drafters.tree_draft import resolve_shape, verify_cost_curve
 from sparrow.models import LoadedModel
 from sparrow.quantization import DEFAULT_GROUP_SIZE, quantized_copy
 
@@ -19,14 +20,16 @@ DEFAULT_BITS = "int4"
 
 
 def build_quantized_self(target: LoadedModel, draft: None, num_draft_tokens: int, adaptive: bool,
-                         bits: str | int | None = None, group_size: int = DEFAULT_GROUP_SIZE) -> DraftModelDrafter:
-    """Registry builder for "quantized-self"; `bits` is int4 (default) or int8."""
+                         bits: str | int | None = None, group_size: int = DEFAULT_GROUP_SIZE,
+                         tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 6) -> DraftModelDrafter:
+    """Registry builder for "quantized-self"; `bits` is int4 (default) or int8; tree options as "draft-model"."""
     if getattr(target.model, "sparrow_quantization", None) is not None:
         raise ValueError("drafter 'quantized-self' needs an unquantized target (drop --quant, or use another drafter)")
     quantized = quantized_copy(target, DEFAULT_BITS if bits is None else bits, group_size, keep_dense=True)
-    runner = CachedModel(target.model)
-    drafter = DraftModelDrafter(CachedModel(quantized.model), runner.vocab_size, num_draft_tokens=num_draft_tokens,
-                                adaptive=adaptive)
+    runner, draft_runner = runner_for(target.model), runner_for(quantized.model)
+    shape = resolve_shape(tree_budget, tree_topk, tree_depth, verify_ms=lambda: verify_cost_curve(runner, draft_runner))
+    drafter = DraftModelDrafter(draft_runner, runner.vocab_size, num_draft_tokens=num_draft_tokens,
+                                adaptive=adaptive, tree=shape)
     drafter.name = "quantized-self"
     follow_cost_curve(drafter, runner)
     return drafter
