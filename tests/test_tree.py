@@ -148,3 +148,54 @@ def test_tree_on_mrope_video_model(qwen_vl):
     _check_tree_matches_chains(runner, prompt, torch.tensor([70]), _tree_tokens(3, min(vocab, 250)))
     _check_compaction(runner, prompt, torch.tensor([70]), _tree_tokens(4, min(vocab, 250)))
     assert runner.rope_delta < 0  # the video really shifted the text positions
+
+
+class RecordingDrafter:
+    """A draft-model drafter (chain or tree) that asks for hidden states and records what the engine hands it."""
+
+    name = "recording"
+    hidden_layers = (1, -1)
+
+    def __init__(self, inner) -> None:
+        self.inner, self.prefilled, self.observed = inner, None, []
+        self._committed = 0
+
+    def prefill(self, prompt, target, out):
+        self.prefilled = out
+        self.inner.prefill(prompt, target, out)
+
+    def propose(self, committed, max_tokens, sampling, generator):
+        self._committed = committed.numel()
+        return self.inner.propose(committed, max_tokens, sampling, generator)
+
+    def observe(self, draft, verdict, out, step):
+        self.observed.append((self._committed, verdict.num_accepted, out, step))
+        self.inner.observe(draft, verdict, out, step)
+
+
+@pytest.mark.parametrize("tree_budget", [0, 8])
+def test_drafters_get_the_target_hidden_states_of_committed_rows(tree_budget, tokenizer):
+    from conftest import perturbed
+    from sparrow.drafters import build_drafter
+    from sparrow.models import LoadedModel
+    from sparrow.pipeline import Pipeline
+
+    target = LoadedModel(tiny_model("qwen2", seed=0), tokenizer, "t")
+    draft = LoadedModel(perturbed(target.model, 0.05, seed=1), tokenizer, "d")
+    drafter = RecordingDrafter(build_drafter("draft-model", target, draft, 4, tree_budget=tree_budget))
+    pipe = Pipeline(target, drafter)
+    prompt = pipe.encode("The quick brown fox")
+    result = pipe.generate("The quick brown fox", max_new_tokens=24)
+    full = torch.cat([prompt.input_ids, torch.tensor(result.token_ids)])
+    with torch.inference_mode():
+        ref = target.model(input_ids=full[None], output_hidden_states=True)
+    expected = torch.stack([ref.hidden_states[i][0] for i in RecordingDrafter.hidden_layers])  # [2, T, d]
+    n = prompt.input_ids.numel()
+    torch.testing.assert_close(drafter.prefilled.hidden, expected[:, :n], atol=ATOL, rtol=0)
+    assert sum(accepted for _, accepted, _, _ in drafter.observed) > 0
+    for committed, accepted, out, step in drafter.observed:
+        rows = slice(committed - 1, committed + accepted)  # the root and the accepted path
+        assert out.hidden.shape[1] == accepted + 1 and step.num_accepted == accepted
+        torch.testing.assert_close(out.hidden, expected[:, rows], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.logits, ref.logits[0, rows], atol=ATOL, rtol=0)
+        assert step.verify_seconds > 0 and step.draft_seconds >= 0
