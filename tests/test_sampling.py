@@ -41,3 +41,31 @@ def test_bad_sampling_values_name_the_argument(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=name):
         SamplingConfig(**kwargs)
+
+
+def test_sample_follows_the_distribution_and_never_picks_zero_probability():
+    """Exponential race: frequencies within 6 standard deviations (+ 5) of p; p = 0 never drawn."""
+    p = torch.tensor([0.0, 0.1, 0.2, 0.0, 0.3, 0.4])
+    n = 20_000
+    draws = S.sample(p.expand(n, -1), torch.Generator().manual_seed(0))  # [n]
+    assert draws.shape == (n,) and draws.dtype == torch.long
+    counts = torch.bincount(draws, minlength=p.numel()).float()
+    assert counts[0] == 0 and counts[3] == 0
+    assert ((counts - n * p).abs() <= 6 * (n * p * (1 - p)).sqrt() + 5).all(), counts
+
+
+def test_sample_needs_no_normalisation_and_keeps_batch_shape():
+    p = torch.tensor([[[0.0, 3.0, 0.0]], [[5.0, 0.0, 0.0]]])  # [2, 1, 3], unnormalised one-hot rows
+    assert S.sample(p, None).tolist() == [[1], [0]]
+
+
+def test_sample_is_reproducible_with_a_seeded_generator():
+    p = torch.softmax(torch.randn(8, 50, generator=torch.Generator().manual_seed(1)), -1)
+    runs = [S.sample(p, torch.Generator().manual_seed(3)).tolist() for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_sample_never_picks_zero_probability_when_an_exponential_is_zero(monkeypatch):
+    """E = 0 would make 0 / 0 = nan, which argmax picks; the clamp keeps zero-probability tokens at 0."""
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, generator=None: self.zero_())
+    assert S.sample(torch.tensor([0.0, 0.0, 0.6, 0.4]), None).tolist() == 2

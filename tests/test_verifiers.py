@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparrow import sampling as S
 from sparrow.config import GREEDY, SamplingConfig
-from sparrow.types import Draft
+from sparrow.types import Draft, Verdict
 from sparrow.verifiers import GreedyVerifier, RejectionVerifier, build_verifier
 
 V = 10
@@ -60,6 +61,45 @@ def test_rejection_is_reproducible_with_a_seeded_generator():
     runs = [RejectionVerifier().verify(draft, target, sampling, torch.Generator().manual_seed(7)).tokens.tolist()
             for _ in range(20)]
     assert all(r == runs[0] for r in runs)
+
+
+def reference_chain_verify(draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig,
+                           generator: torch.Generator | None) -> Verdict:
+    """Slow reference: Leviathan et al. Alg. 1 one position at a time (the pre-vectorisation loop)."""
+    k = len(draft)
+    p = S.probs(target_logits, sampling)  # [k + 1, vocab]
+    tokens = draft.tokens.tolist()
+    u = S.uniform(k, p.device, generator).tolist()
+    for i, x in enumerate(tokens):
+        q = torch.nn.functional.one_hot(torch.tensor(x), V).float() if draft.probs is None else draft.probs[i].float()
+        p_x, q_x = float(p[i, x]), float(q[x])
+        if q_x > 0 and u[i] < min(1.0, p_x / q_x):
+            continue
+        r = (p[i] - q).clamp_min(0)
+        recovered = S.sample(r / r.sum() if r.sum() > 0 else p[i], generator)
+        return Verdict(tokens=torch.tensor([*tokens[:i], int(recovered)]), num_accepted=i)
+    return Verdict(tokens=torch.tensor([*tokens, int(S.sample(p[k], generator))]), num_accepted=k)
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=4, top_p=0.9), GREEDY])
+def test_vectorised_chain_equals_the_reference_loop_seed_for_seed(sampling, with_probs):
+    g = torch.Generator().manual_seed(11)
+    accepted = set()
+    for _ in range(200):
+        k = int(torch.randint(0, 6, (1,), generator=g))
+        target = torch.randn(k + 1, V, generator=g) * 2
+        q = torch.softmax(torch.randn(k, V, generator=g) * 2, -1) if with_probs else None
+        # Tokens often equal the target's argmax, so long accepted prefixes occur as well as early rejections.
+        guess = torch.randint(0, V, (k,), generator=g)
+        tokens = torch.where(torch.rand(k, generator=g) < 0.6, target[:k].argmax(-1), guess)
+        seed = int(torch.randint(0, 2**31, (1,), generator=g))
+        fast = RejectionVerifier().verify(Draft(tokens, q), target, sampling, torch.Generator().manual_seed(seed))
+        slow = reference_chain_verify(Draft(tokens, q), target, sampling, torch.Generator().manual_seed(seed))
+        assert fast.tokens.tolist() == slow.tokens.tolist() and fast.num_accepted == slow.num_accepted
+        accepted.add(fast.num_accepted)
+    assert len(accepted) >= 4  # the cases covered rejections at several positions
 
 
 def test_shape_mismatch_is_caught():

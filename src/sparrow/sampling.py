@@ -36,9 +36,16 @@ def probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
 
 
 def sample(p: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token id per row of `p` ([..., vocab] -> [...] int64)."""
-    flat = p.reshape(-1, p.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(p.shape[:-1])
+    """One token id per row of `p` ([..., vocab] -> [...] int64), without a host sync.
+
+    Exponential race (vLLM's recovered-token sampler): argmax(p / E) with E ~ Exp(1) i.i.d. picks
+    token i with probability p_i / sum(p), so `p` need not be normalised. A zero-probability token
+    scores 0 and never beats a positive one; E is clamped away from 0 so that 0 / 0 = nan (which
+    argmax would pick) cannot occur.
+    """
+    p = p if p.dtype == torch.float64 else p.float()  # half-precision exponentials are too coarse
+    race = torch.empty_like(p).exponential_(generator=generator).clamp_min_(torch.finfo(p.dtype).tiny)
+    return (p / race).argmax(-1)
 
 
 def uniform(n: int, device: torch.device, generator: torch.Generator | None) -> Tensor:
