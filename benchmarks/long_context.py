@@ -31,9 +31,9 @@ from long_prompts import build_prompt, documentation
 from sparrow.cached_model import CachedModel
 from sparrow.drafters import REGISTRY, build_drafter
 from sparrow.drafters.sparse import DEFAULT_BUDGET, SparseDrafter
-from sparrow.engine import clock
 from sparrow.models import load_model
 from sparrow.pipeline import Pipeline
+from sparrow.timing import now
 from sparrow.types import Prompt
 
 HERE = Path(__file__).parent
@@ -57,10 +57,10 @@ class RestoringRunner(CachedModel):
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt) -> torch.Tensor:
-        start = clock(self.device)
+        start = now(self.device)
         if self.snapshot is not None and torch.equal(self.snapshot[0], prompt.input_ids):
             self.cache = self._copy(self.snapshot[1], self.model.config)
-            self.restore_seconds = clock(self.device) - start
+            self.restore_seconds = now(self.device) - start
             return self.snapshot[2].clone()
         logits = super().prefill(prompt)
         self.snapshot = (prompt.input_ids.clone(), self._copy(self.cache, self.model.config), logits.clone())

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from sparrow.drafters.cost_length import CostAwareLength, follow_cost_curve
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline, build_drafter
+from sparrow.policy import follow_cost_curve
 from sparrow.quantization import quantized_copy
 
 HERE = Path(__file__).parent
@@ -100,7 +100,7 @@ def run_method(method: str, pipe: Pipeline, prompt: str, max_new_tokens: int) ->
             "mean_accepted_tokens": 1.0 if plain else stats.mean_accepted_tokens,
             "acceptance_rate": None if plain else stats.acceptance_rate,
             "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
-            "final_draft_cap": getattr(length, "cap", None)}
+            "final_draft_cap": getattr(length, "last_cap", None)}
 
 
 def llama_cpp_runner(target: str, gguf: Path | None, threads: int):
@@ -185,9 +185,9 @@ def main() -> None:
     config = {"target": args.target, "draft": args.draft, "k_max": args.k, "max_new_tokens": args.max_new_tokens,
               "device": str(target.model.device), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(), "setup_seconds": setup_seconds,
-              "cost_curves": {m: {"draft_ms": p.drafter.length.draft_ms, "verify_ms": p.drafter.length.verify_ms}
-                              for m, p in pipes.items() if isinstance(getattr(p.drafter, "length", None),
-                                                                      CostAwareLength)}}
+              "cost_curves": {m: {"draft_ms": 1e3 * curve.draft_seconds, "verify_ms": [1e3 * s for s in curve.verify_seconds]}
+                              for m, p in pipes.items()
+                              if (curve := getattr(getattr(p.drafter, "length", None), "curve", None)) is not None}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     with open(args.out.with_suffix(".jsonl"), "w") as sink:

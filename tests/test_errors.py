@@ -117,3 +117,69 @@ def test_cli_json_compare_prints_one_object(model_dir):
     assert record["identical"] is True and record["new_tokens"] == 12
     assert record["baseline"]["token_ids"] == record["token_ids"]
     assert record["acceptance_rate"] == 1.0 and record["mean_accepted_tokens"] > 3  # draft == target
+
+
+def test_unknown_drafter_option_names_it_and_the_accepted_ones(loaded_target):
+    with pytest.raises(ValueError, match=r"'prompt-lookup' does not accept option 'bogus'; its options: .*tree_budget"):
+        load(loaded_target, drafter="prompt-lookup", bogus=1)
+    with pytest.raises(ValueError, match=r"'none' does not accept option 'budget'"):
+        build_drafter("none", loaded_target, budget=4)
+
+
+def test_a_drafter_registered_later_is_accepted(loaded_target, monkeypatch):
+    from sparrow.drafters import REGISTRY, DrafterEntry, PromptLookupDrafter, drafter_names
+
+    def build_mine(target, draft, num_draft_tokens, adaptive, min_n: int = 1):
+        return PromptLookupDrafter(num_draft_tokens=num_draft_tokens, min_n=min_n)
+
+    monkeypatch.setitem(REGISTRY, "mine", DrafterEntry(build_mine, default_num_draft_tokens=3))
+    assert "mine" in drafter_names()
+    pipe = load(loaded_target, drafter="mine", min_n=2)
+    assert isinstance(pipe.drafter, PromptLookupDrafter) and pipe.drafter.min_n == 2
+    with pytest.raises(ValueError, match="its options: min_n"):
+        build_drafter("mine", loaded_target, max_n=2)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--tree-budget", "lots"], "--tree-budget must be an integer >= 0 or 'auto', got 'lots'"),
+        (["--tree-budget", "-1"], "--tree-budget"),
+        (["--tree-budget", "8", "--tree-topk", "0"], "--tree-topk must be an integer >= 1"),
+        (["--tree-budget", "auto", "--tree-depth", "0"], "--tree-depth must be an integer >= 1"),
+        (["--drafter", "sparse", "--tree-budget", "8"], "drafter 'sparse' does not accept option 'tree_budget'"),
+    ],
+)
+def test_cli_tree_flags_fail_before_loading(args, match, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = cli("generate", "hi", "--target", "no-such-model-dir", *args)  # loading it would fail differently
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [f"error: {result.output.strip().removeprefix('error: ')}"]
+    assert match in result.output and "Traceback" not in result.output
+
+
+def test_cli_json_reports_the_tree(model_dir):
+    args = ["generate", "a b a b a b a b", "--target", model_dir, "--drafter", "prompt-lookup", "--dtype", "float32",
+            "--max-new-tokens", "6", "--json"]
+    assert json.loads(cli(*args).stdout)["tree"] is None  # a chain
+    result = cli(*args, "--tree-budget", "8", "--tree-depth", "3")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tree"] == {"budget": 8, "topk": 4, "depth": 3}
+
+
+def test_cli_debug_shows_user_errors_with_their_traceback():
+    result = cli("--debug", "generate", "", "--drafter", "prompt-lookup")
+    assert result.exit_code == 1 and isinstance(result.exception, ValueError), result.output
+    assert "prompt must not be empty" in str(result.exception)
+
+
+def test_cli_internal_errors_keep_their_traceback(monkeypatch):
+    import sparrow
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(sparrow, "load", broken)
+    result = cli("generate", "hi", "--drafter", "prompt-lookup")
+    assert result.exit_code == 1 and isinstance(result.exception, RuntimeError), result.output
+    assert "error:" not in result.output

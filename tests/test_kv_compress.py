@@ -7,13 +7,13 @@ import pytest
 import torch
 from vlm_models import KINDS, byte_tokenizer, moving_squares, tiny_processor, tiny_vlm
 
-from sparrow.cached_model import CachedModel
 from sparrow.drafters import build_drafter
 from sparrow.drafters.kv_compress import (SELECTORS, HybridKV, MMShiftKV, build_selector, covering_set,
                                           find_inv_freq, head_stability, rope_shift)
 from sparrow.drafters.visual_prune import visual_span
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.runner import runner_for
 from sparrow.vision.prompt import visual_token_positions
 from sparrow.vision.video import Video
 
@@ -125,7 +125,7 @@ def test_draft_kv_policy_lossless_budget_and_target_untouched(vlm, policy, kind)
         assert kept.shape == (vlm.model.config.get_text_config().num_key_value_heads, n - visual.numel() + budget)
         assert int(torch.isin(kept, visual).sum(-1).min()) == budget
     # the target's cache is never touched by the drafter (prefill, then a round of drafting)
-    target = CachedModel(vlm.model)
+    target = runner_for(vlm.model)
     target.prefill(prompt)
     before = [(layer.keys.clone(), layer.values.clone()) for layer in target.cache.layers]
     drafter.prefill(prompt, target)

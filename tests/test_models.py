@@ -132,6 +132,22 @@ def test_broken_gguf_is_one_line(tmp_path):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("device, placed", [("cpu", None), ("cuda:0", torch.device("cuda:0"))])
+def test_weights_load_straight_onto_the_device(loaded_target, tmp_path, monkeypatch, device, placed):
+    """On an accelerator, from_pretrained gets device_map=device (no CPU copy first); the CPU load is unchanged."""
+    loaded_target.model.save_pretrained(tmp_path)
+    loaded_target.tokenizer.save_pretrained(tmp_path)
+    calls = []
+
+    def from_pretrained(path, **kwargs):
+        calls.append(kwargs)
+        return loaded_target.model
+
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    loading._from_dir(str(tmp_path), torch.float32, torch.device(device))
+    assert calls[0].get("device_map") == placed and calls[0]["dtype"] == torch.float32
+
+
 @pytest.fixture
 def fake_preset(tmp_path, monkeypatch) -> Preset:
     """A two-part preset whose 'packages' are directories on sys.path."""
@@ -173,7 +189,7 @@ def test_gguf_path_assembles_once(fake_preset, tmp_path, monkeypatch):
 
 def test_gguf_path_bad_checksum_leaves_nothing(fake_preset, tmp_path):
     bad = Preset(**{**fake_preset.__dict__, "sha256": "0" * 64})
-    with pytest.raises(RuntimeError, match="sha256"):
+    with pytest.raises(OSError, match="sha256"):
         gguf_path(bad, tmp_path / "cache")
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
 
@@ -184,7 +200,7 @@ def test_install_failure_is_one_line(monkeypatch):
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for x\n")
 
     monkeypatch.setattr(presets.subprocess, "run", fake_run)
-    with pytest.raises(RuntimeError, match="No matching distribution") as info:
+    with pytest.raises(OSError, match="No matching distribution") as info:
         presets.install("smollm2-135m")
     assert "\n" not in str(info.value)
 

@@ -132,10 +132,10 @@ def test_capture_wrapper_is_bit_identical(arch, tokenizer):
         runs = []
         for model in (base, wrapped):
             cm = CachedModel(model)
-            logits = [cm.prefill(Prompt(ids))]
+            logits = [cm.prefill(Prompt(ids)).logits[-1]]
             token = logits[0].argmax()
             for step in range(3):  # feed 1, 2, 3 tokens
-                logits.append(cm.forward(token.repeat(step + 1)))
+                logits.append(cm.forward(token.repeat(step + 1)).logits)
                 token = logits[-1][-1].argmax()
             runs.append(logits)
         for a, b in zip(*runs):
@@ -171,16 +171,16 @@ def test_sampling_preserves_the_target_distribution(tokenizer):
     drafter = SparseDrafter(model, num_draft_tokens=1, budget=4, window=4)
     target, verifier = CachedModel(model), RejectionVerifier()
     ids = torch.tensor(tokenizer(LONG)["input_ids"])
-    first = target.prefill(Prompt(ids)).argmax().reshape(1)
+    first = target.prefill(Prompt(ids)).logits[-1].argmax().reshape(1)
     drafter.prefill(Prompt(ids), target)
     committed = torch.cat([ids, first])
-    p = S.probs(target.forward(first)[-1], sampling)
+    p = S.probs(target.forward(first).logits[-1], sampling)
     target.rewind(ids.numel())
     g = torch.Generator().manual_seed(0)
     n, counts, accepted = 600, torch.zeros_like(p), 0
     for _ in range(n):
         draft = drafter.propose(committed, 1, sampling, g)
-        verdict = verifier.verify(draft, target.forward(torch.cat([first, draft.tokens])), sampling, g)
+        verdict = verifier.verify(draft, target.forward(torch.cat([first, draft.tokens])).logits, sampling, g)
         target.rewind(ids.numel())
         counts[verdict.tokens[0]] += 1
         accepted += verdict.num_accepted
@@ -204,3 +204,26 @@ def test_span_beyond_prompt_is_an_error(sparse_target):
     pipe = Pipeline(sparse_target, build_drafter("sparse", sparse_target, None, 2, span=(0, 10_000)))
     with pytest.raises(ValueError, match="span"):
         pipe.generate("The quick brown fox", max_new_tokens=2)
+
+
+def test_capture_switches_the_model_only_around_prefills(arch, tokenizer):
+    """The drafter leaves its target on sdpa outside the target's prefill; close() removes its hooks, and a
+    stopped capture switches the model back (the context-manager form too)."""
+    model = tiny_model(arch, seed=4)
+    target = LoadedModel(model, tokenizer, "tiny")
+    seen = []
+    probe = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: seen.append(model.config._attn_implementation))
+    drafter = build_drafter("sparse", target, None, 4, budget=4, sinks=2, window=8)
+    assert model.config._attn_implementation == "sdpa"
+    result = Pipeline(target, drafter).generate(LONG, max_new_tokens=6)
+    assert result.new_tokens == 6 and model.config._attn_implementation == "sdpa"
+    assert seen[0] == attention_capture.IMPLEMENTATION and set(seen[1:]) == {"sdpa"}  # prefill, then decoding
+    drafter.close()
+    seen.clear()
+    Pipeline(target, None).generate_plain(LONG, max_new_tokens=2)
+    assert set(seen) == {"sdpa"} and drafter.capture.layers == {}  # no longer recorded
+    probe.remove()
+    with attention_capture.QueryCapture(model, window=4) as capture:
+        assert capture.active and model.config._attn_implementation == attention_capture.IMPLEMENTATION
+    assert not capture.active and model.config._attn_implementation == "sdpa"

@@ -4,7 +4,10 @@ draft block: the output equals plain decoding under the same rule and never over
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from conftest import VOCAB
 from sparrow.config import StoppingConfig
 from sparrow.models import LoadedModel
 from sparrow.drafters import build_drafter
@@ -81,3 +84,42 @@ def test_stopper_drops_tokens_after_the_cut():
     assert stopper.push([4]) == []
     stopper = Stopper(StoppingConfig(max_new_tokens=3))
     assert stopper.push([1, 2, 3, 4, 5]) == [1, 2, 3] and stopper.finish_reason == "length"
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer; records how many tokens each decode call decodes."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decoded: list[int] = []
+
+    def decode(self, ids, **options) -> str:
+        self.decoded.append(len(ids))
+        return self.tokenizer.decode(ids, **options)
+
+
+def test_stop_strings_decode_a_bounded_tail_per_token(tokenizer):
+    """A long output pushed token by token: the decoding work grows linearly, not quadratically."""
+    ids = tokenizer("def add(a, b):\n    return a + b\n")["input_ids"] * 150
+    counting = CountingTokenizer(tokenizer)
+    stopper = Stopper(StoppingConfig(max_new_tokens=len(ids), stop_strings=("never there",)), counting)
+    for token in ids:
+        stopper.push([token])
+    assert stopper.finish_reason == "length" and len(ids) > 2000
+    assert max(counting.decoded) <= 4 and sum(counting.decoded) <= 4 * len(ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), st.data())
+def test_stop_strings_stop_where_decoding_everything_would(tokenizer, ids, data):
+    """Random tokens (incomplete UTF-8 characters and special tokens included): the stop fires at the first
+    token whose full decode contains a stop string, as if the whole output were decoded at every token."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    start = data.draw(st.integers(0, max(0, len(text) - 1)))
+    stop = text[start : start + data.draw(st.integers(1, 4))] or "x"
+    expected = next((i for i in range(1, len(ids) + 1)
+                     if stop in tokenizer.decode(ids[:i], skip_special_tokens=True)), None)
+    stopper = Stopper(StoppingConfig(max_new_tokens=100, stop_strings=(stop,)), tokenizer)
+    for token in ids:
+        stopper.push([token])
+    assert (len(stopper.tokens) if stopper.finish_reason == "stop" else None) == expected

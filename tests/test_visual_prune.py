@@ -64,11 +64,11 @@ def test_selection_properties(values, data, mass):
 
 from vlm_models import KINDS, byte_tokenizer, moving_squares, perturbed, tiny_processor, tiny_vlm  # noqa: E402
 
-from sparrow.cached_model import CachedModel  # noqa: E402
 from sparrow.drafters import build_drafter  # noqa: E402
 from sparrow.drafters.visual_prune import PrunedView, pruned_decoder_inputs  # noqa: E402
 from sparrow.models import LoadedModel  # noqa: E402
 from sparrow.pipeline import Pipeline  # noqa: E402
+from sparrow.runner import runner_for  # noqa: E402
 from sparrow.types import Prompt  # noqa: E402
 from sparrow.vision.prompt import visual_token_positions  # noqa: E402
 from sparrow.vision.video import Video  # noqa: E402
@@ -128,16 +128,16 @@ def test_pruned_decode_positions_match_a_pruned_full_forward(vlm):
     keep_mask = torch.ones(n, dtype=torch.bool)
     keep_mask[visual[1::2]] = False  # drop every other visual token
     keep = keep_mask.nonzero()[:, 0]
-    view = PrunedView(CachedModel(target.model))
+    view = PrunedView(runner_for(target.model))
     view.prefill(prompt, keep)
     token = torch.tensor([5])
-    decoded = view.forward(token)[-1]
+    decoded = view.forward(token).logits[-1]
     inputs = dict(prompt.model_inputs)
     if "mm_token_type_ids" in inputs:
         inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, 1, dtype=torch.long)], 1)
     longer = Prompt(torch.cat([prompt.input_ids, token]), inputs)
     with pruned_decoder_inputs(target.model, torch.cat([keep, torch.tensor([n])])):
-        reference = CachedModel(target.model).prefill(longer)
+        reference = runner_for(target.model).prefill(longer).logits[-1]
     assert view.length == n + 1 and view.runner.length == keep.numel() + 1
     torch.testing.assert_close(decoded, reference, atol=1e-4, rtol=1e-4)
 
@@ -146,7 +146,7 @@ def test_visual_prune_needs_its_target(vlm):
     target, close = vlm
     drafter = build_drafter("visual-prune", target, close, 4)
     with pytest.raises(ValueError, match="target model it was built on"):
-        drafter.prefill(Prompt(torch.tensor([1, 2, 3])), CachedModel(close.model))
+        drafter.prefill(Prompt(torch.tensor([1, 2, 3])), runner_for(close.model))
 
 
 def test_visual_prune_rejects_a_text_only_draft(vlm):

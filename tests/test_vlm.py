@@ -15,6 +15,7 @@ from sparrow.cached_model import CachedModel
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline
+from sparrow.runner import runner_for
 from sparrow.vision import MRopeCachedModel, VisionCachedModel, read_video, visual_token_positions
 
 QUESTION = "What moves in the video?"
@@ -73,7 +74,7 @@ def test_loader_returns_a_vlm_with_its_processor(models):
     target = models["target"]
     assert target.is_vlm and target.processor is not None and target.tokenizer is target.processor.tokenizer
     expected = MRopeCachedModel if models["kind"] == "qwen2.5-vl" else VisionCachedModel
-    runner = CachedModel(target.model)
+    runner = runner_for(target.model)
     assert type(runner) is expected and type(copy.deepcopy(runner)) is expected
 
 
@@ -125,7 +126,7 @@ def test_positions_are_transformers_own_and_ignore_stale_model_state(models, med
     with torch.no_grad():  # HF's own path: the prefill derives and stores rope_deltas on the model
         target.model(input_ids=prompt.input_ids[None], **prompt.model_inputs)
     hf_delta = int(target.model.model.rope_deltas)
-    runner = CachedModel(target.model)
+    runner = runner_for(target.model)
     runner.prefill(prompt)
     assert runner.rope_delta == hf_delta < 0  # visual tokens share positions: text resumes below its index
     n = prompt.input_ids.numel()

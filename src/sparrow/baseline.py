@@ -13,11 +13,11 @@ from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.timing import now as clock
 from sparrow.stopping import Stopper
-from sparrow.types import GenerationStats, Prompt, StepStats
+from sparrow.types import Decoded, GenerationStats, Prompt, StepStats
 
 
 def plain_decode(target: CachedModel, prompt: Prompt, sampling: SamplingConfig, stopper: Stopper,
-                 generator: torch.Generator | None) -> GenerationStats:
+                 generator: torch.Generator | None) -> Decoded:
     device = target.device
     start = clock(device)
     logits = target.prefill(prompt).logits[-1]
@@ -31,4 +31,5 @@ def plain_decode(target: CachedModel, prompt: Prompt, sampling: SamplingConfig, 
         token = S.choose(logits, sampling, generator)
         stopper.push([int(token)])
         steps.append(StepStats(0, 0, 0.0, clock(device) - t0))
-    return GenerationStats.from_steps(steps, prefill_seconds)
+    return Decoded(list(stopper.tokens), stopper.finish_reason or "length",
+                   GenerationStats.from_steps(steps, prefill_seconds))

@@ -23,15 +23,6 @@ def _text_config(config):
 
 
 class CachedModel:
-    def __new__(cls, model: PreTrainedModel | None = None, *args, **kwargs):  # None: copy/pickle
-        """Factory: `CachedModel(vlm)` returns the subclass that runs the model's own visual prefill and
-        position scheme (sparrow.vision.cached, e.g. Qwen2.5-VL's M-RoPE); subclasses are built as asked."""
-        if cls is CachedModel and model is not None:
-            from sparrow.vision.cached import cached_model_class
-
-            cls = cached_model_class(model)
-        return super().__new__(cls)
-
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.config = _text_config(model.config)

@@ -11,7 +11,7 @@ from sparrow.drafters.base import Drafter
 from sparrow.stopping import Stopper
 from sparrow.timing import now
 from sparrow.tree import TreeLayout
-from sparrow.types import Draft, GenerationStats, Prompt, StepStats, TargetOutput
+from sparrow.types import Decoded, Draft, GenerationStats, Prompt, StepStats, TargetOutput
 from sparrow.verifiers import Verifier
 
 
@@ -29,8 +29,9 @@ def score(target: CachedModel, last: torch.Tensor, draft: Draft, hidden_layers: 
 
 def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier, prompt: Prompt,
                        sampling: SamplingConfig, stopper: Stopper, generator: torch.Generator | None,
-                       sync_timing: bool = True) -> GenerationStats:
-    """Generate into `stopper.tokens`; the target's output distribution is unchanged (lossless).
+                       sync_timing: bool = True) -> Decoded:
+    """Generate with `stopper`'s rules (a fresh Stopper: EOS, stop strings, max_new_tokens); the target's
+    output distribution is unchanged (lossless).
 
     sync_timing: on CUDA, synchronise before each clock read so draft and verify seconds are exact
     (the adaptive policies compare them); False measures only what the host waited for.
@@ -63,4 +64,5 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
         # 5. Feedback: the target's outputs for the committed rows [root, *path] and the round's timings.
         drafter.observe(draft, verdict, out.rows(torch.cat([nodes.new_zeros(1), nodes + 1])), step)
         stopper.push(verdict.tokens.tolist())  # EOS / stop string / length cut inside the block
-    return GenerationStats.from_steps(steps, prefill_seconds)
+    return Decoded(list(stopper.tokens), stopper.finish_reason or "length",
+                   GenerationStats.from_steps(steps, prefill_seconds))

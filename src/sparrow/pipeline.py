@@ -15,13 +15,14 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from sparrow.baseline import plain_decode
-from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig, StoppingConfig
-from sparrow.drafters import REGISTRY, Drafter, build_drafter, check_drafter_args
-from sparrow.drafters.cost_length import follow_cost_curve
+from sparrow.drafters.base import Drafter
+from sparrow.drafters.registry import REGISTRY, build_drafter, check_drafter_args
 from sparrow.engine import speculative_decode
 from sparrow.models import LoadedModel, load_model
+from sparrow.policy import follow_cost_curve
 from sparrow.quantization import check_quant_args, quantized_copy
+from sparrow.runner import runner_for
 from sparrow.stopping import Stopper
 from sparrow.types import GenerationResult, GenerationStats, Prompt
 from sparrow.verifiers import VERIFIERS, build_verifier
@@ -39,7 +40,7 @@ class Request:
 class Pipeline:
     def __init__(self, target: LoadedModel, drafter: Drafter | None, verifier: str = "auto") -> None:
         self.target = target
-        self.runner = CachedModel(target.model)
+        self.runner = runner_for(target.model)
         self.drafter = drafter
         self.verifier = verifier
         if verifier not in ("auto", *VERIFIERS):
@@ -117,13 +118,13 @@ class Pipeline:
         start = time.perf_counter()
         if speculative and self.drafter is not None:
             verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
-            stats = speculative_decode(self.runner, self.drafter, verifier, request.prompt, request.sampling,
-                                       stopper, generator)
+            decoded = speculative_decode(self.runner, self.drafter, verifier, request.prompt, request.sampling,
+                                         stopper, generator)
         else:
-            stats = plain_decode(self.runner, request.prompt, request.sampling, stopper, generator)
+            decoded = plain_decode(self.runner, request.prompt, request.sampling, stopper, generator)
         seconds = time.perf_counter() - start
-        return GenerationResult(token_ids=list(stopper.tokens), text=stopper.text(),
-                                finish_reason=stopper.finish_reason or "length", seconds=seconds, stats=stats)
+        return GenerationResult(token_ids=decoded.token_ids, text=stopper.text(), finish_reason=decoded.finish_reason,
+                                seconds=seconds, stats=decoded.stats)
 
 
 def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "draft-model",
@@ -139,10 +140,13 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     quant: int8 | int4 weight-only target (lossless only relative to the quantized target).
     draft_quant: int8 | int4 draft model, or the bits of the "quantized-self" copy (default int4).
     """
-    check_drafter_args(drafter, num_draft_tokens)
+    if drafter == "quantized-self" and draft_quant is not None:
+        drafter_options.setdefault("bits", draft_quant)
+    check_drafter_args(drafter, num_draft_tokens, drafter_options)  # before any model is loaded
+    entry = REGISTRY.get(drafter)  # None: "none"
     if isinstance(draft, str) and draft == "default":  # the drafter's own default (none for self-drafters)
-        draft = REGISTRY[drafter].default_draft if drafter in REGISTRY else None
-    needs_draft = drafter in REGISTRY and (REGISTRY[drafter].needs_draft_model or REGISTRY[drafter].uses_draft_model)
+        draft = entry.default_draft if entry is not None else None
+    needs_draft = entry is not None and entry.takes_draft_model
     check_quant_args(drafter, quant, draft_quant, needs_draft)  # before any model is loaded
     if isinstance(target, str):
         target = load_model(target, dtype=dtype, device=device, progress=progress)
@@ -152,12 +156,10 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
         draft = load_model(draft, dtype=dtype, device=device, progress=progress)
     if needs_draft and draft is not None and draft_quant is not None:
         draft = quantized_copy(draft, draft_quant, keep_dense=True)  # dense prefill: a draft never changes the output
-    if drafter == "quantized-self" and draft_quant is not None:
-        drafter_options.setdefault("bits", draft_quant)
     built = build_drafter(drafter, target, draft if needs_draft else None, num_draft_tokens, adaptive,
                           **drafter_options)
     if quant is not None or draft_quant is not None:  # quantized kernels: k follows the measured cost curve
-        follow_cost_curve(built, CachedModel(target.model))
+        follow_cost_curve(built, runner_for(target.model))
     return Pipeline(target, built, verifier)
 
 

@@ -200,6 +200,15 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class Decoded:
+    """What a decoding loop (speculative or plain) returns: the new tokens, why it stopped, its statistics."""
+
+    token_ids: list[int]  # new tokens only, already cut by EOS / stop string / max_new_tokens
+    finish_reason: str  # "stop" or "length"
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     """Output of one generation: new tokens only (the prompt is not repeated)."""
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sparrow.drafters.registry import REGISTRY
+
 PLAIN = "plain"
 HF_PLAIN = "hf-plain"
 PEERS = (HF_PLAIN, "hf-assisted", "hf-prompt-lookup", "hf-uad")
@@ -18,9 +20,7 @@ CROSS_VOCAB = ("cross-vocab", "hf-uad")  # drafted by the other-tokenizer model 
 
 
 def sparrow_methods() -> tuple[str, ...]:
-    from sparrow.drafters import REGISTRY  # read at call time: drafters registered later count too
-
-    return (PLAIN, *REGISTRY)
+    return (PLAIN, *REGISTRY)  # read at call time: drafters registered later count too
 
 
 def known_methods() -> tuple[str, ...]:
@@ -37,13 +37,10 @@ def baseline_of(method: str) -> str:
 
 def needs_draft(method: str) -> bool:
     """Needs (or uses, like "auto") the same-vocabulary draft model (--draft)."""
-    from sparrow.drafters import REGISTRY
-
     if method in CROSS_VOCAB:
         return False
     entry = REGISTRY.get(method)
-    uses = entry is not None and (entry.needs_draft_model or getattr(entry, "uses_draft_model", False))
-    return method == "hf-assisted" or uses
+    return method == "hf-assisted" or (entry is not None and entry.takes_draft_model)
 
 
 def needs_cross_draft(method: str) -> bool:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparrow.engine import clock
 from sparrow.models import LoadedModel
+from sparrow.timing import now
 
 
 def hf_generate(target: LoadedModel, ids: Tensor, max_new_tokens: int, **peer_options) -> list[int]:
@@ -69,7 +69,7 @@ def run_peer(method: str, target: LoadedModel, ids: Tensor, max_new_tokens: int,
     options = peer_options(method, draft, cross_draft, target, lookup_tokens)
     device = target.model.device
     with count_forwards(target.model) as calls:
-        start = clock(device)
+        start = now(device)
         tokens = hf_generate(target, ids, max_new_tokens, **options)
-        seconds = clock(device) - start
+        seconds = now(device) - start
     return PeerRun(tokens, seconds, calls[0])

@@ -23,6 +23,7 @@ from sparrow.bench.data import Question
 from sparrow.bench.methods import (PLAIN, baseline_of, is_peer, needs_cross_draft, needs_draft,
                                    parse_methods)
 from sparrow.bench.peers import run_peer
+from sparrow.drafters.registry import REGISTRY
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 
@@ -64,8 +65,6 @@ class Models:
 
 
 def check_models(methods: Sequence[str], models: Models) -> None:
-    from sparrow.drafters import REGISTRY
-
     optional = {m for m in methods if m in REGISTRY and not REGISTRY[m].needs_draft_model}  # "auto": uses one if given
     missing = [m for m in methods if (needs_draft(m) and models.draft is None and m not in optional)
                or (needs_cross_draft(m) and models.cross_draft is None)]
@@ -76,8 +75,7 @@ def check_models(methods: Sequence[str], models: Models) -> None:
 def build_pipelines(methods: Sequence[str], models: Models, config: BenchConfig) -> dict[str, Pipeline]:
     """One Pipeline per sparrow method, all sharing the one loaded target (and drafts)."""
     import sparrow
-    from sparrow.drafters import REGISTRY
-    from sparrow.drafters.cost_length import follow_cost_curve
+    from sparrow.policy import follow_cost_curve
 
     pipes = {}
     for method in methods:
@@ -86,7 +84,7 @@ def build_pipelines(methods: Sequence[str], models: Models, config: BenchConfig)
         name = "none" if method == PLAIN else method
         entry = REGISTRY.get(name)
         draft = models.cross_draft if needs_cross_draft(method) else models.draft
-        has_model = entry is not None and (entry.needs_draft_model or getattr(entry, "uses_draft_model", False))
+        has_model = entry is not None and entry.takes_draft_model
         draft_quant = config.draft_quant if has_model or name == "quantized-self" else None
         pipe = sparrow.load(models.target, drafter=name, draft=draft if has_model else None, num_draft_tokens=config.k,
                             adaptive=config.adaptive, progress=False, draft_quant=draft_quant)

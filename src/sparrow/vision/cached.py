@@ -1,7 +1,7 @@
 """CachedModel subclasses for vision-language models: visual prefill and the model's real positions.
 
-`CachedModel(model)` picks the class itself (see `cached_model_class`), so the engine, the baseline and
-model-backed drafters need no change:
+`sparrow.runner.runner_for(model)` picks the class (see `cached_model_class`), so the engine, the baseline
+and model-backed drafters need no change:
 
 * `VisionCachedModel` (LLaVA-OneVision and other 1-D-position VLMs): moves the prompt's pixel inputs to
   the model's device and dtype at prefill; positions are the cache index (the model's default).

@@ -1,40 +1,24 @@
-"""`sparrow` command line: builds configs from flags and prints results; no decoding logic here."""
+"""`sparrow generate` and `sparrow models`: flags -> configs -> a Pipeline -> printed results."""
 
 from __future__ import annotations
 
 import json
 import sys
-from enum import Enum
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from sparrow.drafters import DRAFTERS, REGISTRY, check_drafter_args
-
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="Lossless speculative decoding for LLMs and Video-LLMs.")
-err = Console(stderr=True)
+from sparrow.cli._common import DType, cli_errors, err
+from sparrow.drafters.registry import REGISTRY, check_drafter_args, drafter_names
 
 
-class DType(str, Enum):
-    bfloat16 = "bfloat16"
-    float32 = "float32"
-    float16 = "float16"
-
-
-def fail(message: str) -> None:
-    """One line on stderr, exit code 2, no traceback."""
-    err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
-
-
-@app.command()
+@cli_errors
 def generate(
     prompt: Annotated[str, typer.Argument(help="Prompt text.")],
     target: Annotated[str, typer.Option(help="Target model: preset, GGUF file, local dir or hub id.")] = "qwen2.5-coder-1.5b",
-    drafter: Annotated[str, typer.Option(help=f"Drafting method: {', '.join(DRAFTERS)}.")] = "draft-model",
+    drafter: Annotated[str, typer.Option(help=f"Drafting method: {', '.join(drafter_names())}.")] = "draft-model",
     draft: Annotated[str, typer.Option(help="Draft model: preset, local dir or hub id; 'default' = qwen2.5-coder-0.5b for draft-model/cross-vocab/auto, none for visual-prune (self-draft).")] = "default",
     k: Annotated[Optional[int], typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (max, with --adaptive).")] = None,
     adaptive: Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length online (confidence threshold + round cap, at most k) or draft exactly k.")] = True,
@@ -58,6 +42,9 @@ def generate(
     drop_rate: Annotated[Optional[float], typer.Option(help="--drafter visual-prune: share of visual tokens the draft drops (default 0.9).")] = None,
     draft_kv: Annotated[Optional[str], typer.Option(help="--drafter sparse: draft-side KV policy topk|mm-shiftkv|hybridkv (target cache untouched).")] = None,
     draft_kv_budget: Annotated[Optional[int], typer.Option(help="--drafter sparse: visual KV entries the draft keeps per layer and KV head.")] = None,
+    tree_budget: Annotated[str, typer.Option(help="Draft-tree nodes per round: an integer >= 0 or 'auto' (the drafter sizes it); 0 = a chain.")] = "0",
+    tree_topk: Annotated[int, typer.Option(help="Children expanded per draft-tree node (with --tree-budget).")] = 4,
+    tree_depth: Annotated[int, typer.Option(help="Maximum draft-tree depth (with --tree-budget).")] = 6,
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow
@@ -66,35 +53,34 @@ def generate(
 
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, stop=tuple(stop or ()), chat=chat, video=video, frames=frames, image=image or None)
-    try:  # cheap checks first, so a typo fails before minutes of model loading
-        SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-        StoppingConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()))
-        if not prompt.strip():
-            raise ValueError("prompt must not be empty")
-        check_drafter_args(drafter, k)
-        drafter_options = video_drafter_options(drafter, verify, drop_rate, draft_kv, draft_kv_budget)
-        check_media_args(video, frames, image)
-        pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
-                            dtype=dtype.value, device=device, progress=not as_json, quant=quant, draft_quant=draft_quant,
-                            verifier=verify, **drafter_options)
-        pipe.request(prompt, **options)  # context-length checks need the tokenizer
-        if compare:  # warm-up on a short prompt, so neither timed run pays one-time costs (kernels, allocator)
-            pipe.generate_plain("Hello", max_new_tokens=4)
-            pipe.generate("Hello", max_new_tokens=4)
-        result = pipe.generate(prompt, **options)
-        baseline = pipe.generate_plain(prompt, **options) if compare else None
-    except (ValueError, RuntimeError, OSError) as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return
-    stats = result.stats
+    # Cheap checks first, so a typo fails before minutes of model loading.
+    SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    StoppingConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()))
+    if not prompt.strip():
+        raise ValueError("prompt must not be empty")
+    check_drafter_args(drafter, k)
+    tree = tree_options(tree_budget, tree_topk, tree_depth)
+    drafter_options = {**video_drafter_options(drafter, verify, drop_rate, draft_kv, draft_kv_budget), **tree}
+    check_media_args(video, frames, image)
+    # sparrow.load checks the drafter options (e.g. the tree flags) before loading any model.
+    pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
+                        dtype=dtype.value, device=device, progress=not as_json, quant=quant, draft_quant=draft_quant,
+                        verifier=verify, **drafter_options)
+    pipe.request(prompt, **options)  # context-length checks need the tokenizer
+    if compare:  # warm-up on a short prompt, so neither timed run pays one-time costs (kernels, allocator)
+        pipe.generate_plain("Hello", max_new_tokens=4)
+        pipe.generate("Hello", max_new_tokens=4)
+    result = pipe.generate(prompt, **options)
+    baseline = pipe.generate_plain(prompt, **options) if compare else None
     record = {
         "text": result.text, "token_ids": result.token_ids, "new_tokens": result.new_tokens,
         "finish_reason": result.finish_reason, "seconds": result.seconds,
-        "tokens_per_second": result.tokens_per_second, "mean_accepted_tokens": stats.mean_accepted_tokens,
-        "acceptance_rate": stats.acceptance_rate, "drafter": pipe.drafter_name, "target": target,
+        "tokens_per_second": result.tokens_per_second, "mean_accepted_tokens": result.stats.mean_accepted_tokens,
+        "acceptance_rate": result.stats.acceptance_rate, "drafter": pipe.drafter_name, "target": target,
         "draft": draft_name(drafter, draft), "dtype": dtype.value,
-        "temperature": temperature, "stats": stats.to_dict(), "quant": quant, "draft_quant": draft_quant,
+        "temperature": temperature, "stats": result.stats.to_dict(), "quant": quant, "draft_quant": draft_quant,
         "lossless_relative_to": f"the {quant}-quantized target" if quant else "the target",
+        "tree": {key.removeprefix("tree_"): value for key, value in tree.items()} or None,
     }
     if verify == "loose":  # LOSSY: the output may differ from the target's own output
         record.update(verifier="loose", lossy=True, lossless_relative_to=None)
@@ -107,25 +93,48 @@ def generate(
         sys.stdout.write(json.dumps(record) + "\n")
         return
     typer.echo(result.text)
+    err.print(summary(record, verify))
+
+
+def summary(record: dict[str, Any], verify: str) -> Table:
+    """The human-readable table of a `generate` record (stderr, under the text)."""
     table = Table(show_header=False, box=None)
-    table.add_row("drafter", f"{pipe.drafter_name} (target {target})")
-    table.add_row("tokens", f"{result.new_tokens} in {result.seconds:.2f} s = {result.tokens_per_second:.2f} tok/s")
+    table.add_row("drafter", f"{record['drafter']} (target {record['target']})")
+    table.add_row("tokens", f"{record['new_tokens']} in {record['seconds']:.2f} s = "
+                            f"{record['tokens_per_second']:.2f} tok/s")
     if verify == "loose":
         table.add_row("verification", "loose (LOSSY: output may differ from the target's)")
-    table.add_row("mean accepted tokens / step", f"{stats.mean_accepted_tokens:.2f} (acceptance {stats.acceptance_rate:.2f})")
-    if baseline is not None:
-        table.add_row("plain decoding", f"{baseline.tokens_per_second:.2f} tok/s")
+    if record["tree"] is not None:
+        tree = record["tree"]
+        table.add_row("draft tree", f"budget {tree['budget']}, top-k {tree['topk']}, depth {tree['depth']}")
+    table.add_row("mean accepted tokens / step",
+                  f"{record['mean_accepted_tokens']:.2f} (acceptance {record['acceptance_rate']:.2f})")
+    if "baseline" in record:
+        table.add_row("plain decoding", f"{record['baseline']['tokens_per_second']:.2f} tok/s")
         table.add_row("speedup", f"{record['speedup']:.2f}x")
         table.add_row("identical to plain decoding", "yes" if record["identical"] else "no")
-    err.print(table)
+    return table
 
 
 def draft_name(drafter: str, draft: str) -> str | None:
     """The draft model a run used (None for drafters without one)."""
     entry = REGISTRY.get(drafter)
-    if entry is None or not (entry.needs_draft_model or entry.uses_draft_model):
+    if entry is None or not entry.takes_draft_model:
         return None
     return entry.default_draft if draft == "default" else draft
+
+
+def tree_options(budget: str, topk: int, depth: int) -> dict[str, int | str]:
+    """Validate --tree-budget/--tree-topk/--tree-depth; the drafter options they turn into ({} for a chain)."""
+    if budget != "auto" and not (budget.isdigit() and budget.isascii()):
+        raise ValueError(f"--tree-budget must be an integer >= 0 or 'auto', got {budget!r}")
+    if topk < 1:
+        raise ValueError(f"--tree-topk must be an integer >= 1, got {topk}")
+    if depth < 1:
+        raise ValueError(f"--tree-depth must be an integer >= 1, got {depth}")
+    if budget != "auto" and int(budget) == 0:
+        return {}
+    return {"tree_budget": budget if budget == "auto" else int(budget), "tree_topk": topk, "tree_depth": depth}
 
 
 def video_drafter_options(drafter: str, verify: str, drop_rate: float | None, draft_kv: str | None,
@@ -154,7 +163,6 @@ def video_drafter_options(drafter: str, verify: str, drop_rate: float | None, dr
     return options
 
 
-@app.command()
 def models() -> None:
     """List the preset models and whether each is installed and cached."""
     from sparrow.models import list_presets
@@ -164,16 +172,3 @@ def models() -> None:
         table.add_row(row["name"], "yes" if row["installed"] else "no", "yes" if row["cached"] else "no",
                       row["description"])
     Console().print(table)
-
-
-from sparrow.bench.command import bench  # noqa: E402  (heavy imports stay inside the command)
-
-app.command()(bench)
-
-from sparrow.tuning import tune_app  # noqa: E402
-
-app.add_typer(tune_app, name="tune")
-
-
-if __name__ == "__main__":
-    app()

@@ -1,0 +1,27 @@
+"""The `sparrow` command line: assembles the commands into one Typer app (`sparrow = "sparrow.cli:app"`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from sparrow.cli.bench import bench
+from sparrow.cli.generate import generate, models
+from sparrow.cli.tune import tune_app
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  help="Lossless speculative decoding for LLMs and Video-LLMs.")
+
+
+@app.callback()
+def main(debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of user errors too.")] = False) -> None:
+    """Lossless speculative decoding for LLMs and Video-LLMs."""
+
+
+app.command()(generate)
+app.command()(models)
+app.command()(bench)
+app.add_typer(tune_app, name="tune")
+
+__all__ = ["app"]

@@ -1,0 +1,5 @@
+"""`python -m sparrow.cli`."""
+
+from sparrow.cli import app
+
+app()

@@ -1,0 +1,112 @@
+"""Drafters by name: `REGISTRY` maps a name to a `DrafterEntry`, read at call time.
+
+Builders are callables, or "module:function" strings (as vLLM names custom proposers) imported on
+first use, so this module imports no drafter implementation. A drafter added later,
+
+    REGISTRY["mine"] = DrafterEntry(build_mine, default_num_draft_tokens=8)
+
+is accepted by `sparrow.load(drafter="mine")`, `build_drafter`, the CLI and `sparrow bench`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sparrow.drafters.base import Drafter
+
+if TYPE_CHECKING:
+    from sparrow.models import LoadedModel
+
+NONE = "none"  # plain decoding, no drafter
+POSITIONAL = ("target", "draft", "num_draft_tokens", "adaptive")  # what every builder receives first
+
+
+def _resolve(ref: Any) -> Any:
+    """A callable or class given itself or as "module:attribute"."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, attribute = ref.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    """How to build a drafter by name; `build(target, draft, num_draft_tokens, adaptive, **options)`."""
+
+    build: Callable[..., Drafter] | str  # the builder, or "module:function" imported on first use
+    default_num_draft_tokens: int | None  # None: the builder picks (layer-skip: the k its set was tuned for)
+    needs_draft_model: bool = False
+    uses_draft_model: bool = False  # optional: used when one is given ("auto")
+    default_draft: str | None = None  # the draft model `sparrow.load(draft="default")` picks
+    config: type | str | None = None  # for a builder taking **options: the dataclass whose fields they are
+
+    @property
+    def takes_draft_model(self) -> bool:
+        """The builder receives the draft model (it needs one, or uses one when given)."""
+        return self.needs_draft_model or self.uses_draft_model
+
+    @property
+    def builder(self) -> Callable[..., Drafter]:
+        return _resolve(self.build)
+
+    def options(self) -> tuple[str, ...] | None:
+        """The keyword options the builder accepts (None: any, it takes **options without a config)."""
+        if self.config is not None:
+            return tuple(f.name for f in dataclasses.fields(_resolve(self.config)) if f.name not in POSITIONAL)
+        parameters = list(inspect.signature(self.builder).parameters.values())[len(POSITIONAL):]
+        if any(p.kind is p.VAR_KEYWORD for p in parameters):
+            return None
+        return tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+REGISTRY: dict[str, DrafterEntry] = {
+    "draft-model": DrafterEntry("sparrow.drafters.draft_model:build", default_num_draft_tokens=8, needs_draft_model=True,
+                                default_draft="qwen2.5-coder-0.5b"),
+    "prompt-lookup": DrafterEntry("sparrow.drafters.prompt_lookup:build", default_num_draft_tokens=16),
+    "quantized-self": DrafterEntry("sparrow.drafters.quantized_self:build_quantized_self", default_num_draft_tokens=8),
+    "cross-vocab": DrafterEntry("sparrow.drafters.cross_vocab:build", default_num_draft_tokens=8,
+                                needs_draft_model=True, default_draft="qwen2.5-coder-0.5b",
+                                config="sparrow.drafters.cross_vocab:CrossVocabConfig"),
+    "auto": DrafterEntry("sparrow.drafters.auto:build", default_num_draft_tokens=16, uses_draft_model=True,
+                         default_draft="qwen2.5-coder-0.5b"),
+    "sparse": DrafterEntry("sparrow.drafters.sparse:build", default_num_draft_tokens=8),
+    "visual-prune": DrafterEntry("sparrow.drafters.visual_prune:build", default_num_draft_tokens=8,
+                                 uses_draft_model=True),
+    "layer-skip": DrafterEntry("sparrow.drafters.layer_skip:build_layer_skip", default_num_draft_tokens=None),
+}
+
+
+def drafter_names() -> tuple[str, ...]:
+    """Every registered drafter, now, and "none" (plain decoding)."""
+    return (*REGISTRY, NONE)
+
+
+def check_drafter_args(name: str, num_draft_tokens: int | None, options: Mapping[str, Any] | None = None) -> None:
+    """Cheap validation, run before any model is loaded: the name, k, and the option names."""
+    if name not in drafter_names():
+        raise ValueError(f"unknown drafter {name!r}; expected one of: {', '.join(drafter_names())}")
+    if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or num_draft_tokens < 1):
+        raise ValueError(f"k (num_draft_tokens) must be an integer >= 1, got {num_draft_tokens!r}")
+    accepted = () if name == NONE else REGISTRY[name].options()
+    unknown = [option for option in options or () if accepted is not None and option not in accepted]
+    if unknown:
+        raise ValueError(f"drafter {name!r} does not accept option {', '.join(map(repr, unknown))}; "
+                         f"its options: {', '.join(accepted) or 'none'}")
+
+
+def build_drafter(name: str, target: LoadedModel, draft: LoadedModel | None = None,
+                  num_draft_tokens: int | None = None, adaptive: bool = False, **options: Any) -> Drafter | None:
+    """The drafter registered as `name` (None for "none")."""
+    check_drafter_args(name, num_draft_tokens, options)
+    if name == NONE:
+        return None
+    entry = REGISTRY[name]
+    if entry.needs_draft_model and draft is None:
+        raise ValueError(f"drafter {name!r} needs a draft model (--draft / draft=)")
+    k = entry.default_num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+    return entry.builder(target, draft if entry.takes_draft_model else None, k, adaptive, **options)
