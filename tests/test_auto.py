@@ -1,7 +1,8 @@
 """The auto drafter: lossless whatever it picks, and its picks follow measured costs.
 
 Costs are injected: a fake clock advances by a fixed cost per target forward (verification) and
-per draft-model forward, so every decision is deterministic and independent of wall time.
+per draft-model forward, and the engine measures each round with it (the drafter reads the engine's
+timings), so every decision is deterministic and independent of wall time.
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ import pytest
 import torch
 
 from conftest import perturbed, tiny_model
+from sparrow import engine
 from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters import REGISTRY, build_drafter
-from sparrow.drafters.auto import PLAIN, AutoConfig, AutoDrafter, VerifyCost
+from sparrow.drafters.auto import PLAIN, AutoConfig, AutoDrafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.policy import DecayedLine
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "for i in range(10):"]
 REPETITIVE = "Paris is the capital of France. Berlin is the capital of Germany. Paris is the capital of"
@@ -35,23 +38,30 @@ class FakeClock:
         """Each forward of `model` advances the clock by seconds(num_tokens)."""
         forward = model.forward
 
-        def timed(tokens):
+        def timed(tokens, *args, **kwargs):
             self.now += seconds(tokens.numel())
-            return forward(tokens)
+            return forward(tokens, *args, **kwargs)
 
         model.forward = timed
 
 
-def auto_pipeline(target: LoadedModel, draft: LoadedModel | None, draft_cost: float, lookup: bool = True,
-                  k: int = 8, verifier: str = "auto") -> Pipeline:
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    """The engine's clock, for the duration of one test."""
+    fake = FakeClock()
+    monkeypatch.setattr(engine, "now", lambda device=None, sync=True: fake())
+    return fake
+
+
+def auto_pipeline(clock: FakeClock, target: LoadedModel, draft: LoadedModel | None, draft_cost: float,
+                  lookup: bool = True, k: int = 8, verifier: str = "auto") -> Pipeline:
     """Target forward: 1 s + 0.02 s per extra token; draft forward: `draft_cost` s; lookup: free."""
-    clock = FakeClock()
     candidates = [PromptLookupDrafter(k, adaptive=True)] if lookup else []
     if draft is not None:
         drafter = DraftModelDrafter(CachedModel(draft.model), CachedModel(target.model).vocab_size, k, adaptive=True)
         clock.charge(drafter.draft, lambda n: draft_cost)
         candidates.append(drafter)
-    pipe = Pipeline(target, AutoDrafter(candidates, clock=clock), verifier)
+    pipe = Pipeline(target, AutoDrafter(candidates), verifier)
     clock.charge(pipe.runner, lambda n: 1.0 + 0.02 * (n - 1))
     return pipe
 
@@ -83,8 +93,8 @@ def used(drafter: AutoDrafter, name: str) -> tuple[int, int, int]:
     return len(rounds), sum(r.drafted for r in rounds), sum(r.accepted for r in rounds)
 
 
-def test_good_draft_model_is_chosen_and_output_equals_plain(loaded_target, drafts):
-    pipe = auto_pipeline(loaded_target, drafts["close"], draft_cost=0.05)
+def test_good_draft_model_is_chosen_and_output_equals_plain(clock, loaded_target, drafts):
+    pipe = auto_pipeline(clock, loaded_target, drafts["close"], draft_cost=0.05)
     accepted = 0
     for prompt in PROMPTS[:2]:
         plain = pipe.generate_plain(prompt, max_new_tokens=30).token_ids
@@ -95,8 +105,8 @@ def test_good_draft_model_is_chosen_and_output_equals_plain(loaded_target, draft
     assert accepted > 0
 
 
-def test_prompt_lookup_wins_on_repetitive_text_and_output_equals_plain(loaded_target, drafts):
-    pipe = auto_pipeline(loaded_target, drafts["close"], draft_cost=0.05)
+def test_prompt_lookup_wins_on_repetitive_text_and_output_equals_plain(clock, loaded_target, drafts):
+    pipe = auto_pipeline(clock, loaded_target, drafts["close"], draft_cost=0.05)
     plain = pipe.generate_plain(REPETITIVE, max_new_tokens=50).token_ids
     result = pipe.generate(REPETITIVE, max_new_tokens=50)
     assert result.token_ids == plain
@@ -105,10 +115,10 @@ def test_prompt_lookup_wins_on_repetitive_text_and_output_equals_plain(loaded_ta
     assert rounds > 0 and accepted > 0, pipe.drafter.choices
 
 
-def test_same_draft_stays_in_sync_across_switches(loaded_target, drafts):
+def test_same_draft_stays_in_sync_across_switches(clock, loaded_target, drafts):
     """draft == target: whenever the draft model drafts, after any number of lookup or plain rounds,
     every token is accepted, so its cache re-synced from the committed tokens."""
-    pipe = auto_pipeline(loaded_target, drafts["same"], draft_cost=0.05)
+    pipe = auto_pipeline(clock, loaded_target, drafts["same"], draft_cost=0.05)
     for prompt in [REPETITIVE, PROMPTS[0]]:
         plain = pipe.generate_plain(prompt, max_new_tokens=40).token_ids
         assert pipe.generate(prompt, max_new_tokens=40).token_ids == plain
@@ -116,8 +126,8 @@ def test_same_draft_stays_in_sync_across_switches(loaded_target, drafts):
         assert rounds > 0 and accepted == drafted > 0
 
 
-def test_useless_draft_falls_back_to_plain_and_reprobes_rarely(llama):
-    pipe = auto_pipeline(llama["target"], llama["random"], draft_cost=0.3, lookup=False)
+def test_useless_draft_falls_back_to_plain_and_reprobes_rarely(clock, llama):
+    pipe = auto_pipeline(clock, llama["target"], llama["random"], draft_cost=0.3, lookup=False)
     plain = pipe.generate_plain(PROMPTS[0], max_new_tokens=130).token_ids
     assert pipe.generate(PROMPTS[0], max_new_tokens=130).token_ids == plain
     choices = pipe.drafter.choices
@@ -128,11 +138,11 @@ def test_useless_draft_falls_back_to_plain_and_reprobes_rarely(llama):
     assert len(choices) > 100
 
 
-def test_injected_costs_drive_the_choice(llama):
+def test_injected_costs_drive_the_choice(clock, llama):
     """The same draft pays when it is cheap and not when it costs as much as the target."""
     shares = {}
     for cost in (0.02, 1.0):
-        pipe = auto_pipeline(llama["target"], llama["close"], draft_cost=cost, lookup=False)
+        pipe = auto_pipeline(clock, llama["target"], llama["close"], draft_cost=cost, lookup=False)
         pipe.generate(PROMPTS[1], max_new_tokens=40)
         shares[cost] = pipe.drafter.choices.count("draft-model") / len(pipe.drafter.choices)
     assert shares[0.02] > 0.8 and shares[1.0] < 0.2, shares
@@ -151,13 +161,13 @@ def test_builds_from_the_registry_with_and_without_a_draft_model(loaded_target, 
     assert len(pipe.drafter.choices) == len(pipe.drafter.rounds) > 0
 
 
-def test_layer_skip_candidate_shares_the_target_cache_and_output_equals_plain(loaded_target):
+def test_layer_skip_candidate_shares_the_target_cache_and_output_equals_plain(clock, loaded_target):
     """A self-draft reading and cropping the target's own cache, mixed with lookup and plain rounds."""
     from sparrow.drafters.layer_skip import LayerSkipDrafter, SkipSet
 
     skipper = LayerSkipDrafter(loaded_target.model, SkipSet(2, mlp=(1,)), 4, backoff=False)
-    pipe = Pipeline(loaded_target, AutoDrafter([PromptLookupDrafter(8, adaptive=True), skipper], clock=FakeClock()))
-    pipe.drafter._clock.charge(pipe.runner, lambda n: 1.0)  # skipping costs nothing here: it drafts
+    pipe = Pipeline(loaded_target, AutoDrafter([PromptLookupDrafter(8, adaptive=True), skipper]))
+    clock.charge(pipe.runner, lambda n: 1.0)  # skipping costs nothing here: it drafts
     for prompt in (REPETITIVE, PROMPTS[1]):
         plain = pipe.generate_plain(prompt, max_new_tokens=40).token_ids
         assert pipe.generate(prompt, max_new_tokens=40).token_ids == plain
@@ -173,18 +183,18 @@ def test_bad_candidates_are_refused():
 
 
 def test_verify_cost_fits_intercept_and_slope():
-    cost = VerifyCost()
+    cost = DecayedLine(AutoConfig().verify_decay)
     for n in (1, 9, 1, 5, 17):
-        cost.observe(n, 0.5 + 0.01 * (n - 1))
-    a, b = cost.coefficients()
-    assert a == pytest.approx(0.5) and b == pytest.approx(0.01)
+        cost.add(n, 0.5 + 0.01 * (n - 1))
+    _, b = cost.line()
+    assert cost(1) == pytest.approx(0.5) and b == pytest.approx(0.01)
 
 
-def test_sampling_with_auto_keeps_the_target_distribution(llama):
+def test_sampling_with_auto_keeps_the_target_distribution(clock, llama):
     """Cheap check: the 2nd new token (the first one a draft can supply) follows the target's marginal
     sum_t1 p(t1 | prompt) p(t2 | prompt, t1), within 6 sigma + 5 per bin, while the draft model drafts."""
     loaded_target = llama["target"]
-    pipe = auto_pipeline(loaded_target, llama["close"], draft_cost=0.02)
+    pipe = auto_pipeline(clock, loaded_target, llama["close"], draft_cost=0.02)
     sampling = SamplingConfig(temperature=1.0)
     ids = pipe.encode(PROMPTS[0]).input_ids
     with torch.inference_mode():

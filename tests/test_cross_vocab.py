@@ -22,12 +22,12 @@ from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters import build_drafter
-from sparrow.drafters.budget import DraftBudget
 from sparrow.drafters.cross_vocab import CrossVocabDrafter
 from sparrow.drafters.token_bytes import TokenBytes, valid_utf8_prefix
 from sparrow.models import LoadedModel
+from sparrow.policy import LengthPolicy
 from sparrow.pipeline import Pipeline
-from sparrow.types import Draft, Prompt, Verdict
+from sparrow.types import Draft, Prompt, StepStats, Verdict
 from sparrow.verifiers import RejectionVerifier
 
 TEXTS = [
@@ -234,7 +234,8 @@ def test_sync_keeps_the_draft_exact_over_rounds(target, drafts):
             committed += new[j : j + 2]
             draft = drafter.propose(torch.tensor(committed), 8, greedy, None)
             check_synced(drafter)
-            drafter.observe(draft, Verdict(tokens=torch.tensor([committed[-1]]), num_accepted=0))
+            drafter.observe(draft, Verdict(tokens=torch.tensor([committed[-1]]), num_accepted=0), None,
+                            StepStats(len(draft), 0, 0.0, 0.0))
             assert drafter.draft.length == len(drafter._cached)  # cut back lazily at the next draft
 
 
@@ -243,7 +244,8 @@ def test_draft_cache_is_cut_back_not_refilled(target, drafts, monkeypatch):
     pipe = Pipeline(target, drafter)
     prefills = []
     original = CachedModel.prefill
-    monkeypatch.setattr(CachedModel, "prefill", lambda self, prompt: prefills.append(self) or original(self, prompt))
+    monkeypatch.setattr(CachedModel, "prefill",
+                        lambda self, prompt, *rest: prefills.append(self) or original(self, prompt, *rest))
     result = pipe.generate(TEXTS[2][:20], max_new_tokens=40)
     assert sum(p is drafter.draft for p in prefills) == 1  # the draft model was prefilled once
     assert result.stats.num_accepted_tokens > 0
@@ -291,31 +293,32 @@ def test_greedy_with_the_rejection_verifier_and_short_budgets(target, drafts):
 
 
 def test_backoff_skips_drafting_when_it_does_not_pay(target, drafts):
-    drafter = build_drafter("cross-vocab", target, drafts["random"], 8)
+    drafter = build_drafter("cross-vocab", target, drafts["random"], 8, backoff=True)  # on by default when adaptive
     result = Pipeline(target, drafter).generate(PROMPTS[1], max_new_tokens=80)
     rounds_with_drafts = result.stats.drafted_per_position[0] if result.stats.drafted_per_position else 0
     assert rounds_with_drafts < result.stats.steps / 2  # mostly plain steps once nothing is accepted
 
 
-def test_budget_backs_off_and_probes():
-    budget = DraftBudget(8, probe_interval=4)
-    assert budget.choose() == 8  # nothing measured: draft
-    for _ in range(20):  # a cheap draft (1/20 of a target round) that is almost always right
-        budget.record_draft(8, 8, 8 * 0.005)
-        budget.record_verify(8, 0.12)
-        budget.record_verify(0, 0.1)
-        budget.record_verdict(8, 8)
-    assert budget.choose() == 8
-    for _ in range(60):  # now it is always wrong
-        budget.record_verdict(8, 0)
-    assert [budget.choose() for _ in range(4)] == [0, 0, 0, 8]  # backed off, then one probe
-    assert [budget.choose() for _ in range(8)] == [0] * 7 + [8]  # the probe interval doubled
+def test_backoff_backs_off_and_probes():
+    """The policy cross-vocab drafts with, on engine-like timings: a target round of n tokens costs
+    0.1 + 0.0025 (n - 1) s, a draft step `step` s."""
+    policy = LengthPolicy(8, backoff=True)  # exactly 8 steps, or none
+
+    def round_(accepted: int, step: float) -> int:
+        k = policy.cap(8)
+        policy.observe(StepStats(k, min(k, accepted), step * k, 0.1 + 0.0025 * k))
+        return k
+
+    assert [round_(8, 0.005) for _ in range(20)] == [8] * 20  # a cheap draft (1/20 of a target round), always right
+    caps = [round_(0, 0.005) for _ in range(60)]  # now it is always wrong
+    off = caps.index(0)
+    assert 0 < off < 40 and caps[off:off + 12] == [0, 0, 0, 8] + [0] * 7 + [8]  # backed off, probes, interval doubled
     for _ in range(20):  # a draft step as slow as a target round, right half the time: never pays
-        budget.record_draft(8, 8, 8 * 0.1)
-        budget.record_verdict(8, 1)
-    assert 0.4 < budget.alpha < 0.6 and budget.choose() == 0
-    plain = budget.tokens_per_second(0)
-    assert plain == pytest.approx(10, rel=0.1) and max(budget.tokens_per_second(k) for k in range(1, 9)) < plain
+        policy.cap(8)
+        policy.observe(StepStats(8, 1, 8 * 0.1, 0.12))
+    assert 0.4 < policy.acceptance.value < 0.6 and policy.cap(8) == 0
+    plain = policy.rate(0)
+    assert plain == pytest.approx(10, rel=0.1) and max(policy.rate(k) for k in range(1, 9)) < plain
 
 
 # --- sampling: the q = 1 rule keeps the target's distribution ----------------------------------------

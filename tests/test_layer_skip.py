@@ -63,9 +63,9 @@ def test_greedy_equals_plain_with_the_rejection_verifier_and_backoff(target, pla
 
 
 def test_backoff_makes_plain_steps(target, plain):
-    """When the budget says drafting does not pay, drafts are empty and each round is a plain step."""
+    """When the policy says drafting does not pay, drafts are empty and each round is a plain step."""
     drafter = build_drafter("layer-skip", target, None, 4, True, skip_set="mlp=3", backoff=True)
-    drafter.budget.choose = lambda: 0
+    drafter.length.cap = lambda max_tokens: 0
     result = Pipeline(target, drafter).generate(PROMPTS[0], max_new_tokens=40)
     assert result.token_ids == plain[PROMPTS[0]]
     assert result.stats.num_draft_tokens == 0 and result.stats.steps == 39
@@ -111,7 +111,7 @@ def test_agreement_proxy_matches_real_draft_steps(target):
     for p in range(start - 1, seq.numel() - 1):
         runner.prefill(Prompt(seq[:p]))
         drafter.prefill(Prompt(seq[:p]), runner)
-        full = runner.forward(seq[p:p + 1])[-1].argmax()
+        full = runner.forward(seq[p:p + 1]).logits[-1].argmax()
         runner.rewind(p)
         agree += int(drafter.step(seq[p:p + 1], p).argmax() == full)
     assert proxy.score(skip).agreement == pytest.approx(agree / (seq.numel() - start))
@@ -133,11 +133,11 @@ def target_joint(target: LoadedModel, sampling: SamplingConfig) -> dict[tuple[in
 
     runner = CachedModel(target.model)
     ids = Pipeline(target, None).encode(PROMPTS[0]).input_ids
-    first = S.probs(runner.prefill(Prompt(ids)), sampling)
+    first = S.probs(runner.prefill(Prompt(ids)).logits[-1], sampling)
     joint = {}
     for a in first.nonzero().flatten().tolist():
         runner.rewind(ids.numel())
-        second = S.probs(runner.forward(torch.tensor([a]))[-1], sampling)
+        second = S.probs(runner.forward(torch.tensor([a])).logits[-1], sampling)
         for b in second.nonzero().flatten().tolist():
             joint[(a, b)] = float(first[a] * second[b])
     return joint

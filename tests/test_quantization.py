@@ -14,12 +14,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import sparrow
 from conftest import perturbed
-from sparrow.drafters.cost_length import CostAwareLength, best_length, expected_tokens, measure_cost_curve
 from sparrow.cached_model import CachedModel
 from sparrow.models import LoadedModel
 from sparrow.drafters import build_drafter
 from sparrow.pipeline import Pipeline
 from sparrow import quantization as Q
+from sparrow.policy import CostCurve, LengthPolicy, best_length, expected_tokens, measure_cost_curve
+from sparrow.types import StepStats
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is"]
 GROUP = 64
@@ -106,7 +107,7 @@ def test_quantized_self_greedy_equals_plain(target, plain, bits):
     before = snapshot(target.model)
     for verifier in ("greedy", "rejection"):
         drafter = build_drafter("quantized-self", target, None, 4, adaptive=True, bits=bits, group_size=GROUP)
-        assert drafter.name == "quantized-self" and isinstance(drafter.length, CostAwareLength)
+        assert drafter.name == "quantized-self" and drafter.length.curve is not None  # cost-aware
         drafted, accepted = run_all(Pipeline(target, drafter, verifier), plain)
         assert accepted > 0
     after = snapshot(target.model)
@@ -118,7 +119,7 @@ def test_quantized_draft_model_greedy_equals_plain(target, plain, bits):
     draft = LoadedModel(perturbed(target.model, 0.05, seed=1), target.tokenizer, "close")
     pipe = sparrow.load(target, drafter="draft-model", draft=draft, num_draft_tokens=4, draft_quant=bits)
     assert pipe.drafter.draft.model.sparrow_quantization.bits == Q.parse_quant(bits)
-    assert isinstance(pipe.drafter.length, CostAwareLength)  # load() is adaptive by default: the cost curve
+    assert pipe.drafter.length.curve is not None  # load() is adaptive by default: the cost curve
     assert pipe.runner.model is target.model  # the target stays unquantized
     drafted, accepted = run_all(pipe, plain)
     assert accepted > 0
@@ -169,23 +170,26 @@ def test_bad_quantization_arguments_fail_before_loading(target):
 
 
 def test_cost_aware_length_follows_the_cost_curve():
-    flat = tuple(100.0 for _ in range(9))  # bf16-like: verifying 8 tokens costs one
-    steep = tuple(25.0 + 20.0 * n for n in range(1, 10))  # quantized-like: verify cost grows with n
-    assert best_length(0.9, 10.0, flat, 8) == 8
-    assert best_length(0.9, 10.0, steep, 8) < 8
-    assert best_length(0.3, 10.0, flat, 8) < best_length(0.95, 10.0, flat, 8)
+    flat = tuple(0.1 for _ in range(9))  # bf16-like: verifying 8 tokens costs one
+    steep = tuple(0.025 + 0.02 * n for n in range(1, 10))  # quantized-like: verify cost grows with n
+    draft = lambda k: 0.01 * k  # noqa: E731
+    assert best_length(0.9, draft, lambda n: flat[n - 1], 8) == 8
+    assert best_length(0.9, draft, lambda n: steep[n - 1], 8) < 8
+    assert best_length(0.3, draft, lambda n: flat[n - 1], 8) < best_length(0.95, draft, lambda n: flat[n - 1], 8)
     assert expected_tokens(1.0, 4) == 5 and abs(expected_tokens(0.5, 1) - 1.5) < 1e-12
-    length = CostAwareLength(8, draft_ms=10.0, verify_ms=flat)
+    length = LengthPolicy(8, adaptive=True)
+    length.follow(CostCurve(verify_seconds=flat, draft_seconds=0.01))
+    assert length.cap(8) == best_length(0.8, draft, lambda n: flat[n - 1], 8) > 4  # from the prior acceptance
     for _ in range(30):
-        length.observe(length.cap, 0)  # nothing accepted: drafting long stops paying
-    assert length.cap < 8 and length.acceptance < 0.2
+        k = length.cap(8)
+        length.observe(StepStats(k, 0, draft(k), flat[k]))  # nothing accepted: drafting long stops paying
+    assert length.cap(8) < 8 and length.acceptance.value < 0.2
 
 
 def test_measure_cost_curve_covers_every_length(target):
     runner = CachedModel(target.model)
-    draft_ms, verify_ms = measure_cost_curve(runner, CachedModel(target.model), max_tokens=5, context_tokens=8,
-                                             repeats=1)
-    assert draft_ms > 0 and len(verify_ms) == 6 and all(t > 0 for t in verify_ms)
+    curve = measure_cost_curve(runner, 5, CachedModel(target.model), context_tokens=8, repeats=1)
+    assert curve.draft_seconds > 0 and len(curve.verify_seconds) == 6 and all(t > 0 for t in curve.verify_seconds)
 
 
 def test_a_draft_copy_prefills_with_the_shared_dense_weights(target):

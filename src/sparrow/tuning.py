@@ -34,17 +34,16 @@ import datetime as _dt
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Annotated, Optional
 
 import torch
-import typer
 from torch import Tensor
 
-from sparrow.cached_model import CachedModel, _text_config
+from sparrow.cached_model import _text_config
 from sparrow.drafters.layer_skip import (LayerSkipDrafter, SkipRecord, SkipSet, anchor_layers, crop_layers,
-                                         find_layers, skipping_view, user_record_path)
+                                         find_layers, skipping_view)
 from sparrow.models import LoadedModel
+from sparrow.policy import measure_cost_curve, tokens_per_second
+from sparrow.runner import runner_for
 from sparrow.types import Prompt
 
 CALIBRATION_PROMPTS = (
@@ -56,12 +55,11 @@ CALIBRATION_PROMPTS = (
 SubLayer = tuple[str, int]  # ("attention" | "mlp", layer index)
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens per round: accepted drafts plus the bonus token."""
-    return k + 1.0 if acceptance >= 1.0 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
-
-
 # --- costs -----------------------------------------------------------------------------------------
+
+MIN_DRAFT_SHARE = 0.02
+"""A draft step never costs less than this share of a full one (embedding, LM head, the view's overhead)."""
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -80,25 +78,17 @@ class CostModel:
         """One draft token in target decode steps."""
         seconds = (self.full_draft_seconds - len(skip.attention) * self.attention_seconds
                    - len(skip.mlp) * self.mlp_seconds)
-        return max(seconds, 0.02 * self.full_draft_seconds) / self.verify_seconds[0]
+        return max(seconds, MIN_DRAFT_SHARE * self.full_draft_seconds) / self.verify_seconds[0]
 
     def speedup(self, acceptance: float, skip: SkipSet, k: int) -> float:
-        t1 = self.verify_seconds[0]
-        return expected_tokens(acceptance, k) * t1 / (k * self.draft_cost(skip) * t1 + self.verify_seconds[k])
+        """Expected tokens per second drafting k tokens a round, over plain decoding's."""
+        t1, step = self.verify_seconds[0], self.draft_cost(skip) * self.verify_seconds[0]
+        return t1 * tokens_per_second(acceptance, k, lambda k: k * step, lambda n: self.verify_seconds[n - 1])
 
     def best(self, acceptance: float, skip: SkipSet) -> tuple[int, float]:
         """(k, expected speedup) with the best k in 1..max_k."""
-        return max(((k, self.speedup(acceptance, skip, k)) for k in range(1, self.max_k + 1)), key=lambda t: t[1])
-
-
-def _seconds(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
+        k = max(range(1, self.max_k + 1), key=lambda k: self.speedup(acceptance, skip, k))
+        return k, self.speedup(acceptance, skip, k)
 
 
 def _numel(module: torch.nn.Module) -> int:
@@ -112,23 +102,10 @@ def measure_costs(model: torch.nn.Module, max_k: int, context_tokens: int = 64, 
     share of decode weights it still reads (every layer's attention and MLP plus the LM head; the
     embedding table is only indexed). This is deterministic, where timing each view on a shared
     2-core machine was not; the confirming timed run checks the result. The verify curve
-    T(1..max_k + 1) is timed in interleaved rounds (median), so drift hits every n alike.
+    T(1..max_k + 1) is timed by `sparrow.policy.measure_cost_curve`.
     """
-    target = CachedModel(model)
-    ids = torch.arange(context_tokens + max_k + 1, dtype=torch.long) * 7919 % target.vocab_size
-    new = ids[context_tokens:].to(target.device)
-    target.prefill(Prompt(input_ids=ids[:context_tokens]))
-
-    def verify(n: int) -> None:
-        target.forward(new[:n])
-        target.rewind(context_tokens)
-
-    verify(max_k + 1)  # warm-up
-    times: dict[int, list[float]] = {n: [] for n in range(1, max_k + 2)}
-    for _ in range(repeats):
-        for n in times:
-            times[n].append(_seconds(lambda: verify(n), target.device))
-    verify_seconds = tuple(sorted(t)[len(t) // 2] for t in times.values())
+    target = runner_for(model)
+    verify_seconds = measure_cost_curve(target, max_k, context_tokens=context_tokens, repeats=repeats).verify_seconds
     layers = model.get_submodule(find_layers(model, target.config.num_hidden_layers))
     attention = sum(_numel(layer.self_attn) for layer in layers) / len(layers)
     mlp = sum(_numel(layer.mlp) for layer in layers) / len(layers)
@@ -237,13 +214,14 @@ class Search:
 
     def __init__(self, model: torch.nn.Module, proxy: Callable[[SkipSet, int | None], Score], costs: CostModel,
                  time_budget: float, importance_tokens: int = 6, max_skip_fraction: float = 0.6,
-                 progress: Callable[[str, int, int], None] | None = None) -> None:
+                 progress: Callable[[str, int, int], None] | None = None, ranking_share: float = 0.6) -> None:
+        """ranking_share: the share of `time_budget` the ablation ranking may use (the rest: sweep, refinement)."""
         self.num_layers = _text_config(model.config).num_hidden_layers
         anchors = set(anchor_layers(model))
         self.sublayers: list[SubLayer] = [("attention", i) for i in range(self.num_layers) if i not in anchors]
         self.sublayers += [("mlp", i) for i in range(self.num_layers)]
         self.proxy, self.costs = proxy, costs
-        self.started, self.time_budget = time.monotonic(), time_budget
+        self.started, self.time_budget, self.ranking_share = time.monotonic(), time_budget, ranking_share
         self.deadline = self.started + time_budget
         self.importance_tokens = importance_tokens
         self.max_skip = max(1, int(max_skip_fraction * len(self.sublayers)))
@@ -270,7 +248,7 @@ class Search:
         scores = {}
         for done, sub in enumerate(self.sublayers):
             self.progress("importance", done, len(self.sublayers))
-            if time.monotonic() > self.started + 0.6 * self.time_budget:  # leave time for the sweep
+            if time.monotonic() > self.started + self.ranking_share * self.time_budget:  # leave time for the sweep
                 break
             scores[sub] = self.proxy(self.skip_set([sub]), self.importance_tokens).log_prob
         self.progress("importance", len(self.sublayers), len(self.sublayers))
@@ -382,62 +360,3 @@ def tune_layer_skip(target: LoadedModel, *, max_k: int = 8, prompts: Sequence[st
                       expected_speedup=round(best.expected_speedup, 4),
                       measured_speedup=None if measured is None else round(measured, 4), recommended=wins,
                       date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), note=note, details=details)
-
-
-# --- CLI -------------------------------------------------------------------------------------------
-
-tune_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
-                       help="Tune drafters for a target on this machine.", no_args_is_help=True)
-
-
-@tune_app.command("layer-skip")
-def layer_skip(
-    target: Annotated[str, typer.Option(help="Target model: preset, local dir or hub id.")] = "qwen2.5-coder-1.5b",
-    out: Annotated[Optional[Path], typer.Option(help="Record file (default: <cache>/skip_sets/<target>.json, which --drafter layer-skip loads by name).")] = None,
-    k: Annotated[int, typer.Option("-k", "--num-draft-tokens", help="Largest draft length considered.")] = 8,
-    new_tokens: Annotated[int, typer.Option(help="Calibration tokens generated per prompt.")] = 24,
-    time_budget: Annotated[float, typer.Option(help="Seconds for the search (the confirmation run comes on top).")] = 300.0,
-    confirm_tokens: Annotated[int, typer.Option(help="Tokens per prompt of the confirming timed run (0 = skip it).")] = 48,
-    prompt: Annotated[Optional[list[str]], typer.Option(help="Calibration prompt (repeatable; default: built-in code and prose).")] = None,
-    dtype: Annotated[str, typer.Option(help="bfloat16 for speed, float32 for exactness.")] = "bfloat16",
-    device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
-) -> None:
-    """Search the layer-skip set with the best expected speedup, confirm it by a timed run, save it."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from sparrow.cli import fail
-    from sparrow.models import load_model
-
-    err = Console(stderr=True)
-    try:
-        if k < 1:
-            raise ValueError(f"k (num_draft_tokens) must be an integer >= 1, got {k!r}")
-        loaded = load_model(target, dtype=dtype, device=device, progress=True)
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=False) as bar:
-            tasks: dict[str, int] = {}
-
-            def progress(stage: str, done: int, total: int) -> None:
-                if stage not in tasks:
-                    tasks[stage] = bar.add_task(stage, total=total)
-                bar.update(tasks[stage], completed=done, total=total)
-
-            record = tune_layer_skip(loaded, max_k=k, prompts=tuple(prompt) if prompt else CALIBRATION_PROMPTS,
-                                     new_tokens=new_tokens, time_budget=time_budget, confirm_tokens=confirm_tokens,
-                                     progress=progress, say=lambda m: bar.console.print(m, markup=False, highlight=False))
-    except (ValueError, RuntimeError, OSError) as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return
-    path = out or user_record_path(loaded.name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record.save(path)
-    measured = "-" if record.measured_speedup is None else f"{record.measured_speedup:.2f}x"
-    err.print(f"skip set {record.skip} ({record.skip.num_skipped} sub-layers), k={record.num_draft_tokens}: "
-              f"agreement {record.agreement:.2f}, draft cost {record.draft_cost:.2f}, expected "
-              f"{record.expected_speedup:.2f}x, measured {measured}", markup=False, highlight=False)
-    if record.recommended:
-        err.print(f"recommended; saved to {path}", markup=False, highlight=False)
-    else:
-        err.print(f"NOT recommended ({record.note}): --drafter layer-skip will decode plainly with it; "
-                  f"saved to {path}", markup=False, highlight=False)

@@ -10,10 +10,9 @@ Each option's throughput is estimated online from what its rounds cost and yield
     rate(c)    = sum tokens / (sum draft seconds + sum verify_seconds(k + 1))   (exponentially forgotten)
     rate(none) = 1 / verify_seconds(1)
 
-with tokens = accepted drafts + the bonus token, and verify_seconds(n) = a + b (n - 1) fitted to
-every round's target forward (`VerifyCost`). Draft seconds are timed around the candidate's
-propose(); verify seconds from the end of propose() to observe(), which the engine calls right
-after verification.
+with tokens = accepted drafts + the bonus token, and verify_seconds(n) = a + b n fitted to every
+round's target forward (sparrow.policy.DecayedLine). Draft and verify seconds are the engine's own
+measurements of the round (`StepStats`).
 
 Policy, every round:
 1. Prompt lookup costs almost nothing, so it proposes every round. When it finds a match and its
@@ -22,7 +21,8 @@ Policy, every round:
    option with the highest rate among them and "none" is used. A candidate that is not chosen is
    re-probed for one round after `reprobe_interval` rounds, the interval doubling (up to
    `max_reprobe_interval`) each time the probe does not win, so a useless draft costs only a
-   round now and then, and speculation that does not pay turns into plain decoding.
+   round now and then, and speculation that does not pay turns into plain decoding. (This is the
+   back-off; the candidates' own back-off is switched off.)
 3. Prompt lookup's proposals that are not used are scored anyway once the committed tokens reach
    past them (a shadow verdict: the longest prefix equal to what was committed, which is exactly
    what greedy verification would have accepted), so its estimate follows the text for free.
@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +53,8 @@ from sparrow.config import SamplingConfig
 from sparrow.drafters.cross_vocab import CrossVocabDrafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter
+from sparrow.drafters.registry import REGISTRY
+from sparrow.policy import DecayedLine, LengthPolicy, ProbeSchedule
 from sparrow.timing import now
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
@@ -85,43 +87,15 @@ class AutoConfig:
     """Weight left to a candidate's old statistics when it is re-probed (the probe then counts most)."""
     carry_over: float = 0.5
     """Weight left to the statistics of earlier requests at prefill (costs carry over, the text does not)."""
+    verify_decay: float = 0.97
+    """Per-round decay of the verify-cost line (the machine changes more slowly than the text)."""
 
     def __post_init__(self) -> None:
-        for name in ("forgetting", "probe_weight", "carry_over"):
+        for name in ("forgetting", "probe_weight", "carry_over", "verify_decay"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"AutoConfig.{name} must lie in [0, 1], got {getattr(self, name)!r}")
         if self.probe_rounds < 1 or self.reprobe_interval < 1 or self.max_reprobe_interval < self.reprobe_interval:
             raise ValueError("AutoConfig needs probe_rounds >= 1 and 1 <= reprobe_interval <= max_reprobe_interval")
-
-
-@dataclass
-class VerifyCost:
-    """Seconds of one target forward over n tokens, a + b (n - 1), by exponentially weighted least squares."""
-
-    forgetting: float = 0.97
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wy, wxx, wxy with x = n - 1
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        x = float(num_tokens - 1)
-        self._sums = [self.forgetting * s for s in self._sums]
-        for i, term in enumerate((1.0, x, seconds, x * x, x * seconds)):
-            self._sums[i] += term
-
-    @property
-    def known(self) -> bool:
-        return self._sums[0] > 0
-
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b): seconds for one token, and per extra token (b >= 0; 0 until two widths were seen)."""
-        w, wx, wy, wxx, wxy = self._sums
-        assert w > 0, "no verify time observed yet"
-        spread = w * wxx - wx * wx
-        slope = max(0.0, (w * wxy - wx * wy) / spread) if spread > 1e-9 * max(w * wxx, 1e-12) else 0.0
-        return max((wy - slope * wx) / w, 1e-9), slope
-
-    def seconds(self, num_tokens: int) -> float:
-        a, b = self.coefficients()
-        return a + b * (num_tokens - 1)
 
 
 @dataclass
@@ -148,12 +122,12 @@ class Throughput:
         self.rounds *= factor
         self.drafted *= factor
 
-    def rate(self, verify: VerifyCost) -> float | None:
-        """Tokens per second, or None before the first observation."""
+    def rate(self, verify: DecayedLine) -> float | None:
+        """Tokens per second, or None before the first observation (verify(k + 1) = a + b + b k)."""
         if self.rounds <= 0 or not verify.known:
             return None
-        a, b = verify.coefficients()
-        return self.tokens / max(self.draft_seconds + a * self.rounds + b * self.drafted, 1e-12)
+        a, b = verify.line()
+        return self.tokens / max(self.draft_seconds + (a + b) * self.rounds + b * self.drafted, 1e-12)
 
 
 @dataclass
@@ -169,10 +143,8 @@ class AutoDrafter:
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "auto"
 
-    def __init__(self, candidates: Sequence[Drafter], clock: Callable[[], float] | None = None,
-                 config: AutoConfig | None = None) -> None:
-        """candidates: drafters with distinct names ("none" is implicit). clock: seconds, injectable for
-        tests; default: sparrow.engine.clock on the target's device."""
+    def __init__(self, candidates: Sequence[Drafter], config: AutoConfig | None = None) -> None:
+        """candidates: drafters with distinct names ("none" is implicit)."""
         names = [c.name for c in candidates]
         if len(set(names)) != len(names) or PLAIN in names:
             raise ValueError(f"auto drafter candidates need distinct names other than {PLAIN!r}, got {names}")
@@ -181,25 +153,24 @@ class AutoDrafter:
         lookups = [c.name for c in candidates if isinstance(c, PromptLookupDrafter)]
         self.lookup: str | None = lookups[0] if lookups else None
         self.models = [n for n in names if n != self.lookup]  # candidates that cost real compute to probe
-        self._clock = clock
-        self.verify = VerifyCost()
+        for candidate in candidates:  # plain rounds are this drafter's choice ("none"), not a candidate's
+            if isinstance(getattr(candidate, "length", None), LengthPolicy):
+                candidate.length.backoff = False
+        self.verify = DecayedLine(self.config.verify_decay)
         self.stats = {n: Throughput() for n in names}
         self.choices: list[str] = []  # what each round of the current request used
         self.rounds: list[AutoRound] = []  # the same, with what each round yielded
-        self._interval = {n: self.config.reprobe_interval for n in self.models}
-        self._next_probe = dict.fromkeys(self.models, 0)
+        self._probes = {n: ProbeSchedule(self.config.reprobe_interval, self.config.max_reprobe_interval)
+                        for n in self.models}
         self._shadows: list[_Shadow] = []
         self._lazy: set[str] = set()
         self._prompt: Prompt | None = None
         self._target: CachedModel | None = None
         self._prefill_out: TargetOutput | None = None
-        self._round: dict[str, Any] = {}
+        self._round: tuple[str, bool] = (PLAIN, False)  # this round's option, and whether it is a probe
 
     # --- Drafter protocol ----------------------------------------------------------------------
     def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:
-        if self._clock is None:
-            device = target.device
-            self._clock = lambda: now(device)
         self._prompt, self._target, self._prefill_out = prompt, target, out
         self.choices, self.rounds = [], []
         self._shadows = []
@@ -207,8 +178,8 @@ class AutoDrafter:
             stats.scale(self.config.carry_over)
         if self.lookup is not None:  # a lookup's worth is all in the text: start afresh (its first match is tried)
             self.stats[self.lookup] = Throughput()
-        self._interval = {n: self.config.reprobe_interval for n in self.models}
-        self._next_probe = {n: self.config.reprobe_interval if self.stats[n].count else 0 for n in self.models}
+        for n, probes in self._probes.items():
+            probes.restart(self.config.reprobe_interval if self.stats[n].count else 0)
         # Drafters with their own model prefill on first use; the rest (they may read the target's
         # fresh cache) now.
         self._lazy = {n for n, c in self.candidates.items() if isinstance(c, (DraftModelDrafter, CrossVocabDrafter))}
@@ -218,46 +189,40 @@ class AutoDrafter:
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        start = self._clock()
+        start = now(committed.device)
         if max_tokens < 1:
-            return self._chosen(PLAIN, Draft.empty(committed.device), 0.0, probe=False)
+            return self._chosen(PLAIN, Draft.empty(committed.device), probe=False)
         self._score_shadows(committed)
         lookup_draft = None
         if self.lookup is not None:
             lookup_draft = self.candidates[self.lookup].propose(committed, max_tokens, sampling, generator)
-        lookup_seconds = self._clock() - start
+        lookup_seconds = now(committed.device) - start
         if lookup_draft is not None and len(lookup_draft) and self._lookup_wins():
-            return self._chosen(self.lookup, lookup_draft, lookup_seconds, probe=False)
+            return self._chosen(self.lookup, lookup_draft, probe=False)
         if lookup_draft is not None and len(lookup_draft):
             self._shadows.append(_Shadow(committed.numel(), lookup_draft.tokens.tolist(), lookup_seconds))
         name, probe = self._pick_model()
         if name == PLAIN:
-            return self._chosen(PLAIN, Draft.empty(committed.device), 0.0, probe=False)
+            return self._chosen(PLAIN, Draft.empty(committed.device), probe=False)
         if name in self._lazy:
             self._lazy.discard(name)
             self.candidates[name].prefill(self._prompt, self._target, self._prefill_out)
         if probe:
             self.stats[name].scale(self.config.probe_weight)  # stale: let this round count most
-        t0 = self._clock()
         draft = self.candidates[name].propose(committed, max_tokens, sampling, generator)
-        return self._chosen(name, draft, self._clock() - t0, probe)
+        return self._chosen(name, draft, probe)
 
-    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
-                step: StepStats | None = None) -> None:
-        verify_seconds = self._clock() - self._round["end"]
-        self.verify.observe(len(draft) + 1, verify_seconds)
-        name = self._round["name"]
+    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput, step: StepStats) -> None:
+        self.verify.add(len(draft) + 1, step.verify_seconds)
+        name, probe = self._round
         self.rounds.append(AutoRound(name, len(draft), verdict.num_accepted))
         if name == PLAIN:
             return
         self.candidates[name].observe(draft, verdict, out, step)
-        self.stats[name].add(verdict.num_accepted + 1, self._round["draft_seconds"], len(draft), self.config.forgetting)
-        if name in self._next_probe:
-            if self._round["probe"]:
-                wins = self._rate(name) >= max(self._rate(n) or 0.0 for n in self._options() if n != name)
-                grown = min(2 * self._interval[name], self.config.max_reprobe_interval)
-                self._interval[name] = self.config.reprobe_interval if wins else grown
-            self._next_probe[name] = len(self.choices) + self._interval[name]
+        self.stats[name].add(verdict.num_accepted + 1, step.draft_seconds, len(draft), self.config.forgetting)
+        if name in self._probes:
+            wins = self._rate(name) >= max(self._rate(n) or 0.0 for n in self._options() if n != name) if probe else None
+            self._probes[name].wait(len(self.choices), wins)
 
     # --- policy --------------------------------------------------------------------------------
     def _options(self) -> list[str]:
@@ -265,7 +230,7 @@ class AutoDrafter:
 
     def _rate(self, name: str) -> float | None:
         if name == PLAIN:
-            return 1.0 / self.verify.seconds(1) if self.verify.known else None
+            return 1.0 / self.verify(1) if self.verify.known else None
         return self.stats[name].rate(self.verify)
 
     def _lookup_wins(self) -> bool:
@@ -283,14 +248,14 @@ class AutoDrafter:
                 return name, False
         rates = {n: self._rate(n) for n in self._options()}
         best = max(rates, key=lambda n: -1.0 if rates[n] is None else rates[n])
-        due = [n for n in self.models if n != best and len(self.choices) >= self._next_probe[n]]
+        due = [n for n in self.models if n != best and self._probes[n].due(len(self.choices))]
         if due:
-            return min(due, key=self._next_probe.__getitem__), True
+            return min(due, key=lambda n: self._probes[n].next), True
         return best, False
 
-    def _chosen(self, name: str, draft: Draft, draft_seconds: float, probe: bool) -> Draft:
+    def _chosen(self, name: str, draft: Draft, probe: bool) -> Draft:
         self.choices.append(name)
-        self._round = {"name": name, "draft_seconds": draft_seconds, "probe": probe, "end": self._clock()}
+        self._round = (name, probe)
         return draft
 
     def _score_shadows(self, committed: Tensor) -> None:
@@ -310,7 +275,9 @@ class AutoDrafter:
                 drafted = len(shadow.tokens)
                 self.stats[self.lookup].add(accepted + 1, shadow.draft_seconds, drafted, self.config.forgetting)
                 verdict = Verdict(tokens=torch.tensor(actual[: accepted + 1]), num_accepted=accepted)
-                lookup.observe(Draft(tokens=torch.tensor(shadow.tokens)), verdict)
+                verify = self.verify(drafted + 1) if self.verify.known else 0.0  # modelled: never verified
+                modelled = StepStats(drafted, accepted, shadow.draft_seconds, verify)
+                lookup.observe(Draft(tokens=torch.tensor(shadow.tokens)), verdict, None, modelled)
             else:
                 pending.append(shadow)
         self._shadows = pending
@@ -321,32 +288,29 @@ class AutoDrafter:
 
 
 def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int, adaptive: bool,
-          quantized_self: bool = False, layer_skip: bool = True, clock: Callable[[], float] | None = None,
-          config: AutoConfig | None = None) -> AutoDrafter:
+          quantized_self: bool = False, layer_skip: bool = True, config: AutoConfig | None = None) -> AutoDrafter:
     """Registry builder for "auto". `num_draft_tokens` caps every candidate (each keeps its own default
     when that is lower). quantized_self: also try an int4 copy of the target (built now: memory and
     seconds). layer_skip: try "layer-skip" when it is registered and tuned for this target."""
-    from sparrow.drafters import REGISTRY  # this module is imported by the registry
-
     def make(name: str, draft_model: LoadedModel | None, **options: Any) -> Drafter:
         entry = REGISTRY[name]
         default = entry.default_num_draft_tokens  # None: the builder's own choice (layer-skip: its tuned k)
-        return entry.build(target, draft_model, None if default is None else min(num_draft_tokens, default),
-                           adaptive, **options)
+        return entry.builder(target, draft_model, None if default is None else min(num_draft_tokens, default),
+                             adaptive, **options)
 
     candidates = [make("prompt-lookup", None)]
     if draft is not None:
         same_vocab = CachedModel(draft.model).vocab_size == CachedModel(target.model).vocab_size
-        candidates.append(make("draft-model", draft) if same_vocab else make("cross-vocab", draft, backoff=False))
+        candidates.append(make("draft-model", draft) if same_vocab else make("cross-vocab", draft))
     if layer_skip and "layer-skip" in REGISTRY:
         try:
             with warnings.catch_warnings():  # a set measured to lose comes back disabled: left out below
                 warnings.simplefilter("ignore")
-                skipper = make("layer-skip", None, backoff=False)  # backing off is this drafter's job
+                skipper = make("layer-skip", None)
             if getattr(skipper, "enabled", True):
                 candidates.append(skipper)
         except ValueError:  # no tuned skip set for this target (or a quantized target)
             pass
     if quantized_self:
         candidates.append(make("quantized-self", None))
-    return AutoDrafter(candidates, clock=clock, config=config)
+    return AutoDrafter(candidates, config=config)

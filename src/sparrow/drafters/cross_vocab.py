@@ -8,9 +8,9 @@ One round:
    vocabulary has one, else a re-encoding in context (`TokenBytes.continuation`, a short
    look-behind window). The draft's KV cache is then cut back lazily to the longest prefix of
    draft tokens still valid: the prompt is never re-prefilled.
-2. Draft. Up to `k` greedy steps in the draft's vocabulary; `DraftBudget` picks `k` from the
-   measured draft cost, target cost and acceptance (k = 0: an empty draft, i.e. a plain
-   decoding step, so a drafter that does not pay costs almost nothing).
+2. Draft. Up to `k` greedy steps in the draft's vocabulary; the length policy (sparrow.policy)
+   picks `k` from the engine-measured draft and verify costs and the acceptance (k = 0: an empty
+   draft, i.e. a plain decoding step, so a drafter that does not pay costs almost nothing).
 3. Re-encode. The draft's bytes that continue the committed text are re-encoded with the target
    tokenizer in context; tokens straddling the end of the committed text are never proposed. The
    last target token is dropped unless the draft's text ended there (at a special token): more
@@ -31,7 +31,6 @@ right for such one-hot q; sparrow never mixes the two cases.)
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,10 +41,10 @@ from transformers import PreTrainedTokenizerBase
 
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.drafters.budget import DraftBudget
 from sparrow.drafters.dtw import carry_confidence, dtw_path, target_to_source
-from sparrow.drafters.length import DraftLength
 from sparrow.drafters.token_bytes import TokenBytes, valid_utf8_prefix
+from sparrow.policy import LengthPolicy
+from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 if TYPE_CHECKING:
@@ -57,9 +56,9 @@ class CrossVocabConfig:
     num_draft_tokens: int = 8
     """Most draft-model steps per round."""
     adaptive: bool = False
-    """DraftLength's rules on top: stop drafting under a confidence threshold, adapt the round cap."""
-    backoff: bool = True
-    """DraftBudget picks the number of steps each round, down to 0 when drafting does not pay."""
+    """The adaptive length policy: stop drafting under a confidence threshold, adapt the round cap."""
+    backoff: bool | None = None
+    """Draft 0 steps while drafting is measured not to pay (None: when adaptive)."""
     lookbehind: int = 8
     """Tokens of context re-encoded with new text, so new tokens are cut as in context."""
     window: int = 32
@@ -76,12 +75,6 @@ class CrossVocabConfig:
             raise ValueError(f"lookbehind and window must be >= 1, got {self.lookbehind}, {self.window}")
         if not 0.0 <= self.min_confidence <= 1.0:
             raise ValueError(f"min_confidence must lie in [0, 1], got {self.min_confidence}")
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -103,8 +96,8 @@ class CrossVocabDrafter:
         self.config = config or CrossVocabConfig()
         self.target_vocab = TokenBytes(target_tokenizer)
         self.draft_vocab = TokenBytes(draft_tokenizer)
-        self.length = DraftLength(self.config.num_draft_tokens, adaptive=self.config.adaptive)
-        self.budget = DraftBudget(self.config.num_draft_tokens, held_back=1)
+        backoff = self.config.adaptive if self.config.backoff is None else self.config.backoff
+        self.length = LengthPolicy(self.config.num_draft_tokens, adaptive=self.config.adaptive, backoff=backoff)
         # Special tokens the target knows by content: a draft that ends on one of them (<|im_end|>)
         # proposes it; any other draft special token ends the draft text.
         self._target_special = {self.target_vocab.pieces[i] for i in self.target_vocab.special} - {b""}
@@ -126,8 +119,6 @@ class CrossVocabDrafter:
         self._cached = list(self._draft_ids)  # draft tokens whose KV the draft cache holds
         if committed:
             self.draft.prefill(Prompt(input_ids=torch.tensor(self._draft_ids, dtype=torch.long)))
-        self._round_end: float | None = None  # when the last proposal was handed to the engine
-        self._last_proposed = 0
 
     def _bring_over(self) -> None:
         """Extend the draft tokens over the committed bytes they do not cover yet."""
@@ -162,14 +153,10 @@ class CrossVocabDrafter:
     # --- Drafter protocol ----------------------------------------------------------------------
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
-        self.budget.reset()
         self._start(prompt.input_ids.tolist())
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        started = _now(self.draft.device)
-        if self._round_end is not None:  # the time since the last proposal is the target's round
-            self.budget.record_verify(self._last_proposed, started - self._round_end)
         ids = committed.tolist()
         if ids[: len(self._committed)] != self._committed:  # not a continuation: start over
             self._start(ids)
@@ -177,20 +164,15 @@ class CrossVocabDrafter:
             self._content += self.target_vocab.join(ids[len(self._committed):])
             self._committed = ids
             self._bring_over()
-        steps = min(self.length.cap, self.budget.choose() if self.config.backoff else self.length.cap)
+        steps = self.length.cap(self.config.num_draft_tokens if max_tokens >= 1 else 0)  # draft steps, not tokens
         tokens: list[int] = []
-        if max_tokens >= 1 and steps >= 1:
+        if steps >= 1:
             generated, confidence = self._generate(steps)
             tokens = self._to_target(generated, confidence)[:max_tokens]
-            self.budget.record_draft(len(generated), len(tokens), _now(self.draft.device) - started)
-        self._last_proposed = len(tokens)
-        self._round_end = _now(self.draft.device)
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=self.draft.device))
 
-    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
-                step: StepStats | None = None) -> None:
-        self.length.observe(len(draft), verdict.num_accepted)
-        self.budget.record_verdict(len(draft), verdict.num_accepted)
+    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput, step: StepStats) -> None:
+        self.length.observe(step)
 
     # --- one round -----------------------------------------------------------------------------
     def _generate(self, steps: int) -> tuple[list[int], list[float]]:
@@ -240,4 +222,4 @@ def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adapti
           **options: Any) -> CrossVocabDrafter:
     """Registry entry point: `--drafter cross-vocab --draft M`."""
     config = CrossVocabConfig(num_draft_tokens=num_draft_tokens, adaptive=adaptive, **options)
-    return CrossVocabDrafter(CachedModel(draft.model), target.tokenizer, draft.tokenizer, config)
+    return CrossVocabDrafter(runner_for(draft.model), target.tokenizer, draft.tokenizer, config)

@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.drafters.length import DraftLength
+from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape, verify_cost_curve
 from sparrow.models import LoadedModel
+from sparrow.policy import LengthPolicy
 from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
@@ -45,7 +45,7 @@ class DraftModelDrafter:
             )
         self.draft = draft
         self.tree = tree
-        self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
+        self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive)  # --fixed: exactly k
         self._cached = torch.empty(0, dtype=torch.long)  # [draft.length] tokens whose KV the cache holds
 
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
@@ -56,7 +56,7 @@ class DraftModelDrafter:
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         committed = committed.to(self.draft.device)
-        num_tokens = min(max_tokens, self.length.cap)
+        num_tokens = self.length.cap(max_tokens)
         if num_tokens < 1:
             return Draft.empty(self.draft.device)
         # Roll back to what is still valid, then feed everything after it (at least the last token).
@@ -65,26 +65,21 @@ class DraftModelDrafter:
         if self.tree is not None:
             self._cached = committed
             return dynamic_tree(self.draft, committed, self.tree, max_tokens, sampling)
-        feed = committed[valid:]
-        tokens, rows = [], []
-        for _ in range(num_tokens):
-            logits = self.draft.forward(feed).logits[-1]  # [vocab]
-            if sampling.greedy:
-                token = logits.argmax()
-            else:
-                rows.append(S.probs(logits, sampling))
-                token = S.sample(rows[-1], generator)
-            tokens.append(token.reshape(1))
-            if self.length.adaptive and not self.length.keep_drafting(float(logits.float().softmax(-1).max())):
-                break
-            feed = token.reshape(1)
-        self._cached = torch.cat([committed, *tokens[:-1]])
-        return Draft(tokens=torch.cat(tokens), probs=torch.stack(rows) if rows else None)
+        fed = []  # draft tokens fed after `committed`: the cache holds their KV
+
+        def step(token: Tensor, i: int) -> Tensor:
+            if i:
+                fed.append(token)
+            return self.draft.forward(token if i else committed[valid:]).logits[-1]  # [vocab]
+
+        draft = autoregressive_draft(step, committed[-1:], num_tokens, sampling, generator, self.length)
+        self._cached = torch.cat([committed, *fed])
+        return draft
 
     def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
                 step: StepStats | None = None) -> None:
         if draft.parents is None:
-            self.length.observe(len(draft), verdict.num_accepted)
+            self.length.observe(step)
 
 
 def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adaptive: bool,

@@ -17,9 +17,9 @@ sub-layer adds nothing to the residual stream, so the hidden state passes throug
   attention: then every layer that runs attention holds exactly the anchor's length and masks and
   positions are exact. Positions are passed explicitly.
 * Adaptive draft exit: drafting stops when the draft's top probability falls under a threshold
-  that follows the observed acceptance (DraftLength, Draft & Verify's rule). Back-off: DraftBudget
-  compares measured draft / verify cost and acceptance and proposes empty drafts (plain decoding
-  steps) while drafting does not pay, probing again now and then.
+  that follows the observed acceptance (Draft & Verify's rule). Back-off: the length policy
+  compares the engine-measured draft / verify costs and acceptance and proposes empty drafts (plain
+  decoding steps) while drafting does not pay, probing again now and then (sparrow.policy).
 * Lossless sampling: at temperature > 0 drafts are sampled from q and q is returned; greedy
   drafts are argmax (Draft.probs None, the q = 1 rule).
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import time
 import warnings
 from dataclasses import dataclass, field
 from importlib import resources
@@ -43,13 +42,12 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from sparrow import sampling as S
 from sparrow.cached_model import CachedModel, _text_config
-from sparrow.config import SamplingConfig
-from sparrow.drafters.budget import DraftBudget
-from sparrow.drafters.length import DraftLength
+from sparrow.config import GREEDY, SamplingConfig
+from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.models import LoadedModel
 from sparrow.models.presets import default_cache_dir
+from sparrow.policy import LengthPolicy
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
@@ -302,12 +300,6 @@ def crop_layers(cache: Any, length: int) -> None:
 
 # --- the drafter -----------------------------------------------------------------------------------
 
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 class LayerSkipDrafter:
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "layer-skip"
@@ -317,23 +309,16 @@ class LayerSkipDrafter:
         self.model = model
         self.skip = skip
         self.view = skipping_view(model, skip)
-        self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
-        self.budget = DraftBudget(num_draft_tokens)
-        self.backoff = adaptive if backoff is None else backoff
+        self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive if backoff is None else backoff)
         self.enabled = enabled  # False: every draft is empty (plain decoding)
         self.sample_drafts = sample_drafts  # False: argmax drafts also at temperature > 0 (q = 1 rule)
         self.target: CachedModel | None = None
-        self._round_end: float | None = None
-        self._last_proposed = 0
 
     def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:
         if target.model is not self.model:
             raise ValueError("layer-skip: the target is not the model this drafter was built for")
         self.target = target  # its cache records the past, so drafted positions can be cropped (CachedModel)
         self.length.reset()
-        self.budget.reset()
-        self._round_end = None
-        self._last_proposed = 0
 
     @torch.inference_mode()
     def step(self, token: Tensor, position: int) -> Tensor:
@@ -347,46 +332,18 @@ class LayerSkipDrafter:
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         assert self.target is not None, "prefill() must run before propose()"
-        device = self.target.device
-        started = _now(device)
-        if self._round_end is not None:  # the time since the last proposal was the target's round
-            self.budget.record_verify(self._last_proposed, started - self._round_end)
-        steps = min(max_tokens, self.length.cap) if self.enabled else 0
-        if steps >= 1 and self.backoff:
-            steps = min(steps, self.budget.choose())
-        draft = self._draft(committed.to(device), steps, sampling, generator) if steps >= 1 else Draft.empty(device)
-        if len(draft):
-            self.budget.record_draft(len(draft), len(draft), _now(device) - started)
-        self._last_proposed = len(draft)
-        self._round_end = _now(device)
-        return draft
-
-    def _draft(self, committed: Tensor, steps: int, sampling: SamplingConfig,
-               generator: torch.Generator | None) -> Draft:
+        steps = self.length.cap(max_tokens if self.enabled else 0)
+        committed = committed.to(self.target.device)
         start = committed.numel() - 1  # the target cache holds committed[:-1]
         assert self.target.length == start, (self.target.length, start)
-        sample = self.sample_drafts and not sampling.greedy
-        tokens, rows = [], []
-        token = committed[-1:]
         try:
-            for j in range(steps):
-                logits = self.step(token, start + j)
-                if sample:
-                    rows.append(S.probs(logits, sampling))
-                    token = S.sample(rows[-1], generator).reshape(1)
-                else:
-                    token = logits.argmax().reshape(1)
-                tokens.append(token)
-                if self.length.adaptive and not self.length.keep_drafting(float(logits.float().softmax(-1).max())):
-                    break
+            return autoregressive_draft(lambda token, i: self.step(token, start + i), committed[-1:], steps,
+                                        sampling if self.sample_drafts else GREEDY, generator, self.length)
         finally:
             crop_layers(self.target.cache, start)  # drafted KV is never kept
-        return Draft(tokens=torch.cat(tokens), probs=torch.stack(rows) if rows else None)
 
-    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
-                step: StepStats | None = None) -> None:
-        self.length.observe(len(draft), verdict.num_accepted)
-        self.budget.record_verdict(len(draft), verdict.num_accepted)
+    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput, step: StepStats) -> None:
+        self.length.observe(step)
 
 
 def resolve_record(target: LoadedModel, skip_set: SkipSet | str | dict | None,

@@ -4,13 +4,15 @@ Drafts are deterministic, so the rejection verifier uses the q = 1 rule for them
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.drafters.length import DraftLength
 from sparrow.drafters.tree_draft import TreeShape, resolve_shape
+from sparrow.policy import LengthPolicy
 from sparrow.tree import merge_paths
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
@@ -66,7 +68,7 @@ class PromptLookupDrafter:
         `tree.budget` nodes beyond the best match's."""
         if min_n < 1 or max_n < min_n:
             raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
+        self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive)  # nearly free to draft: no back-off
         self.min_n, self.max_n = min_n, max_n
         self.tree = tree
         self._first = 0  # length of the best match's continuation in the last draft
@@ -76,7 +78,7 @@ class PromptLookupDrafter:
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        k = min(max_tokens, self.length.cap)
+        k = self.length.cap(max_tokens)
         if self.tree is None:
             return Draft(tokens=find_continuation(committed, self.min_n, self.max_n, k))
         found = find_continuations(committed, self.min_n, self.max_n, k, self.tree.topk)
@@ -92,9 +94,9 @@ class PromptLookupDrafter:
     def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
                 step: StepStats | None = None) -> None:
         if draft.parents is None:
-            self.length.observe(len(draft), verdict.num_accepted)
+            self.length.observe(step)
         else:  # the cap rule follows the best match's continuation
-            self.length.observe(self._first, min(verdict.num_accepted, self._first))
+            self.length.observe(replace(step, num_draft_tokens=self._first, num_accepted=min(verdict.num_accepted, self._first)))
 
 
 def build(target, draft: None, num_draft_tokens: int, adaptive: bool, tree_budget: int | str = 0, tree_topk: int = 4,

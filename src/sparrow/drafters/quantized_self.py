@@ -4,16 +4,16 @@ The copy shares the target's tokenizer, vocabulary and (dense) embeddings and ag
 almost every token, while a single-token forward reads 2-4x fewer weight bytes. It runs as an
 ordinary draft model (own KV cache, lazy rollback) and the unquantized target verifies, so the
 output is exactly the target's. The copy is built once per target (and, for presets, cached on
-disk); an adaptive draft length follows the measured cost curve (see cost_length.py).
+disk); an adaptive draft length follows the measured cost curve (see sparrow.policy).
 """
 
 from __future__ import annotations
 
 from sparrow.runner import runner_for
-from sparrow.drafters.cost_length import follow_cost_curve
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.tree_draft import resolve_shape, verify_cost_curve
 from sparrow.models import LoadedModel
+from sparrow.policy import follow_cost_curve
 from sparrow.quantization import DEFAULT_GROUP_SIZE, quantized_copy
 
 DEFAULT_BITS = "int4"

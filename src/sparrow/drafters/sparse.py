@@ -15,18 +15,19 @@ The prompt queries come from the target's own prefill through the capture wrappe
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from sparrow import sampling as S
 from sparrow.attention_capture import QueryCapture
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.kv_selection import KVSelector, TopKAttention, check_budget, kept_positions
-from sparrow.drafters.length import DraftLength
+from sparrow.policy import LengthPolicy
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 DEFAULT_BUDGET = 1024
@@ -59,13 +60,18 @@ class SparseDrafter:
         self.model = model
         self.budget, self.sinks, self.window, self.span = budget, sinks, window, span
         self.selector: KVSelector = selector if selector is not None else TopKAttention()
-        self.length = DraftLength(num_draft_tokens, adaptive=adaptive)
-        self.capture = QueryCapture(model, window).start()  # records the target's prefill queries
+        self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive)
+        self.capture = QueryCapture(model, window)  # records the target's prefill queries (only those)
+        self._release_capture = weakref.finalize(self, self.capture.capture_prefills())
         self.kept: tuple[Tensor, ...] = ()  # per layer [kv_heads, m] prompt positions in the draft cache
         self.cache: DynamicCache | None = None
         self._target: CachedModel | None = None
         self._synced = 0  # target positions whose KV the draft cache holds (the kept prompt ones, then all)
         self._base = 0  # draft cache length holding exactly those
+
+    def close(self) -> None:
+        """Remove the prefill-capture hooks from the target (also done when this drafter is garbage-collected)."""
+        self._release_capture()
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:
@@ -114,30 +120,19 @@ class SparseDrafter:
         assert self.cache is not None and self._target is not None, "prefill() must run before propose()"
         device = self._target.device
         committed = committed.to(device)
-        num_tokens = min(max_tokens, self.length.cap)
+        num_tokens = self.length.cap(max_tokens)
         if num_tokens < 1:
             return Draft.empty(device)
         position = committed.numel() - 1
         assert self._target.length == position, (self._target.length, position)  # target cache == committed[:-1]
         self._sync(position)
-        token = committed[-1:]
-        tokens, rows = [], []
-        for i in range(num_tokens):
-            logits = self._forward(token, position + i)
-            if sampling.greedy:
-                token = logits.argmax().reshape(1)
-            else:
-                rows.append(S.probs(logits, sampling))
-                token = S.sample(rows[-1], generator).reshape(1)
-            tokens.append(token)
-            if self.length.adaptive and not self.length.keep_drafting(float(logits.float().softmax(-1).max())):
-                break
+        draft = autoregressive_draft(lambda token, i: self._forward(token, position + i), committed[-1:], num_tokens,
+                                     sampling, generator, self.length)
         self.cache.crop(self._base - self.cache.get_seq_length())  # drop the draft's own (sparse) KV
-        return Draft(tokens=torch.cat(tokens), probs=torch.stack(rows) if rows else None)
+        return draft
 
-    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
-                step: StepStats | None = None) -> None:
-        self.length.observe(len(draft), verdict.num_accepted)
+    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput, step: StepStats) -> None:
+        self.length.observe(step)
 
 
 def build(target, draft: None, num_draft_tokens: int, adaptive: bool, budget: int | float = DEFAULT_BUDGET,

@@ -131,9 +131,9 @@ token costs (CPUs without them) it shrinks toward the chain."""
 
 def verify_cost_curve(target, draft) -> tuple[float, ...]:
     """Measured ms of one target forward of n = 1 .. MAX_AUTO_BUDGET + 1 tokens (interpolated between powers of 2)."""
-    from sparrow.drafters.cost_length import measure_cost_curve
+    from sparrow.policy import measure_cost_curve
 
-    return measure_cost_curve(target, draft, MAX_AUTO_BUDGET)[1]
+    return tuple(1e3 * s for s in measure_cost_curve(target, MAX_AUTO_BUDGET).verify_seconds)
 
 
 def resolve_shape(budget: int | str | None, topk: int, depth: int, verify_ms=None) -> TreeShape | None:

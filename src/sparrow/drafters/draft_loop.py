@@ -1,0 +1,58 @@
+"""The autoregressive draft loop every model-based chain drafter shares (gpt-fast's decode_n_tokens).
+
+Drafters differ only in their step function: a draft model with its own cache, the target skipping
+layers on its own cache, the target on a sparse cache. At temperature > 0 each token is sampled from
+q (after the target's temperature / top-k / top-p) and q is returned, so the verifier applies
+min(1, p/q); at temperature 0 it is the argmax (Draft.probs None: the q = 1 rule).
+
+Confidence exit (adaptive policies): drafting stops after the first token whose draft top probability
+is under the policy's threshold. On a CPU the check is free and stops at once; on an accelerator the
+confidences stay on the device and one host sync after the loop cuts the draft there (the tokens are
+the same, at the cost of the forwards after the cut).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from sparrow import sampling as S
+from sparrow.config import SamplingConfig
+from sparrow.policy import LengthPolicy
+from sparrow.types import Draft
+
+Step = Callable[[Tensor, int], Tensor]
+"""step(token [1] int64, i) -> [vocab] logits of draft position i (the token is the one before it)."""
+
+
+def autoregressive_draft(step: Step, first_token: Tensor, steps: int, sampling: SamplingConfig,
+                         generator: torch.Generator | None, policy: LengthPolicy, defer: bool | None = None) -> Draft:
+    """Up to `steps` draft tokens after `first_token` ([1], the last committed token).
+
+    defer: check the confidence exit once after the loop (default: on accelerators, not on CPUs)."""
+    if steps < 1:
+        return Draft.empty(first_token.device)
+    threshold = policy.confidence_threshold
+    defer = first_token.device.type != "cpu" if defer is None else defer
+    token, tokens, rows, tops = first_token, [], [], []
+    for i in range(steps):
+        logits = step(token, i)
+        if sampling.greedy:
+            token = logits.argmax().reshape(1)
+        else:
+            rows.append(S.probs(logits, sampling))
+            token = S.sample(rows[-1], generator).reshape(1)
+        tokens.append(token)
+        if threshold > 0:
+            top = logits.float().softmax(-1).max()
+            if defer:
+                tops.append(top)
+            elif not policy.keep_drafting(float(top)):
+                break
+    n = len(tokens)
+    if tops:  # one host sync: keep up to the first token under the threshold
+        below = torch.stack(tops) < threshold
+        n = min(n, int(torch.cat([below, below.new_ones(1)]).int().argmax()) + 1)
+    return Draft(tokens=torch.cat(tokens[:n]), probs=torch.stack(rows[:n]) if rows else None)

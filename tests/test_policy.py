@@ -1,0 +1,171 @@
+"""The speculation policy (sparrow.policy) on deterministic fake timings: no wall clock is read.
+
+A fake round drafts what the policy allows, costs `draft` seconds per draft token plus
+verify(n) = 1 + 0.02 (n - 1) seconds, and accepts the draft's leading tokens from a fixed
+success pattern with the wanted acceptance rate.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from sparrow.config import SamplingConfig
+from sparrow.drafters.draft_loop import autoregressive_draft
+from sparrow.policy import DecayedLine, LengthPolicy, ProbeSchedule, best_length, expected_tokens
+from sparrow.types import StepStats
+
+
+def verify(n: int) -> float:
+    return 1.0 + 0.02 * (n - 1)
+
+
+class FakeText:
+    """Draft tokens are accepted following a fixed pattern: `hits` successes in every `period` tokens."""
+
+    def __init__(self, hits: int, period: int) -> None:
+        self.pattern = itertools.cycle([True] * hits + [False] * (period - hits))
+
+    def accepted(self, drafted: int) -> int:
+        n = 0
+        while n < drafted and next(self.pattern):
+            n += 1
+        return n
+
+
+def simulate(policy: LengthPolicy, text: FakeText, draft: float, rounds: int) -> tuple[list[int], float, float]:
+    """(caps, tokens, seconds) of `rounds` fake rounds with `draft` seconds per draft token."""
+    caps, tokens, seconds = [], 0.0, 0.0
+    for _ in range(rounds):
+        k = policy.cap(8)
+        accepted = text.accepted(k) if k else 0
+        step = StepStats(k, accepted, draft * k, verify(k + 1))
+        policy.observe(step)
+        caps.append(k)
+        tokens += accepted + 1
+        seconds += step.draft_seconds + step.verify_seconds
+    return caps, tokens, seconds
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(0.9, 8) == pytest.approx((1 - 0.9 ** 9) / 0.1)
+
+
+def test_best_length_follows_acceptance_and_costs():
+    flat = lambda n: 1.0  # noqa: E731  (dense bf16: verifying 9 tokens costs one)
+    steep = lambda n: 0.25 + 0.2 * n  # noqa: E731  (quantized kernels: verify cost grows with n)
+    cheap = lambda k: 0.1 * k  # noqa: E731
+    assert best_length(0.9, cheap, flat, 8) == 8
+    assert best_length(0.9, cheap, steep, 8) < 8
+    assert best_length(0.3, cheap, flat, 8) < best_length(0.95, cheap, flat, 8)
+    assert best_length(0.1, lambda k: 0.5 * k, verify, 8, minimum=0) == 0  # drafting does not pay: plain decoding
+    assert best_length(0.9, lambda k: 0.5 * k, verify, 8, minimum=0) > 0
+
+
+def test_decayed_line_fits_intercept_and_slope():
+    line = DecayedLine(decay=0.97)
+    for n in (1, 9, 1, 5, 17):
+        line.add(n, 0.5 + 0.01 * n)
+    a, b = line.line()
+    assert a == pytest.approx(0.5) and b == pytest.approx(0.01)
+    flat, origin = DecayedLine(), DecayedLine(origin=True)
+    for line in (flat, origin):
+        line.add(4, 2.0)
+    assert flat(1) == 2.0 and origin(1) == 0.5  # no spread yet: a flat verify cost, a per-token draft cost
+
+
+def test_probe_schedule_doubles_and_restarts():
+    probes = ProbeSchedule(start=4, limit=16)
+    probes.restart(first=4)
+    due = []
+    for r in range(1, 60):
+        if probes.due(r):
+            due.append(r)
+            probes.wait(r, won=False)
+    assert due == [4, 12, 28, 44]  # intervals 8, 16, then capped at 16
+    probes.wait(60, won=True)
+    assert probes.interval == 4 and probes.next == 64
+
+
+def test_backoff_drafts_nothing_when_drafting_cannot_pay_and_returns_after_a_probe():
+    policy = LengthPolicy(8, adaptive=True, backoff=True)
+    caps, tokens, seconds = simulate(policy, FakeText(1, 10), draft=0.5, rounds=500)  # draft 0.5 x verify, a = 0.1
+    assert caps[:1] == [8]  # nothing measured yet: draft, and measure
+    backed_off = caps.index(0)
+    assert backed_off <= 4  # a few rounds to learn that it does not pay
+    assert caps[backed_off:].count(0) >= 0.95 * len(caps[backed_off:])
+    probes = [i for i in range(backed_off, len(caps)) if caps[i]]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [8, 16, 32, 64] == [policy.max_probe_interval // 2 ** i for i in (3, 2, 1, 0)]  # doubling
+    assert caps[probes[0]] == 1  # a probe is as short as the estimates make best
+    assert tokens / seconds >= 0.95 / verify(1)  # at least 0.95x plain decoding's speed
+    # The text turns easy (every token accepted): the next probe pays and drafting resumes.
+    next_probe = policy.probes.next
+    caps, _, _ = simulate(policy, FakeText(1, 1), draft=0.5, rounds=next_probe - policy._round + 30)
+    resumed = caps.index(1)
+    assert sum(caps[:resumed]) == 0 and all(k > 0 for k in caps[resumed:])
+    assert caps[-1] == 8  # and grows back to the full length
+
+
+def test_backoff_keeps_drafting_when_it_pays():
+    policy = LengthPolicy(8, adaptive=True, backoff=True)
+    caps, tokens, seconds = simulate(policy, FakeText(9, 10), draft=0.05, rounds=200)  # cheap draft, a = 0.9
+    assert all(k > 0 for k in caps) and tokens / seconds > 2.0 / verify(1)
+
+
+def test_fixed_mode_never_changes_k():
+    policy = LengthPolicy(5, adaptive=False)
+    caps, _, _ = simulate(policy, FakeText(0, 10), draft=2.0, rounds=50)  # nothing accepted, draft twice a verify
+    assert caps == [5] * 50
+    assert policy.cap(3) == 3 and policy.keep_drafting(0.0)  # only the round's budget bounds it
+
+
+def test_cost_aware_mode_follows_the_curve_and_backs_off():
+    from sparrow.policy import CostCurve
+
+    policy = LengthPolicy(8, adaptive=True, backoff=True)
+    policy.follow(CostCurve(verify_seconds=tuple(0.25 + 0.2 * n for n in range(1, 10)), draft_seconds=0.05))
+    assert 1 <= policy.cap(8) < 8 and policy.confidence_threshold == 0.0  # a steep verify curve: short drafts
+    caps, _, _ = simulate(policy, FakeText(0, 10), draft=0.05, rounds=40)  # nothing accepted: not even k = 1 pays
+    assert caps[-10:].count(0) >= 8
+
+
+def test_adaptive_cap_rule_and_confidence_threshold():
+    policy = LengthPolicy(8, adaptive=True)
+    assert policy.cap(8) == 8 and policy.confidence_threshold == pytest.approx(0.4)
+    policy.observe(StepStats(8, 2, 0.0, 0.0))
+    assert policy.cap(8) == 7 and policy.confidence_threshold > 0.4  # low acceptance: stop earlier
+    policy.observe(StepStats(7, 7, 0.0, 0.0))
+    assert policy.cap(8) == 8 and policy.cap(3) == 3
+    assert not policy.keep_drafting(0.1) and policy.keep_drafting(0.9)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_draft_loop_greedy_sampled_and_confidence_exit(defer):
+    """step(token, i) -> logits; the exit cuts after the first token under the threshold, deferred or not."""
+    vocab = 5
+    peaks = [10.0, 10.0, 0.0, 10.0]  # position 2 is flat: confidence 1/5 < 0.4
+
+    def step(token, i):
+        logits = torch.zeros(vocab)
+        logits[(int(token) + 1) % vocab] = peaks[i]
+        return logits
+
+    adaptive, fixed = LengthPolicy(4, adaptive=True), LengthPolicy(4)
+    first = torch.tensor([0])
+    greedy = SamplingConfig()
+    draft = autoregressive_draft(step, first, 4, greedy, None, fixed, defer=defer)
+    assert draft.tokens.tolist() == [1, 2, 0, 1] and draft.probs is None  # argmax ties: the first index
+    cut = autoregressive_draft(step, first, 4, greedy, None, adaptive, defer=defer)
+    assert cut.tokens.tolist() == [1, 2, 0]  # the flat position is drafted, then drafting stops
+    sampled = autoregressive_draft(step, first, 4, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0),
+                                   adaptive, defer=defer)
+    assert sampled.probs is not None and sampled.probs.shape == (len(sampled), vocab)
+    assert torch.allclose(sampled.probs.sum(-1), torch.ones(len(sampled)))
+    assert len(autoregressive_draft(step, first, 0, greedy, None, fixed)) == 0
