@@ -169,3 +169,45 @@ def test_draft_loop_greedy_sampled_and_confidence_exit(defer):
     assert sampled.probs is not None and sampled.probs.shape == (len(sampled), vocab)
     assert torch.allclose(sampled.probs.sum(-1), torch.ones(len(sampled)))
     assert len(autoregressive_draft(step, first, 0, greedy, None, fixed)) == 0
+
+
+def test_auto_tree_shape_follows_the_cost_curve():
+    from sparrow.drafters.tree_draft import MAX_AUTO_BUDGET, auto_shape
+
+    flat = tuple(0.1 for _ in range(MAX_AUTO_BUDGET + 1))  # verification nearly free (bf16 units, GPUs)
+    assert auto_shape(flat, topk=4, depth=6).budget == MAX_AUTO_BUDGET
+    linear = tuple(0.1 * n for n in range(1, MAX_AUTO_BUDGET + 2))  # every verified token costs
+    assert auto_shape(linear, topk=4, depth=6).budget == 7  # n + 1 <= 1.25 * 7 tokens
+    assert auto_shape(linear, topk=10, depth=2).budget == 10  # never fewer nodes than one level of children
+
+
+def _step(drafted: int, accepted: int, draft: float, verify: float) -> StepStats:
+    return StepStats(drafted, accepted, draft, verify, tree=drafted > 0)
+
+
+def test_measured_backoff_leaves_trees_that_do_not_pay_and_probes_them():
+    from sparrow.policy import MeasuredBackoff
+
+    policy = MeasuredBackoff()
+    decisions = []
+    for _ in range(200):
+        drafting = policy.draft_now()
+        decisions.append(drafting)
+        # a tree costs 3 plain steps and commits 1.5 tokens: half of plain decoding's speed
+        policy.observe(_step(12, 1, 0.2, 0.1) if drafting else _step(0, 0, 0.0, 0.1))
+    assert decisions[:3] == [True] * 3 and decisions[3] is False  # warm-up, then one plain round to measure
+    assert sum(decisions[-100:]) <= 4  # backed off, probing on a doubling schedule
+    gaps = [i for i, d in enumerate(decisions) if d][4:]
+    assert all(b - a >= 4 for a, b in zip(gaps, gaps[1:]))
+
+
+def test_measured_backoff_keeps_trees_that_pay():
+    from sparrow.policy import MeasuredBackoff
+
+    policy = MeasuredBackoff()
+    drafted = 0
+    for _ in range(100):
+        drafting = policy.draft_now()
+        drafted += drafting
+        policy.observe(_step(12, 4, 0.05, 0.12) if drafting else _step(0, 0, 0.0, 0.1))  # 5 tokens / 0.17 s
+    assert drafted >= 98

@@ -106,3 +106,23 @@ def test_tree_stats_in_json(loaded_target, close_draft):
     stats = Pipeline(loaded_target, drafter).generate(PROMPTS[1], max_new_tokens=20).stats.to_dict()
     assert stats["tree_steps"] > 0 and "branch_steps" in stats
     assert torch.isfinite(torch.tensor(stats["mean_accepted_tokens"]))
+
+
+def test_auto_chooses_among_chain_tree_and_plain(loaded_target, close_draft):
+    drafter = build_drafter("auto", loaded_target, close_draft, 8, tree_budget=8)
+    assert {"draft-model", "draft-model+tree"} <= set(drafter.candidates)
+    pipe, plain = Pipeline(loaded_target, drafter), Pipeline(loaded_target, None)
+    used = set()
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert result.token_ids == plain.generate_plain(prompt, max_new_tokens=NEW_TOKENS).token_ids
+        used |= set(drafter.choices)
+    assert "draft-model+tree" in used  # probed at least (then kept or dropped by its measured speed)
+
+
+def test_tree_drafter_backs_off_when_trees_do_not_pay(loaded_target, close_draft):
+    drafter = build_drafter("draft-model", loaded_target, close_draft, 8, adaptive=True, tree_budget=8)
+    assert drafter.tree_backoff is not None  # adaptive: measured against plain decoding
+    fixed = build_drafter("draft-model", loaded_target, close_draft, 8, adaptive=False, tree_budget=8)
+    assert fixed.tree_backoff is None  # --fixed: a tree every round
+    run_all(Pipeline(loaded_target, fixed), Pipeline(loaded_target, None))

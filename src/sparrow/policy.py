@@ -300,3 +300,46 @@ def follow_cost_curve(drafter: object, target: CachedModel) -> None:
     policy, draft = getattr(drafter, "length", None), getattr(drafter, "draft", None)
     if isinstance(policy, LengthPolicy) and policy.adaptive and policy.curve is None and isinstance(draft, CachedModel):
         policy.follow(measure_cost_curve(target, policy.max_tokens, draft))
+
+
+@dataclass
+class MeasuredBackoff:
+    """Draft or decode plainly, by the measured tokens per second of each: for drafts whose cost and yield
+    do not follow one length k (trees). Drafting rounds: decayed committed tokens over decayed seconds;
+    plain rounds: decayed seconds per token. While plain decoding is faster the drafter drafts nothing, and
+    probes on a doubling schedule; a plain round is forced once, after `warmup` drafting rounds, to know
+    plain decoding's cost."""
+
+    decay: float = 0.9
+    warmup: int = 3
+    probe_interval: int = 4
+    max_probe_interval: int = 64
+    probe_weight: float = 0.2  # weight left to the drafting evidence from before a probe
+
+    def __post_init__(self) -> None:
+        self.tokens = self.seconds = 0.0  # decayed sums over drafting rounds
+        self.plain = DecayedLine(self.decay)
+        self.probes = ProbeSchedule(self.probe_interval, self.max_probe_interval)
+        self._round = self._drafted = 0
+
+    def draft_now(self) -> bool:
+        """Whether this round drafts (False: a plain decoding step)."""
+        self._round += 1
+        if not self.plain.known:
+            return self._drafted < self.warmup
+        if not self.seconds or self.tokens / self.seconds > 1.0 / self.plain(1):
+            self.probes.restart(self._round + self.probes.start)
+            return True
+        if self.probes.due(self._round):
+            self.probes.wait(self._round, won=False)
+            self.tokens, self.seconds = self.probe_weight * self.tokens, self.probe_weight * self.seconds
+            return True
+        return False
+
+    def observe(self, step: StepStats) -> None:
+        if step.num_draft_tokens == 0:
+            self.plain.add(1, step.verify_seconds)
+            return
+        self._drafted += 1
+        self.tokens = self.decay * self.tokens + step.num_accepted + 1
+        self.seconds = self.decay * self.seconds + step.draft_seconds + step.verify_seconds

@@ -156,6 +156,8 @@ class AutoDrafter:
         for candidate in candidates:  # plain rounds are this drafter's choice ("none"), not a candidate's
             if isinstance(getattr(candidate, "length", None), LengthPolicy):
                 candidate.length.backoff = False
+            if isinstance(candidate, DraftModelDrafter):
+                candidate.tree_backoff = None
         self.verify = DecayedLine(self.config.verify_decay)
         self.stats = {n: Throughput() for n in names}
         self.choices: list[str] = []  # what each round of the current request used
@@ -288,10 +290,14 @@ class AutoDrafter:
 
 
 def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int, adaptive: bool,
-          quantized_self: bool = False, layer_skip: bool = True, config: AutoConfig | None = None) -> AutoDrafter:
+          quantized_self: bool = False, layer_skip: bool = True, config: AutoConfig | None = None,
+          tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 6) -> AutoDrafter:
     """Registry builder for "auto". `num_draft_tokens` caps every candidate (each keeps its own default
     when that is lower). quantized_self: also try an int4 copy of the target (built now: memory and
-    seconds). layer_skip: try "layer-skip" when it is registered and tuned for this target."""
+    seconds). layer_skip: try "layer-skip" when it is registered and tuned for this target.
+    tree_budget (> 0 or "auto"): the same-vocabulary draft model (and quantized-self) also run as tree
+    drafters ("draft-model+tree"), so auto chooses between chain, tree and plain decoding."""
+    tree = {"tree_budget": tree_budget, "tree_topk": tree_topk, "tree_depth": tree_depth} if tree_budget else None
     def make(name: str, draft_model: LoadedModel | None, **options: Any) -> Drafter:
         entry = REGISTRY[name]
         default = entry.default_num_draft_tokens  # None: the builder's own choice (layer-skip: its tuned k)
@@ -302,6 +308,8 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
     if draft is not None:
         same_vocab = CachedModel(draft.model).vocab_size == CachedModel(target.model).vocab_size
         candidates.append(make("draft-model", draft) if same_vocab else make("cross-vocab", draft))
+        if same_vocab and tree:
+            candidates.append(make("draft-model", draft, **tree))
     if layer_skip and "layer-skip" in REGISTRY:
         try:
             with warnings.catch_warnings():  # a set measured to lose comes back disabled: left out below
@@ -313,4 +321,6 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
             pass
     if quantized_self:
         candidates.append(make("quantized-self", None))
+        if tree:
+            candidates.append(make("quantized-self", None, **tree))
     return AutoDrafter(candidates, config=config)

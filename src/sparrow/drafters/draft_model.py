@@ -18,9 +18,9 @@ from torch import Tensor
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.draft_loop import autoregressive_draft
-from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape, verify_cost_curve
+from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
-from sparrow.policy import LengthPolicy
+from sparrow.policy import LengthPolicy, MeasuredBackoff
 from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
@@ -36,16 +36,19 @@ class DraftModelDrafter:
     name = "draft-model"
 
     def __init__(self, draft: CachedModel, target_vocab_size: int, num_draft_tokens: int = 6,
-                 adaptive: bool = False, tree: TreeShape | None = None) -> None:
-        """tree: draft an EAGLE-2 dynamic tree of that shape each round instead of a chain of k tokens."""
+                 adaptive: bool = False, tree: TreeShape | None = None, name: str = "draft-model") -> None:
+        """tree: draft an EAGLE-2 dynamic tree of that shape each round instead of a chain of k tokens
+        (the drafter's name then ends in "+tree"). name: "quantized-self" for the int4 copy of the target."""
         if draft.vocab_size != target_vocab_size:
             raise ValueError(
                 f"draft model vocabulary ({draft.vocab_size} tokens) does not match the target's "
                 f"({target_vocab_size} tokens); the draft-model drafter needs the same tokenizer"
             )
+        self.name = f"{name}+tree" if tree is not None else name
         self.draft = draft
         self.tree = tree
         self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive)  # --fixed: exactly k
+        self.tree_backoff = MeasuredBackoff() if tree is not None and adaptive else None  # trees vs plain decoding
         self._cached = torch.empty(0, dtype=torch.long)  # [draft.length] tokens whose KV the cache holds
 
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
@@ -56,7 +59,8 @@ class DraftModelDrafter:
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         committed = committed.to(self.draft.device)
-        num_tokens = self.length.cap(max_tokens)
+        drafting = self.tree_backoff.draft_now() if self.tree_backoff is not None else True
+        num_tokens = self.length.cap(max_tokens) if self.tree is None else max_tokens * drafting
         if num_tokens < 1:
             return Draft.empty(self.draft.device)
         # Roll back to what is still valid, then feed everything after it (at least the last token).
@@ -64,7 +68,7 @@ class DraftModelDrafter:
         self.draft.rewind(valid)
         if self.tree is not None:
             self._cached = committed
-            return dynamic_tree(self.draft, committed, self.tree, max_tokens, sampling)
+            return dynamic_tree(self.draft, committed, self.tree, num_tokens, sampling)
         fed = []  # draft tokens fed after `committed`: the cache holds their KV
 
         def step(token: Tensor, i: int) -> Tensor:
@@ -78,8 +82,10 @@ class DraftModelDrafter:
 
     def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
                 step: StepStats | None = None) -> None:
-        if draft.parents is None:
+        if self.tree is None:
             self.length.observe(step)
+        elif self.tree_backoff is not None:
+            self.tree_backoff.observe(step)
 
 
 def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adaptive: bool,
@@ -87,7 +93,6 @@ def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adapti
     """Registry builder for "draft-model" (and the base of "quantized-self"): a chain of k tokens a round, or
     with `tree_budget` > 0 (or "auto": from the measured verify cost curve) an EAGLE-2 dynamic tree."""
     target_runner, draft_runner = runner_for(target.model), runner_for(draft.model)
-    shape = resolve_shape(tree_budget, tree_topk, tree_depth,
-                          verify_ms=lambda: verify_cost_curve(target_runner, draft_runner))
+    shape = resolve_shape(tree_budget, tree_topk, tree_depth, target_runner)
     return DraftModelDrafter(draft_runner, target_runner.vocab_size, num_draft_tokens=num_draft_tokens,
                              adaptive=adaptive, tree=shape)

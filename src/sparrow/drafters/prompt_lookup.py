@@ -13,6 +13,7 @@ from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.tree_draft import TreeShape, resolve_shape
 from sparrow.policy import LengthPolicy
+from sparrow.runner import runner_for
 from sparrow.tree import merge_paths
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
@@ -101,9 +102,7 @@ class PromptLookupDrafter:
 
 def build(target, draft: None, num_draft_tokens: int, adaptive: bool, tree_budget: int | str = 0, tree_topk: int = 4,
           tree_depth: int = 6) -> PromptLookupDrafter:
-    """Registry builder for "prompt-lookup"; `tree_budget` > 0 merges several matches into a trie
-    ("auto" = tree_topk * tree_depth nodes: drafting them costs nothing, the target verifies them)."""
-    if tree_budget == "auto":
-        tree_budget = tree_topk * tree_depth
-    return PromptLookupDrafter(num_draft_tokens=num_draft_tokens, adaptive=adaptive,
-                               tree=resolve_shape(tree_budget, tree_topk, tree_depth))
+    """Registry builder for "prompt-lookup"; `tree_budget` > 0 merges several matches into a trie ("auto": sized
+    from the target's measured verify cost curve)."""
+    tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model) if tree_budget == "auto" else None)
+    return PromptLookupDrafter(num_draft_tokens=num_draft_tokens, adaptive=adaptive, tree=tree)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from sparrow.runner import runner_for
 from sparrow.drafters.draft_model import DraftModelDrafter
-from sparrow.drafters.tree_draft import resolve_shape, verify_cost_curve
+from sparrow.drafters.tree_draft import resolve_shape
 from sparrow.models import LoadedModel
 from sparrow.policy import follow_cost_curve
 from sparrow.quantization import DEFAULT_GROUP_SIZE, quantized_copy
@@ -27,9 +27,8 @@ def build_quantized_self(target: LoadedModel, draft: None, num_draft_tokens: int
         raise ValueError("drafter 'quantized-self' needs an unquantized target (drop --quant, or use another drafter)")
     quantized = quantized_copy(target, DEFAULT_BITS if bits is None else bits, group_size, keep_dense=True)
     runner, draft_runner = runner_for(target.model), runner_for(quantized.model)
-    shape = resolve_shape(tree_budget, tree_topk, tree_depth, verify_ms=lambda: verify_cost_curve(runner, draft_runner))
+    shape = resolve_shape(tree_budget, tree_topk, tree_depth, runner)
     drafter = DraftModelDrafter(draft_runner, runner.vocab_size, num_draft_tokens=num_draft_tokens,
-                                adaptive=adaptive, tree=shape)
-    drafter.name = "quantized-self"
+                                adaptive=adaptive, tree=shape, name="quantized-self")
     follow_cost_curve(drafter, runner)
     return drafter

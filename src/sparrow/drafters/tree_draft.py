@@ -26,7 +26,9 @@ import torch
 from torch import Tensor
 
 from sparrow import sampling as S
+from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.policy import measure_cost_curve
 from sparrow.types import Draft
 
 
@@ -129,25 +131,23 @@ free up to dozens of tokens (GPUs, CPUs with bf16 matrix units) that is a wide t
 token costs (CPUs without them) it shrinks toward the chain."""
 
 
-def verify_cost_curve(target, draft) -> tuple[float, ...]:
-    """Measured ms of one target forward of n = 1 .. MAX_AUTO_BUDGET + 1 tokens (interpolated between powers of 2)."""
-    from sparrow.policy import measure_cost_curve
+def auto_shape(verify_seconds: tuple[float, ...], topk: int, depth: int) -> TreeShape:
+    """The `budget="auto"` shape on a measured curve (verify_seconds[n - 1]: one target forward of n tokens)."""
+    chain = verify_seconds[min(depth, len(verify_seconds) - 1)]  # depth + 1 tokens: the chain it replaces
+    fits = [n for n in range(1, len(verify_seconds)) if verify_seconds[n] <= AUTO_SLACK * chain]  # n nodes + root
+    return TreeShape(max([topk, *fits]), topk, depth)
 
-    return tuple(1e3 * s for s in measure_cost_curve(target, MAX_AUTO_BUDGET).verify_seconds)
 
-
-def resolve_shape(budget: int | str | None, topk: int, depth: int, verify_ms=None) -> TreeShape | None:
-    """TreeShape from user options; None (a chain) for budget 0/None. `verify_ms()` -> tuple of the measured
-    ms of one target forward of n = 1 .. MAX_AUTO_BUDGET + 1 tokens, called only for budget "auto"."""
+def resolve_shape(budget: int | str | None, topk: int, depth: int, target: CachedModel | None = None) -> TreeShape | None:
+    """TreeShape from user options; None (a chain) for budget 0/None; "auto" measures `target`'s verify cost
+    curve (n = 1 .. MAX_AUTO_BUDGET + 1 tokens) once."""
     if budget in (None, 0):
         return None
+    TreeShape(1, topk, depth)  # validates topk and depth before anything is measured
     if budget == "auto":
-        if verify_ms is None:
+        if target is None:
             raise ValueError("tree_budget='auto' needs a target to measure its verify cost curve")
-        curve = verify_ms()
-        chain = curve[min(depth, len(curve) - 1)]
-        fits = [n for n in range(1, len(curve)) if curve[n] <= AUTO_SLACK * chain]
-        return TreeShape(max([topk, *fits]), topk, depth)
+        return auto_shape(measure_cost_curve(target, MAX_AUTO_BUDGET).verify_seconds, topk, depth)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise ValueError(f"tree_budget must be an integer >= 0 or 'auto', got {budget!r}")
     return TreeShape(budget, topk, depth)
