@@ -16,6 +16,7 @@ import torch
 from conftest import tiny_gemma3, tiny_model
 from sparrow.cached_model import CachedModel
 from sparrow.engine import score
+from sparrow.runner import runner_for
 from sparrow.tree import TreeLayout, ancestor_mask, chain_parents, depths, merge_paths, path_to
 from sparrow.types import Draft, Prompt
 
@@ -78,7 +79,7 @@ def _check_compaction(runner: CachedModel, prompt: Prompt, root: torch.Tensor, t
     start = runner.length
     score(runner, root, Draft(tokens, parents=PARENTS), ())
     runner.keep(start, path)
-    fresh = CachedModel(runner.model)
+    fresh = runner_for(runner.model)
     fresh.prefill(prompt)
     fresh.forward(torch.cat([root, tokens[path]]))
     fresh.rewind(fresh.length)  # as the engine does after every round: sliding layers back to their window
@@ -143,7 +144,7 @@ def qwen_vl(tmp_path_factory):
 
 def test_tree_on_mrope_video_model(qwen_vl):
     target, prompt = qwen_vl
-    runner = CachedModel(target.model)
+    runner = runner_for(target.model)
     vocab = runner.vocab_size
     _check_tree_matches_chains(runner, prompt, torch.tensor([70]), _tree_tokens(3, min(vocab, 250)))
     _check_compaction(runner, prompt, torch.tensor([70]), _tree_tokens(4, min(vocab, 250)))
