@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-TREE_DRAFTERS = ("draft-model", "quantized-self", "prompt-lookup")
+TREE_DRAFTERS = ("draft-model", "quantized-self", "prompt-lookup", "auto")
 
 
 def register_tree_variants(budget, topk: int, depth: int) -> list[str]:
@@ -100,7 +100,7 @@ def main() -> None:
                                              "prompt-lookup,prompt-lookup+tree")
     parser.add_argument("--tree-budget", default="auto")
     parser.add_argument("--tree-topk", type=int, default=4)
-    parser.add_argument("--tree-depth", type=int, default=6)
+    parser.add_argument("--tree-depth", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

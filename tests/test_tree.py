@@ -17,7 +17,7 @@ from conftest import tiny_gemma3, tiny_model
 from sparrow.cached_model import CachedModel
 from sparrow.engine import score
 from sparrow.runner import runner_for
-from sparrow.tree import TreeLayout, ancestor_mask, chain_parents, depths, merge_paths, path_to
+from sparrow.tree import TreeLayout, ancestor_mask, chain_parents, depths, merge_paths, on_first_branch, path_to
 from sparrow.types import Draft, Prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,6 +30,8 @@ def test_layout_helpers():
     assert depths(PARENTS).tolist() == [1, 1, 2, 2, 3, 2, 3, 3]
     assert path_to(4, PARENTS).tolist() == [0, 2, 4]
     assert path_to(-1, PARENTS).tolist() == []
+    assert on_first_branch(PARENTS, torch.tensor([0, 2, 4])) and on_first_branch(PARENTS, torch.tensor([], dtype=torch.long))
+    assert not on_first_branch(PARENTS, torch.tensor([1, 5])) and not on_first_branch(PARENTS, torch.tensor([0, 3]))
     mask = ancestor_mask(PARENTS)
     assert mask[4].nonzero().flatten().tolist() == [0, 2, 4]
     layout = TreeLayout.of(PARENTS, start=5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparrow.config import GREEDY, SamplingConfig
-from sparrow.tree import chain_parents
+from sparrow.tree import chain_parents, on_first_branch
 from sparrow.types import Draft
 from sparrow.verifiers import GreedyVerifier, RejectionVerifier
 
@@ -47,7 +47,8 @@ def test_greedy_tree_verdicts(verifier, rows, expected, path):
     verdict = verifier.verify(tree(TOKENS, PARENTS), logits_for(rows), GREEDY, torch.Generator().manual_seed(0))
     assert verdict.tokens.tolist() == expected
     assert verdict.num_accepted == len(path) and verdict.path.tolist() == path
-    assert verdict.first_branch == (path == list(range(len(path))))
+    first = [[0, 2], [0], []]  # the first-child spine's prefixes in this tree
+    assert on_first_branch(torch.tensor(PARENTS), verdict.path) == (path in first)
 
 
 def test_greedy_tree_picks_the_deepest_accepted_path_not_the_first():

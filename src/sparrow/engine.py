@@ -10,7 +10,7 @@ from sparrow.config import SamplingConfig
 from sparrow.drafters.base import Drafter
 from sparrow.stopping import Stopper
 from sparrow.timing import now
-from sparrow.tree import TreeLayout
+from sparrow.tree import TreeLayout, on_first_branch
 from sparrow.types import Decoded, Draft, GenerationStats, Prompt, StepStats, TargetOutput
 from sparrow.verifiers import Verifier
 
@@ -59,7 +59,7 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
         target.keep(base, nodes)
         committed = torch.cat([committed, verdict.tokens.to(device)])
         step = StepStats(len(draft), verdict.num_accepted, t1 - t0, now(device, sync_timing) - t1,
-                         tree=draft.is_tree, first_branch=verdict.first_branch)
+                         tree=draft.is_tree, first_branch=not draft.is_tree or on_first_branch(draft.parents, nodes))
         steps.append(step)
         # 5. Feedback: the target's outputs for the committed rows [root, *path] and the round's timings.
         drafter.observe(draft, verdict, out.rows(torch.cat([nodes.new_zeros(1), nodes + 1])), step)

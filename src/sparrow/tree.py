@@ -58,6 +58,19 @@ def children(parents: Tensor) -> list[list[int]]:
     return kids
 
 
+def on_first_branch(parents: Tensor, path: Tensor) -> bool:
+    """Whether every node of `path` (root to leaf) is its parent's first child (the lowest index among siblings)."""
+    first: dict[int, int] = {}
+    for i, parent in enumerate(parents.tolist()):
+        first.setdefault(parent, i)
+    parent = -1
+    for node in path.tolist():
+        if first[parent] != node:
+            return False
+        parent = node
+    return True
+
+
 @dataclass(frozen=True)
 class TreeLayout:
     """Positions and attention mask of one scoring forward over [root, *nodes] after `start` cached positions."""

@@ -89,13 +89,6 @@ class Verdict:
             return self.path
         return torch.arange(self.num_accepted, device=self.tokens.device)
 
-    @property
-    def first_branch(self) -> bool:
-        """False when the accepted path left the first-child spine (a non-first sibling was accepted)."""
-        if self.path is None or self.num_accepted == 0:
-            return True
-        return bool((self.path == torch.arange(self.num_accepted, device=self.path.device)).all())
-
 
 @dataclass(frozen=True)
 class TargetOutput:

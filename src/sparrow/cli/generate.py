@@ -44,7 +44,7 @@ def generate(
     draft_kv_budget: Annotated[Optional[int], typer.Option(help="--drafter sparse: visual KV entries the draft keeps per layer and KV head.")] = None,
     tree_budget: Annotated[str, typer.Option(help="Draft-tree nodes per round: an integer >= 0 or 'auto' (the drafter sizes it); 0 = a chain.")] = "0",
     tree_topk: Annotated[int, typer.Option(help="Children expanded per draft-tree node (with --tree-budget).")] = 4,
-    tree_depth: Annotated[int, typer.Option(help="Maximum draft-tree depth (with --tree-budget).")] = 6,
+    tree_depth: Annotated[int, typer.Option(help="Maximum draft-tree depth (with --tree-budget).")] = 8,
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow
@@ -80,7 +80,7 @@ def generate(
         "draft": draft_name(drafter, draft), "dtype": dtype.value,
         "temperature": temperature, "stats": result.stats.to_dict(), "quant": quant, "draft_quant": draft_quant,
         "lossless_relative_to": f"the {quant}-quantized target" if quant else "the target",
-        "tree": {key.removeprefix("tree_"): value for key, value in tree.items()} or None,
+        "tree": tree_record(pipe.drafter, tree),
     }
     if verify == "loose":  # LOSSY: the output may differ from the target's own output
         record.update(verifier="loose", lossy=True, lossless_relative_to=None)
@@ -122,6 +122,16 @@ def draft_name(drafter: str, draft: str) -> str | None:
     if entry is None or not entry.takes_draft_model:
         return None
     return entry.default_draft if draft == "default" else draft
+
+
+def tree_record(drafter: Any, tree: dict[str, int | str]) -> dict[str, int | str] | None:
+    """The JSON `tree` of a run: the shape the drafter resolved (the budget "auto" measured), else the options."""
+    if not tree:
+        return None
+    shape = getattr(drafter, "tree", None)
+    if shape is not None:
+        return {"budget": shape.budget, "topk": shape.topk, "depth": shape.depth}
+    return {key.removeprefix("tree_"): value for key, value in tree.items()}
 
 
 def tree_options(budget: str, topk: int, depth: int) -> dict[str, int | str]:

@@ -291,7 +291,7 @@ class AutoDrafter:
 
 def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int, adaptive: bool,
           quantized_self: bool = False, layer_skip: bool = True, config: AutoConfig | None = None,
-          tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 6) -> AutoDrafter:
+          tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8) -> AutoDrafter:
     """Registry builder for "auto". `num_draft_tokens` caps every candidate (each keeps its own default
     when that is lower). quantized_self: also try an int4 copy of the target (built now: memory and
     seconds). layer_skip: try "layer-skip" when it is registered and tuned for this target.

@@ -89,7 +89,7 @@ class DraftModelDrafter:
 
 
 def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adaptive: bool,
-          tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 6) -> DraftModelDrafter:
+          tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8) -> DraftModelDrafter:
     """Registry builder for "draft-model" (and the base of "quantized-self"): a chain of k tokens a round, or
     with `tree_budget` > 0 (or "auto": from the measured verify cost curve) an EAGLE-2 dynamic tree."""
     target_runner, draft_runner = runner_for(target.model), runner_for(draft.model)

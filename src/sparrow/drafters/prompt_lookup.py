@@ -101,7 +101,7 @@ class PromptLookupDrafter:
 
 
 def build(target, draft: None, num_draft_tokens: int, adaptive: bool, tree_budget: int | str = 0, tree_topk: int = 4,
-          tree_depth: int = 6) -> PromptLookupDrafter:
+          tree_depth: int = 8) -> PromptLookupDrafter:
     """Registry builder for "prompt-lookup"; `tree_budget` > 0 merges several matches into a trie ("auto": sized
     from the target's measured verify cost curve)."""
     tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model) if tree_budget == "auto" else None)

@@ -21,7 +21,7 @@ DEFAULT_BITS = "int4"
 
 def build_quantized_self(target: LoadedModel, draft: None, num_draft_tokens: int, adaptive: bool,
                          bits: str | int | None = None, group_size: int = DEFAULT_GROUP_SIZE,
-                         tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 6) -> DraftModelDrafter:
+                         tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8) -> DraftModelDrafter:
     """Registry builder for "quantized-self"; `bits` is int4 (default) or int8; tree options as "draft-model"."""
     if getattr(target.model, "sparrow_quantization", None) is not None:
         raise ValueError("drafter 'quantized-self' needs an unquantized target (drop --quant, or use another drafter)")

@@ -39,7 +39,7 @@ class TreeShape:
 
     budget: int
     topk: int = 4
-    depth: int = 6
+    depth: int = 8
 
     def __post_init__(self) -> None:
         for name in ("budget", "topk", "depth"):
