@@ -18,7 +18,7 @@ from torch import Tensor
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.draft_loop import autoregressive_draft
-from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
+from sparrow.drafters.tree_draft import TreeCosts, TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
 from sparrow.policy import LengthPolicy, MeasuredBackoff
 from sparrow.runner import runner_for
@@ -49,6 +49,8 @@ class DraftModelDrafter:
         self.tree = tree
         self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive)  # --fixed: exactly k
         self.tree_backoff = MeasuredBackoff() if tree is not None and adaptive else None  # trees vs plain decoding
+        self.tree_costs = TreeCosts() if tree is not None and adaptive else None  # when a level is worth drafting
+        self._forwards = 0  # draft forwards of the last tree
         self._cached = torch.empty(0, dtype=torch.long)  # [draft.length] tokens whose KV the cache holds
 
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
@@ -68,7 +70,9 @@ class DraftModelDrafter:
         self.draft.rewind(valid)
         if self.tree is not None:
             self._cached = committed
-            return dynamic_tree(self.draft, committed, self.tree, num_tokens, sampling)
+            min_prob = self.tree_costs.min_prob if self.tree_costs is not None else 0.0
+            draft, self._forwards = dynamic_tree(self.draft, committed, self.tree, num_tokens, sampling, min_prob)
+            return draft
         fed = []  # draft tokens fed after `committed`: the cache holds their KV
 
         def step(token: Tensor, i: int) -> Tensor:
@@ -84,8 +88,11 @@ class DraftModelDrafter:
                 step: StepStats | None = None) -> None:
         if self.tree is None:
             self.length.observe(step)
-        elif self.tree_backoff is not None:
-            self.tree_backoff.observe(step)
+        elif self.tree_backoff is not None or self.tree_costs is not None:
+            if self.tree_backoff is not None:
+                self.tree_backoff.observe(step)
+            if self.tree_costs is not None and len(draft):
+                self.tree_costs.observe(self._forwards, step)
 
 
 def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adaptive: bool,

@@ -20,7 +20,8 @@ top-p as the target when sampling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -29,7 +30,7 @@ from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.policy import measure_cost_curve
-from sparrow.types import Draft
+from sparrow.types import Draft, StepStats
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,13 @@ def _log_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return S.probs(logits, sampling).log()
 
 
-def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sampling: SamplingConfig) -> Draft:
+def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sampling: SamplingConfig,
+                 min_prob: float = 0.0) -> tuple[Draft, int]:
     """An EAGLE-2 tree continuing `committed` ([c] int64), drafted by `draft` (a CachedModel-like object whose
     cache holds a proper prefix of `committed`). Leaves the draft cache holding all of `committed`.
-    Returns a Draft with parents, at most `shape.budget` nodes, no deeper than `max_depth`.
+    Returns (a Draft with parents, at most `shape.budget` nodes, no deeper than `max_depth`; the number of
+    draft forwards run). Expansion also stops once the best frontier path's draft probability is below
+    `min_prob` (another level would cost a draft forward for too little expected gain; see TreeCosts).
     """
     c = committed.numel()
     assert draft.length < c, (draft.length, c)
@@ -75,8 +79,11 @@ def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sam
     fed: list[int] = []  # global node index of each draft-cache slot after the committed prefix
     ancestors: dict[int, list[int]] = {}  # global node -> its ancestors' global indices (root excluded)
     all_parents = parents[0].tolist()
+    forwards = 1
     for level in range(1, depth_cap):
         flat_scores = torch.cat(scores)
+        if min_prob > 0 and float(flat_scores[frontier].max()) < math.log(min_prob):
+            break
         if flat_scores.numel() >= shape.budget:  # can any frontier child still make the cut?
             cut = flat_scores.topk(shape.budget).values[-1]
             frontier = frontier[torch.cat(scores)[frontier] > cut]
@@ -99,6 +106,7 @@ def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sam
             mask[row, draft.length + row] = True
         positions = torch.full((n,), c - 1 + level, device=logp.device)
         logits = draft.forward(flat_tokens[frontier], positions, mask).logits  # [n, vocab]
+        forwards += 1
         fed.extend(nodes)
         child = _log_probs(logits, sampling).topk(min(shape.topk, logits.shape[-1]))  # [n, topk]
         child_scores = (torch.cat(scores)[frontier][:, None] + child.values).flatten()
@@ -120,7 +128,31 @@ def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sam
     kept_parents = flat_parents[keep]
     assert bool(((kept_parents == -1) | torch.isin(kept_parents, keep)).all()), "kept nodes are not a tree"
     new_parents = remap[kept_parents + 1]
-    return Draft(tokens=flat_tokens[keep], parents=new_parents)
+    return Draft(tokens=flat_tokens[keep], parents=new_parents), forwards
+
+
+@dataclass
+class TreeCosts:
+    """When another tree level is worth a draft forward: EAGLE-2's scores approximate the chance the target
+    accepts a path, so a level whose best path has draft probability p adds about p tokens, for one draft
+    forward. It pays while p * (seconds per committed token) > (seconds per draft forward). Both costs are
+    decayed means over the engine-measured rounds; `min_prob` is their ratio (clamped)."""
+
+    decay: float = 0.8
+    floor: float = 0.02  # never stop expanding for a path more likely than this...
+    ceiling: float = 0.9  # ...and always stop under this
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 4, repr=False)  # forwards, draft s, tokens, round s
+
+    def observe(self, forwards: int, step: StepStats) -> None:
+        new = (forwards, step.draft_seconds, step.num_accepted + 1, step.draft_seconds + step.verify_seconds)
+        self._sums = [self.decay * s + x for s, x in zip(self._sums, new)]
+
+    @property
+    def min_prob(self) -> float:
+        forwards, draft_s, tokens, round_s = self._sums
+        if not forwards or not round_s:
+            return self.floor
+        return min(self.ceiling, max(self.floor, (draft_s / forwards) / (round_s / tokens)))
 
 
 MAX_AUTO_BUDGET = 32
