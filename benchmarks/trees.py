@@ -108,16 +108,16 @@ def main() -> None:
         return cost_curve(args.target, args.dtype, args.out)
     budget = args.tree_budget if args.tree_budget == "auto" else int(args.tree_budget)
     register_tree_variants(budget, args.tree_topk, args.tree_depth)
-    from sparrow.bench.command import bench
+    from sparrow.bench.command import run
     from sparrow.bench.data import DEFAULT_DATA
 
     data = DEFAULT_DATA if args.what == "quick" else foundation_questions(args.out / "questions.jsonl")
-    bench(data=data, methods=args.methods, per_task=1 if args.what == "quick" else None,
-          quick=args.what == "quick", max_new_tokens=args.max_new_tokens, target=args.target, draft=args.draft,
-          dtype=args.dtype, draft_quant=args.draft_quant, out=args.out, progress=False, chat=True,
-          categories=None, limit=None, repeats=1, first_repeat=0, warmup=1, all_turns=False,
-          cross_draft="smollm2-135m", k=None, adaptive=True, device=None, quant=None, lookup_tokens=10,
-          report_only=None)
+    report = run(data=data, methods=args.methods, per_task=1 if args.what == "quick" else None,
+                 quick=args.what == "quick", max_new_tokens=args.max_new_tokens, target=args.target, draft=args.draft,
+                 dtype=args.dtype, draft_quant=args.draft_quant, out=args.out, progress=False, chat=True,
+                 categories=None, limit=None, repeats=1, first_repeat=0, warmup=1, all_turns=False,
+                 cross_draft="smollm2-135m", k=None, adaptive=True, device=None, quant=None, lookup_tokens=10)
+    print(report)
 
 
 if __name__ == "__main__":
