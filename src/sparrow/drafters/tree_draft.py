@@ -86,15 +86,15 @@ def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sam
             break
         if flat_scores.numel() >= shape.budget:  # can any frontier child still make the cut?
             cut = flat_scores.topk(shape.budget).values[-1]
-            frontier = frontier[torch.cat(scores)[frontier] > cut]
-        frontier = frontier[torch.isfinite(torch.cat(scores)[frontier])]
+            frontier = frontier[flat_scores[frontier] > cut]
+        frontier = frontier[torch.isfinite(flat_scores[frontier])]
         if frontier.numel() == 0:
             break
         flat_tokens = torch.cat(tokens)
         nodes = frontier.tolist()
         for node in nodes:
             parent = all_parents[node]
-            ancestors[node] = ([*ancestors[parent], parent] if parent >= 0 else [])
+            ancestors[node] = [*ancestors[parent], parent] if parent >= 0 else []
         # One draft forward over the frontier: each node sees the prefix, its fed ancestors and itself.
         slot = {node: i for i, node in enumerate(fed)}
         n = len(nodes)
@@ -109,7 +109,7 @@ def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sam
         forwards += 1
         fed.extend(nodes)
         child = _log_probs(logits, sampling).topk(min(shape.topk, logits.shape[-1]))  # [n, topk]
-        child_scores = (torch.cat(scores)[frontier][:, None] + child.values).flatten()
+        child_scores = (flat_scores[frontier][:, None] + child.values).flatten()
         offset = flat_scores.numel()
         tokens.append(child.indices.flatten())
         scores.append(child_scores)
