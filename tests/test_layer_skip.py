@@ -222,3 +222,22 @@ def test_tuner_refuses_a_losing_set_and_the_drafter_then_decodes_plainly(tokeniz
         warnings.simplefilter("error")
         forced = build_drafter("layer-skip", target, None, 4, skip_file=tmp_path / "losing.json", force=True)
     assert forced.enabled
+
+
+@pytest.mark.parametrize("verifier", ["greedy", "rejection"])
+@pytest.mark.parametrize("spec", ["mlp=3", "attention=1-2;mlp=1"])  # skipped attention: those caches lag
+def test_tree_drafts_equal_plain(target, plain, spec, verifier):
+    if target.name == "tiny-gemma3":
+        with pytest.raises(ValueError, match="sliding-window"):
+            layer_skip(target, spec, 4, False, tree_budget=8)
+        return
+    pipe = Pipeline(target, layer_skip(target, spec, 4, False, tree_budget=10, tree_topk=3, tree_depth=5), verifier)
+    drafted = accepted = trees = 0
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == plain[prompt], (spec, prompt, result.stats)
+        drafted += result.stats.num_draft_tokens
+        accepted += result.stats.num_accepted_tokens
+        trees += result.stats.tree_steps
+        assert pipe.runner.length == len(pipe.encode(prompt).input_ids) + len(result.token_ids) - 1
+    assert trees > 0 and 0 < accepted <= drafted

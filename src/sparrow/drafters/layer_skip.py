@@ -45,9 +45,11 @@ from transformers import PreTrainedModel
 from sparrow.cached_model import CachedModel, _text_config
 from sparrow.config import GREEDY, SamplingConfig
 from sparrow.drafters.draft_loop import autoregressive_draft
+from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
 from sparrow.models.presets import default_cache_dir
 from sparrow.policy import LengthPolicy
+from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
@@ -300,12 +302,46 @@ def crop_layers(cache: Any, length: int) -> None:
 
 # --- the drafter -----------------------------------------------------------------------------------
 
+class SkipView:
+    """The skipping view over the target's cache, shaped as `dynamic_tree`'s draft model. `length` counts the
+    positions the view has appended (skipped attention layers append nothing, so the cache's own length can
+    lag); `rewind` crops every layer, never below the target's own positions: drafted KV is never kept."""
+
+    def __init__(self, view: PreTrainedModel, target: CachedModel) -> None:
+        self.view, self.target = view, target
+        self.start = self.length = target.length  # the target cache holds committed[:-1]
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None) -> TargetOutput:
+        n = tokens.numel()
+        if positions is None:
+            positions = torch.arange(self.length, self.length + n)
+        extra = {}
+        if mask is not None:  # [n, length + n] bool -> additive [1, 1, n, length + n]
+            dtype = next(self.view.parameters()).dtype
+            additive = torch.zeros(mask.shape, dtype=dtype, device=self.target.device)
+            extra["attention_mask"] = additive.masked_fill(~mask.to(self.target.device), torch.finfo(dtype).min)[None, None]
+        out = self.view(input_ids=tokens.to(self.target.device)[None], past_key_values=self.target.cache,
+                        use_cache=True, position_ids=self.target.position_ids(positions), **extra)
+        self.length += n
+        return TargetOutput(out.logits[0])
+
+    def rewind(self, length: int) -> None:
+        self.length = max(self.start, min(length, self.length))
+        crop_layers(self.target.cache, self.start)
+
+
 class LayerSkipDrafter:
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "layer-skip"
 
     def __init__(self, model: PreTrainedModel, skip: SkipSet, num_draft_tokens: int = 4, adaptive: bool = True,
-                 backoff: bool | None = None, enabled: bool = True, sample_drafts: bool = True) -> None:
+                 backoff: bool | None = None, enabled: bool = True, sample_drafts: bool = True,
+                 tree: TreeShape | None = None) -> None:
+        """tree: draft an EAGLE-2 dynamic tree through the skipping view (models without sliding-window layers)."""
+        if tree is not None and "sliding_attention" in (getattr(_text_config(model.config), "layer_types", None) or ()):
+            raise ValueError("layer-skip: tree drafts need a model without sliding-window layers (use a chain)")
+        self.tree = tree
         self.model = model
         self.skip = skip
         self.view = skipping_view(model, skip)
@@ -332,10 +368,18 @@ class LayerSkipDrafter:
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         assert self.target is not None, "prefill() must run before propose()"
-        steps = self.length.cap(max_tokens if self.enabled else 0)
         committed = committed.to(self.target.device)
         start = committed.numel() - 1  # the target cache holds committed[:-1]
         assert self.target.length == start, (self.target.length, start)
+        if self.tree is not None:
+            if not self.enabled or max_tokens < 1:
+                return Draft.empty(self.target.device)
+            view = SkipView(self.view, self.target)
+            try:
+                return dynamic_tree(view, committed, self.tree, max_tokens, sampling)[0]
+            finally:
+                view.rewind(start)
+        steps = self.length.cap(max_tokens if self.enabled else 0)
         try:
             return autoregressive_draft(lambda token, i: self.step(token, start + i), committed[-1:], steps,
                                         sampling if self.sample_drafts else GREEDY, generator, self.length)
@@ -343,7 +387,8 @@ class LayerSkipDrafter:
             crop_layers(self.target.cache, start)  # drafted KV is never kept
 
     def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput, step: StepStats) -> None:
-        self.length.observe(step)
+        if self.tree is None:
+            self.length.observe(step)
 
 
 def resolve_record(target: LoadedModel, skip_set: SkipSet | str | dict | None,
@@ -374,7 +419,8 @@ DEFAULT_NUM_DRAFT_TOKENS = 4  # for a skip set given without a tuned record
 
 def build_layer_skip(target: LoadedModel, draft: None, num_draft_tokens: int | None, adaptive: bool,
                      skip_set: SkipSet | str | dict | None = None, skip_file: str | Path | None = None,
-                     force: bool = False, backoff: bool | None = None, sample_drafts: bool = True) -> LayerSkipDrafter:
+                     force: bool = False, backoff: bool | None = None, sample_drafts: bool = True,
+                     tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8) -> LayerSkipDrafter:
     """Registry builder for "layer-skip". Without skip_set / skip_file the set shipped for the preset is used.
 
     A record the tuner refused (measured to lose) gives a drafter that decodes plainly, with a warning,
@@ -396,5 +442,6 @@ def build_layer_skip(target: LoadedModel, draft: None, num_draft_tokens: int | N
         skip = found
     if num_draft_tokens is None:  # not given: the k the set was tuned for
         num_draft_tokens = found.num_draft_tokens if isinstance(found, SkipRecord) else DEFAULT_NUM_DRAFT_TOKENS
+    tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model) if tree_budget == "auto" else None)
     return LayerSkipDrafter(target.model, skip, num_draft_tokens, adaptive, backoff=backoff, enabled=enabled,
-                            sample_drafts=sample_drafts)
+                            sample_drafts=sample_drafts, tree=tree)
