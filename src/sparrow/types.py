@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ class Draft:
     def __len__(self) -> int:
         return self.tokens.numel()
 
-    @property
+    @cached_property  # read several times a round; computed (one host sync) once
     def is_tree(self) -> bool:
         """True unless the draft is a chain (parents None, or each node's parent is the previous node)."""
         if self.parents is None:
