@@ -186,9 +186,9 @@ def _step(drafted: int, accepted: int, draft: float, verify: float) -> StepStats
 
 
 def test_measured_backoff_leaves_trees_that_do_not_pay_and_probes_them():
-    from sparrow.policy import MeasuredBackoff
+    from sparrow.policy import TreePolicy
 
-    policy = MeasuredBackoff()
+    policy = TreePolicy()
     decisions = []
     for _ in range(200):
         drafting = policy.draft_now()
@@ -202,9 +202,9 @@ def test_measured_backoff_leaves_trees_that_do_not_pay_and_probes_them():
 
 
 def test_measured_backoff_keeps_trees_that_pay():
-    from sparrow.policy import MeasuredBackoff
+    from sparrow.policy import TreePolicy
 
-    policy = MeasuredBackoff()
+    policy = TreePolicy()
     drafted = 0
     for _ in range(100):
         drafting = policy.draft_now()

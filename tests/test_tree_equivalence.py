@@ -122,7 +122,7 @@ def test_auto_chooses_among_chain_tree_and_plain(loaded_target, close_draft):
 
 def test_tree_drafter_backs_off_when_trees_do_not_pay(loaded_target, close_draft):
     drafter = build_drafter("draft-model", loaded_target, close_draft, 8, adaptive=True, tree_budget=8)
-    assert drafter.tree_backoff is not None  # adaptive: measured against plain decoding
+    assert drafter.tree_policy is not None and drafter.tree_policy.backoff  # adaptive: measured against plain decoding
     fixed = build_drafter("draft-model", loaded_target, close_draft, 8, adaptive=False, tree_budget=8)
-    assert fixed.tree_backoff is None  # --fixed: a tree every round
+    assert fixed.tree_policy is None  # --fixed: a tree every round
     run_all(Pipeline(loaded_target, fixed), Pipeline(loaded_target, None))

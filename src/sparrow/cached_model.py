@@ -22,6 +22,11 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """[..] bool (True = may attend) -> the additive float mask transformers' sdpa and eager attention take."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
 class CachedModel:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
@@ -105,7 +110,7 @@ class CachedModel:
         use a sliding window (their cache hands attention only the keys of `get_mask_sizes`)."""
         n = positions.numel()
         dtype = next(self.model.parameters()).dtype
-        full = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        full = additive_mask(mask, dtype)
         layer_types = list(getattr(self.config, "layer_types", None) or [])
         if "sliding_attention" not in layer_types:
             return full[None, None]

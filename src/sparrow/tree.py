@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 
-def chain_parents(n: int, device: torch.device | str = "cpu") -> Tensor:
+def chain_parents(n: int, device: torch.device | str | None = None) -> Tensor:
     """[n] parents of a chain: -1, 0, 1, ..., n - 2."""
     return torch.arange(-1, n - 1, device=device)
 

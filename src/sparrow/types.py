@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sparrow.tree import chain_parents
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -59,7 +61,7 @@ class Draft:
         """True unless the draft is a chain (parents None, or each node's parent is the previous node)."""
         if self.parents is None:
             return False
-        return not bool((self.parents == torch.arange(-1, len(self) - 1, device=self.parents.device)).all())
+        return not bool((self.parents == chain_parents(len(self), self.parents.device)).all())
 
     @staticmethod
     def empty(device: torch.device | str) -> Draft:

@@ -156,8 +156,8 @@ class AutoDrafter:
         for candidate in candidates:  # plain rounds are this drafter's choice ("none"), not a candidate's
             if isinstance(getattr(candidate, "length", None), LengthPolicy):
                 candidate.length.backoff = False
-            if isinstance(candidate, DraftModelDrafter):
-                candidate.tree_backoff = None
+            if isinstance(candidate, DraftModelDrafter) and candidate.tree_policy is not None:
+                candidate.tree_policy.backoff = False
         self.verify = DecayedLine(self.config.verify_decay)
         self.stats = {n: Throughput() for n in names}
         self.choices: list[str] = []  # what each round of the current request used

@@ -18,9 +18,9 @@ from torch import Tensor
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.draft_loop import autoregressive_draft
-from sparrow.drafters.tree_draft import TreeCosts, TreeShape, dynamic_tree, resolve_shape
+from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
-from sparrow.policy import LengthPolicy, MeasuredBackoff
+from sparrow.policy import LengthPolicy, TreePolicy
 from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
@@ -48,8 +48,7 @@ class DraftModelDrafter:
         self.draft = draft
         self.tree = tree
         self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive)  # --fixed: exactly k
-        self.tree_backoff = MeasuredBackoff() if tree is not None and adaptive else None  # trees vs plain decoding
-        self.tree_costs = TreeCosts() if tree is not None and adaptive else None  # when a level is worth drafting
+        self.tree_policy = TreePolicy() if tree is not None and adaptive else None  # --fixed: full trees, always
         self._forwards = 0  # draft forwards of the last tree
         self._cached = torch.empty(0, dtype=torch.long)  # [draft.length] tokens whose KV the cache holds
 
@@ -61,7 +60,7 @@ class DraftModelDrafter:
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         committed = committed.to(self.draft.device)
-        drafting = self.tree_backoff.draft_now() if self.tree_backoff is not None else True
+        drafting = self.tree_policy is None or self.tree_policy.draft_now()
         num_tokens = self.length.cap(max_tokens) if self.tree is None else max_tokens * drafting
         if num_tokens < 1:
             return Draft.empty(self.draft.device)
@@ -70,7 +69,7 @@ class DraftModelDrafter:
         self.draft.rewind(valid)
         if self.tree is not None:
             self._cached = committed
-            min_prob = self.tree_costs.min_prob if self.tree_costs is not None else 0.0
+            min_prob = self.tree_policy.min_prob if self.tree_policy is not None else 0.0
             draft, self._forwards = dynamic_tree(self.draft, committed, self.tree, num_tokens, sampling, min_prob)
             return draft
         fed = []  # draft tokens fed after `committed`: the cache holds their KV
@@ -88,11 +87,8 @@ class DraftModelDrafter:
                 step: StepStats | None = None) -> None:
         if self.tree is None:
             self.length.observe(step)
-        elif self.tree_backoff is not None or self.tree_costs is not None:
-            if self.tree_backoff is not None:
-                self.tree_backoff.observe(step)
-            if self.tree_costs is not None and len(draft):
-                self.tree_costs.observe(self._forwards, step)
+        elif self.tree_policy is not None:
+            self.tree_policy.observe(step, self._forwards)
 
 
 def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adaptive: bool,

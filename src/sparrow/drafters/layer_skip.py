@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from sparrow.cached_model import CachedModel, _text_config
+from sparrow.cached_model import CachedModel, _text_config, additive_mask
 from sparrow.config import GREEDY, SamplingConfig
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
@@ -319,8 +319,7 @@ class SkipView:
         extra = {}
         if mask is not None:  # [n, length + n] bool -> additive [1, 1, n, length + n]
             dtype = next(self.view.parameters()).dtype
-            additive = torch.zeros(mask.shape, dtype=dtype, device=self.target.device)
-            extra["attention_mask"] = additive.masked_fill(~mask.to(self.target.device), torch.finfo(dtype).min)[None, None]
+            extra["attention_mask"] = additive_mask(mask.to(self.target.device), dtype)[None, None]
         out = self.view(input_ids=tokens.to(self.target.device)[None], past_key_values=self.target.cache,
                         use_cache=True, position_ids=self.target.position_ids(positions), **extra)
         self.length += n
@@ -442,6 +441,6 @@ def build_layer_skip(target: LoadedModel, draft: None, num_draft_tokens: int | N
         skip = found
     if num_draft_tokens is None:  # not given: the k the set was tuned for
         num_draft_tokens = found.num_draft_tokens if isinstance(found, SkipRecord) else DEFAULT_NUM_DRAFT_TOKENS
-    tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model) if tree_budget == "auto" else None)
+    tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model))
     return LayerSkipDrafter(target.model, skip, num_draft_tokens, adaptive, backoff=backoff, enabled=enabled,
                             sample_drafts=sample_drafts, tree=tree)

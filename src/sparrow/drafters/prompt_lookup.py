@@ -24,27 +24,19 @@ def find_continuation(context: Tensor, min_n: int, max_n: int, k: int) -> Tensor
     context [T] int64. Tries n = max_n .. min_n; returns an empty tensor when nothing matches.
     Example: context = [1 2 3 9 1 2], n = 2: suffix [1 2] matched at 0, continuation [3 9 1 ...].
     """
-    assert context.ndim == 1, tuple(context.shape)
-    length = context.numel()
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = context[-n:]
-        windows = context[:-1].unfold(0, n, 1)  # [T - n, n]: window i = context[i : i + n], i < T - n
-        hits = (windows == suffix).all(-1).nonzero().flatten()
-        if hits.numel():
-            start = int(hits[-1]) + n
-            return context[start : start + k]
-    return context[:0]
+    found = find_continuations(context, min_n, max_n, k, limit=1)
+    return found[0] if found else context[:0]
 
 
 def find_continuations(context: Tensor, min_n: int, max_n: int, k: int, limit: int) -> list[Tensor]:
     """Up to `limit` distinct continuations of at most k tokens: what followed earlier matches of the context's
-    suffix n-grams, longest n first, most recent match first (the first one is `find_continuation`'s)."""
+    suffix n-grams, longest n first, most recent match first (context [T] int64)."""
     assert context.ndim == 1, tuple(context.shape)
     found: list[Tensor] = []
     seen: set[tuple[int, ...]] = set()
     for n in range(min(max_n, context.numel() - 1), min_n - 1, -1):
-        suffix = context[-n:]
-        hits = (context[:-1].unfold(0, n, 1) == suffix).all(-1).nonzero().flatten().tolist()
+        windows = context[:-1].unfold(0, n, 1)  # [T - n, n]: window i = context[i : i + n], i < T - n
+        hits = (windows == context[-n:]).all(-1).nonzero().flatten().tolist()
         for hit in reversed(hits):
             continuation = context[hit + n : hit + n + k]
             key = tuple(continuation.tolist())
@@ -104,5 +96,5 @@ def build(target, draft: None, num_draft_tokens: int, adaptive: bool, tree_budge
           tree_depth: int = 8) -> PromptLookupDrafter:
     """Registry builder for "prompt-lookup"; `tree_budget` > 0 merges several matches into a trie ("auto": sized
     from the target's measured verify cost curve)."""
-    tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model) if tree_budget == "auto" else None)
+    tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model))
     return PromptLookupDrafter(num_draft_tokens=num_draft_tokens, adaptive=adaptive, tree=tree)

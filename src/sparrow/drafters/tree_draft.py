@@ -21,7 +21,7 @@ top-p as the target when sampling.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.policy import measure_cost_curve
-from sparrow.types import Draft, StepStats
+from sparrow.types import Draft
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sam
     cache holds a proper prefix of `committed`). Leaves the draft cache holding all of `committed`.
     Returns (a Draft with parents, at most `shape.budget` nodes, no deeper than `max_depth`; the number of
     draft forwards run). Expansion also stops once the best frontier path's draft probability is below
-    `min_prob` (another level would cost a draft forward for too little expected gain; see TreeCosts).
+    `min_prob` (another level would cost a draft forward for too little expected gain; see policy.TreePolicy).
     """
     c = committed.numel()
     assert draft.length < c, (draft.length, c)
@@ -129,30 +129,6 @@ def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sam
     assert bool(((kept_parents == -1) | torch.isin(kept_parents, keep)).all()), "kept nodes are not a tree"
     new_parents = remap[kept_parents + 1]
     return Draft(tokens=flat_tokens[keep], parents=new_parents), forwards
-
-
-@dataclass
-class TreeCosts:
-    """When another tree level is worth a draft forward: EAGLE-2's scores approximate the chance the target
-    accepts a path, so a level whose best path has draft probability p adds about p tokens, for one draft
-    forward. It pays while p * (seconds per committed token) > (seconds per draft forward). Both costs are
-    decayed means over the engine-measured rounds; `min_prob` is their ratio (clamped)."""
-
-    decay: float = 0.8
-    floor: float = 0.02  # never stop expanding for a path more likely than this...
-    ceiling: float = 0.9  # ...and always stop under this
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 4, repr=False)  # forwards, draft s, tokens, round s
-
-    def observe(self, forwards: int, step: StepStats) -> None:
-        new = (forwards, step.draft_seconds, step.num_accepted + 1, step.draft_seconds + step.verify_seconds)
-        self._sums = [self.decay * s + x for s, x in zip(self._sums, new)]
-
-    @property
-    def min_prob(self) -> float:
-        forwards, draft_s, tokens, round_s = self._sums
-        if not forwards or not round_s:
-            return self.floor
-        return min(self.ceiling, max(self.floor, (draft_s / forwards) / (round_s / tokens)))
 
 
 MAX_AUTO_BUDGET = 32
