@@ -26,6 +26,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from sparrow.errors import UserError
 
 IMPLEMENTATION = "sparrow_capture"
 _ACTIVE: weakref.WeakSet[QueryCapture] = weakref.WeakSet()  # a capture stops when its owner drops it
@@ -60,7 +61,7 @@ def check_capturable(model: torch.nn.Module) -> None:
     """ValueError unless the model's attention runs through sdpa (or already through the capture wrapper)."""
     implementation = model.config._attn_implementation
     if implementation not in ("sdpa", IMPLEMENTATION):
-        raise ValueError(f"query capture needs a model with attn_implementation='sdpa', got {implementation!r} "
+        raise UserError(f"query capture needs a model with attn_implementation='sdpa', got {implementation!r} "
                          "(load it with attn_implementation='sdpa')")
 
 
@@ -143,6 +144,6 @@ class QueryCapture:
         layers, self.layers = self.layers, {}
         missing = [i for i in range(num_layers) if i not in layers or layers[i].length != length]
         if missing:
-            raise ValueError(f"no captured prefill queries of length {length} for layers {missing[:5]}: the target "
+            raise UserError(f"no captured prefill queries of length {length} for layers {missing[:5]}: the target "
                              "must be prefilled while the capture is active (sparse drafter built on this target?)")
         return [layers[i] for i in range(num_layers)]

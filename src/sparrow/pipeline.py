@@ -26,6 +26,7 @@ from sparrow.runner import runner_for
 from sparrow.stopping import Stopper
 from sparrow.types import GenerationResult, GenerationStats, Prompt
 from sparrow.verifiers import VERIFIERS, build_verifier
+from sparrow.errors import UserError
 
 @dataclass(frozen=True)
 class Request:
@@ -44,7 +45,7 @@ class Pipeline:
         self.drafter = drafter
         self.verifier = verifier
         if verifier not in ("auto", *VERIFIERS):
-            raise ValueError(f"unknown verifier {verifier!r}; expected one of: auto, {', '.join(VERIFIERS)}")
+            raise UserError(f"unknown verifier {verifier!r}; expected one of: auto, {', '.join(VERIFIERS)}")
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -71,7 +72,7 @@ class Pipeline:
                                 model_name=f"target {self.target.name!r}")
         if isinstance(prompt, str):
             if not prompt.strip():
-                raise ValueError("prompt must not be empty")
+                raise UserError("prompt must not be empty")
             if chat and self.tokenizer.chat_template:
                 ids = self.tokenizer.apply_chat_template(
                     [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
@@ -81,9 +82,9 @@ class Pipeline:
         else:
             ids = list(prompt)
             if not ids:
-                raise ValueError("prompt must not be empty")
+                raise UserError("prompt must not be empty")
         if any(not 0 <= int(t) < self.runner.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must lie in [0, {self.runner.vocab_size})")
+            raise UserError(f"prompt token ids must lie in [0, {self.runner.vocab_size})")
         return Prompt(input_ids=torch.tensor(ids, dtype=torch.long))
 
     def request(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -96,9 +97,9 @@ class Pipeline:
         context = self.runner.context_length
         n = encoded.input_ids.numel()
         if context is not None and n >= context:
-            raise ValueError(f"prompt is {n} tokens long, but the model's context is {context} tokens")
+            raise UserError(f"prompt is {n} tokens long, but the model's context is {context} tokens")
         if context is not None and n + max_new_tokens > context:
-            raise ValueError(f"max_new_tokens={max_new_tokens} with a {n}-token prompt exceeds the model's "
+            raise UserError(f"max_new_tokens={max_new_tokens} with a {n}-token prompt exceeds the model's "
                              f"context of {context} tokens (at most {context - n} new tokens)")
         return Request(encoded, sampling, stopping, seed)
 

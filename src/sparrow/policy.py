@@ -35,6 +35,7 @@ import torch
 from sparrow.cached_model import CachedModel
 from sparrow.timing import now
 from sparrow.types import Prompt, StepStats
+from sparrow.errors import UserError
 
 MIN_SPREAD = 0.25
 """Variance of the token counts (tokens^2) under which a line's slope is not identifiable."""
@@ -213,7 +214,7 @@ class LengthPolicy:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"k (num_draft_tokens) must be an integer >= 1, got {self.max_tokens!r}")
+            raise UserError(f"k (num_draft_tokens) must be an integer >= 1, got {self.max_tokens!r}")
         self.acceptance = AcceptanceEstimate(decay=self.decay)
         self.verify = DecayedLine(self.decay)  # (tokens in the forward, seconds) of every round
         self.plain = DecayedLine(self.decay)  # the same, rounds without a draft only: their mean

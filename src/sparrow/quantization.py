@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from sparrow.models import LoadedModel, PRESETS
 from sparrow.models.presets import default_cache_dir
+from sparrow.errors import UserError
 
 QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4}
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -47,7 +48,7 @@ def parse_quant(quant: str | int | None, argument: str = "quant") -> int | None:
         return quant
     if isinstance(quant, str) and quant.lower() in QUANT_BITS:
         return QUANT_BITS[quant.lower()]
-    raise ValueError(f"invalid {argument} {quant!r}: expected one of {', '.join(QUANT_BITS)}")
+    raise UserError(f"invalid {argument} {quant!r}: expected one of {', '.join(QUANT_BITS)}")
 
 
 def check_quant_args(drafter: str, quant: str | None, draft_quant: str | None, has_draft_model: bool) -> None:
@@ -55,20 +56,20 @@ def check_quant_args(drafter: str, quant: str | None, draft_quant: str | None, h
     parse_quant(quant, "quant")
     parse_quant(draft_quant, "draft_quant")
     if quant is not None and drafter == "quantized-self":
-        raise ValueError("drafter 'quantized-self' drafts with a quantized copy of an unquantized target; "
+        raise UserError("drafter 'quantized-self' drafts with a quantized copy of an unquantized target; "
                          "drop --quant (or use --drafter draft-model with --draft-quant)")
     if draft_quant is not None and not has_draft_model and drafter != "quantized-self":
-        raise ValueError(f"draft_quant needs a draft model, and drafter {drafter!r} has none")
+        raise UserError(f"draft_quant needs a draft model, and drafter {drafter!r} has none")
 
 
 def check_device(bits: int, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse, with a clear message, devices and dtypes torch has no packed kernel for."""
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"int{bits} weight-only quantization runs on cpu or cuda, not {device.type}")
+        raise UserError(f"int{bits} weight-only quantization runs on cpu or cuda, not {device.type}")
     if device.type == "cuda" and bits == 4 and torch.cuda.get_device_capability(device) < (8, 0):
-        raise ValueError("int4 weight-only quantization on CUDA needs compute capability >= 8.0 (tinygemm, bfloat16)")
+        raise UserError("int4 weight-only quantization on CUDA needs compute capability >= 8.0 (tinygemm, bfloat16)")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"weight-only quantization needs a floating-point model, got {dtype}")
+        raise UserError(f"weight-only quantization needs a floating-point model, got {dtype}")
 
 
 def kernel_takes(bits: int, out_features: int, in_features: int, group_size: int, device: torch.device) -> bool:
@@ -241,16 +242,16 @@ def quantize_model(model: nn.Module, bits: int | str, group_size: int = DEFAULT_
     """
     bits = parse_quant(bits, "bits")
     if bits is None:
-        raise ValueError("bits must be int8 or int4")
+        raise UserError("bits must be int8 or int4")
     if bits == 4 and group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        raise UserError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     first = next(model.parameters())
     check_device(bits, first.device, first.dtype)
     linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
     take = {n: m for n, m in linears.items() if kernel_takes(bits, m.out_features, m.in_features, group_size,
                                                               m.weight.device)}
     if not take:
-        raise ValueError(f"int{bits} (group size {group_size}): the kernel takes none of the model's linear layers "
+        raise UserError(f"int{bits} (group size {group_size}): the kernel takes none of the model's linear layers "
                          f"(int4 needs in_features divisible by the group size and out_features by 8)")
     metadata = _cache_metadata(model, bits, group_size, first.device)
     path = Path(cache_file).expanduser() if cache_file is not None else None
@@ -297,9 +298,9 @@ def quantized_copy(loaded: LoadedModel, quant: str | int, group_size: int = DEFA
     process, and for presets read from / written to the disk cache. keep_dense: for drafts only."""
     bits = parse_quant(quant)
     if bits is None:
-        raise ValueError("quant must be int8 or int4")
+        raise UserError("quant must be int8 or int4")
     if getattr(loaded.model, "sparrow_quantization", None) is not None:
-        raise ValueError(f"{loaded.name!r} is already quantized ({loaded.model.sparrow_quantization.name})")
+        raise UserError(f"{loaded.name!r} is already quantized ({loaded.model.sparrow_quantization.name})")
     copies = _COPIES.setdefault(loaded.model, {})
     key = (bits, group_size, keep_dense)
     if key not in copies:

@@ -15,12 +15,13 @@ from collections.abc import Iterable
 from transformers import PreTrainedTokenizerBase
 
 from sparrow.config import StoppingConfig
+from sparrow.errors import UserError
 
 
 class Stopper:
     def __init__(self, config: StoppingConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         if config.stop_strings and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to decode the generated text")
+            raise UserError("stop strings need a tokenizer to decode the generated text")
         self.config = config
         self.tokenizer = tokenizer
         self.tokens: list[int] = []

@@ -45,6 +45,7 @@ from sparrow.models import LoadedModel
 from sparrow.policy import measure_cost_curve, tokens_per_second
 from sparrow.runner import runner_for
 from sparrow.types import Prompt
+from sparrow.errors import UserError
 
 CALIBRATION_PROMPTS = (
     "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
@@ -315,9 +316,9 @@ def tune_layer_skip(target: LoadedModel, *, max_k: int = 8, prompts: Sequence[st
                     say: Callable[[str], None] = lambda message: None) -> SkipRecord:
     """Search, confirm and return the record (not yet saved). `costs` / `measure` can be injected (tests)."""
     if isinstance(max_k, bool) or not isinstance(max_k, int) or max_k < 1:
-        raise ValueError(f"k (num_draft_tokens) must be an integer >= 1, got {max_k!r}")
+        raise UserError(f"k (num_draft_tokens) must be an integer >= 1, got {max_k!r}")
     if not prompts or new_tokens < 2:
-        raise ValueError("tuning needs at least one calibration prompt and new_tokens >= 2")
+        raise UserError("tuning needs at least one calibration prompt and new_tokens >= 2")
     started = time.monotonic()
     say(f"calibration: the target's greedy continuations of {len(prompts)} prompts")
     sequences, starts = calibration_sequences(target, prompts, new_tokens)

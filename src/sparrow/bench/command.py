@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
+from sparrow.errors import UserError
 
 DEFAULT_METHODS = "plain,draft-model,prompt-lookup,hf-plain,hf-assisted,hf-prompt-lookup"
 QUICK_METHODS = "plain,draft-model,prompt-lookup,hf-plain,hf-assisted"
@@ -43,14 +44,14 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
     if quick and per_task is None and limit is None:
         questions = shortest_per_task(questions)
     if not questions:
-        raise ValueError("no questions selected (check --categories / --limit)")
+        raise UserError("no questions selected (check --categories / --limit)")
     max_new_tokens = max_new_tokens if max_new_tokens is not None else (QUICK_MAX_NEW_TOKENS if quick else 128)
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     for name, value, low in (("repeats", repeats, 1), ("warmup", warmup, 0), ("first_repeat", first_repeat, 0),
                              ("lookup_tokens", lookup_tokens, 1)):
         if value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
+            raise UserError(f"{name} must be >= {low}, got {value}")
     check_drafter_args("none", k)
     resolve_dtype(dtype)
     parse_quant(quant, "quant")

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from sparrow.errors import UserError
 
 DEFAULT_DATA = Path("/work/shared/data/spec_bench/question.jsonl")
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -32,7 +33,7 @@ def read_questions(path: str | Path) -> list[Question]:
     """All questions of a Spec-Bench style JSONL file (`question_id`, `category`, `turns`)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"data file {str(path)!r} does not exist (expected Spec-Bench's question.jsonl; pass --data FILE)")
+        raise UserError(f"data file {str(path)!r} does not exist (expected Spec-Bench's question.jsonl; pass --data FILE)")
     questions = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -42,13 +43,13 @@ def read_questions(path: str | Path) -> list[Question]:
             turns = tuple(str(t) for t in row["turns"])
             question = Question(row["question_id"], str(row["category"]), turns)
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"data file {str(path)!r}, line {number}: expected a JSON object with "
+            raise UserError(f"data file {str(path)!r}, line {number}: expected a JSON object with "
                              f"question_id, category and turns ({type(e).__name__}: {e})") from None
         if not turns or not all(t.strip() for t in turns):
-            raise ValueError(f"data file {str(path)!r}, line {number}: turns must be non-empty strings")
+            raise UserError(f"data file {str(path)!r}, line {number}: turns must be non-empty strings")
         questions.append(question)
     if not questions:
-        raise ValueError(f"data file {str(path)!r} holds no questions")
+        raise UserError(f"data file {str(path)!r} holds no questions")
     return questions
 
 
@@ -60,11 +61,11 @@ def select(questions: Sequence[Question], categories: Sequence[str] = (), limit:
     tasks = dict.fromkeys(q.task for q in questions)
     unknown = [c for c in categories if c not in known and c not in tasks]
     if unknown:
-        raise ValueError(f"unknown categories {', '.join(map(repr, unknown))}; expected category names "
+        raise UserError(f"unknown categories {', '.join(map(repr, unknown))}; expected category names "
                          f"({', '.join(known)}) or task names ({', '.join(tasks)})")
     for name, value in (("limit", limit), ("per_task", per_task)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            raise UserError(f"{name} must be an integer >= 1, got {value!r}")
     wanted = set(categories)
     counts: dict[str, int] = {}
     chosen: list[tuple[int, int, Question]] = []  # (rank within its category, file position, question)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sparrow.drafters.registry import REGISTRY
+from sparrow.errors import UserError
 
 PLAIN = "plain"
 HF_PLAIN = "hf-plain"
@@ -53,11 +54,11 @@ def parse_methods(methods: str | Sequence[str]) -> list[str]:
     names = [m.strip() for m in methods.split(",")] if isinstance(methods, str) else [m.strip() for m in methods]
     names = [m for m in names if m]
     if not names:
-        raise ValueError("methods must name at least one method")
+        raise UserError("methods must name at least one method")
     known = known_methods()
     unknown = [m for m in names if m not in known]
     if unknown:
-        raise ValueError(f"unknown methods {', '.join(map(repr, unknown))}; expected any of: {', '.join(known)}")
+        raise UserError(f"unknown methods {', '.join(map(repr, unknown))}; expected any of: {', '.join(known)}")
     chosen = list(dict.fromkeys(names))
     for base in (HF_PLAIN, PLAIN):
         if any(baseline_of(m) == base for m in chosen) and base not in chosen:

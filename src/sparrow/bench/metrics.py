@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from sparrow.bench.data import TASKS
 from sparrow.bench.methods import PLAIN
+from sparrow.errors import UserError
 
 OVERALL = "overall"
 
@@ -50,7 +51,7 @@ class Cell:
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
     if not values:
-        raise ValueError("mean_std needs at least one value")
+        raise UserError("mean_std needs at least one value")
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 

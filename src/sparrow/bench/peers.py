@@ -12,6 +12,7 @@ from torch import Tensor
 
 from sparrow.models import LoadedModel
 from sparrow.timing import now
+from sparrow.errors import UserError
 
 
 def hf_generate(target: LoadedModel, ids: Tensor, max_new_tokens: int, **peer_options) -> list[int]:
@@ -54,7 +55,7 @@ def peer_options(method: str, draft: LoadedModel | None, cross_draft: LoadedMode
         assert cross_draft is not None, "hf-uad needs a draft model with another tokenizer"
         return {"assistant_model": cross_draft.model, "tokenizer": target.tokenizer,
                 "assistant_tokenizer": cross_draft.tokenizer}
-    raise ValueError(f"unknown peer method {method!r}")
+    raise UserError(f"unknown peer method {method!r}")
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sparrow.bench.metrics import OVERALL, Cell, split_setups, summarize
+from sparrow.errors import UserError
 
 
 def read_rows(directory: str | Path) -> list[dict]:
     """All rows of every *.jsonl file in `directory` (several runs combine into one report)."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise ValueError(f"report directory {str(directory)!r} does not exist")
+        raise UserError(f"report directory {str(directory)!r} does not exist")
     rows = []
     for path in sorted(directory.glob("*.jsonl")):
         for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -24,9 +25,9 @@ def read_rows(directory: str | Path) -> list[dict]:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
                     if number != len(path.read_text().splitlines()):
-                        raise ValueError(f"{path}: line {number} is not JSON") from None
+                        raise UserError(f"{path}: line {number} is not JSON") from None
     if not rows:
-        raise ValueError(f"no JSONL rows in {str(directory)!r} (expected the rows-*.jsonl of sparrow bench)")
+        raise UserError(f"no JSONL rows in {str(directory)!r} (expected the rows-*.jsonl of sparrow bench)")
     return rows
 
 
@@ -173,7 +174,7 @@ def write_report(directory: str | Path, rows: Sequence[dict] | None = None) -> P
     directory = Path(directory)
     rows = read_rows(directory) if rows is None else list(rows)
     if not rows:
-        raise ValueError("no rows to report")
+        raise UserError("no rows to report")
     sections = []
     setups = split_setups(rows)
     for i, group in enumerate(setups.values()):

@@ -26,6 +26,7 @@ from sparrow.bench.peers import run_peer
 from sparrow.drafters.registry import REGISTRY
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,9 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.turns < 1:
-            raise ValueError(f"turns must be >= 1, got {self.turns}")
+            raise UserError(f"turns must be >= 1, got {self.turns}")
 
     def key(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -69,7 +70,7 @@ def check_models(methods: Sequence[str], models: Models) -> None:
     missing = [m for m in methods if (needs_draft(m) and models.draft is None and m not in optional)
                or (needs_cross_draft(m) and models.cross_draft is None)]
     if missing:
-        raise ValueError(f"methods {', '.join(missing)} need a draft model (--draft / --cross-draft)")
+        raise UserError(f"methods {', '.join(missing)} need a draft model (--draft / --cross-draft)")
 
 
 def build_pipelines(methods: Sequence[str], models: Models, config: BenchConfig) -> dict[str, Pipeline]:
@@ -171,9 +172,9 @@ class Runner:
             on_row: Callable[[dict], None] | None = None, on_step: Callable[[str, Question], None] | None = None,
             ) -> list[dict]:
         if repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {repeats}")
+            raise UserError(f"repeats must be >= 1, got {repeats}")
         if not questions:
-            raise ValueError("no questions selected")
+            raise UserError("no questions selected")
         if warmup:
             self.warmup(questions[0], warmup)
         run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")

@@ -1,6 +1,6 @@
 """What every `sparrow` command shares: the stderr console, the dtype choice and one error path.
 
-User errors (ValueError; OSError, e.g. a missing file or model) end the command with one line
+User errors (sparrow.errors.UserError; OSError, e.g. a missing file or model) end the command with one line
 `error: ...` on stderr and exit code 2. Anything else (a RuntimeError from torch, an AssertionError)
 is a bug and keeps its traceback; `sparrow --debug ...` shows the traceback of user errors too.
 """
@@ -16,7 +16,9 @@ from typing import NoReturn, TypeVar
 import typer
 from rich.console import Console
 
-USER_ERRORS = (ValueError, OSError)
+from sparrow.errors import UserError
+
+USER_ERRORS = (UserError, OSError)
 
 err = Console(stderr=True)
 Command = TypeVar("Command", bound=Callable)

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from sparrow.cli._common import DType, cli_errors, err
 from sparrow.drafters.registry import REGISTRY, check_drafter_args, drafter_names
+from sparrow.errors import UserError
 
 
 @cli_errors
@@ -57,7 +58,7 @@ def generate(
     SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     StoppingConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()))
     if not prompt.strip():
-        raise ValueError("prompt must not be empty")
+        raise UserError("prompt must not be empty")
     check_drafter_args(drafter, k)
     tree = tree_options(tree_budget, tree_topk, tree_depth)
     drafter_options = {**video_drafter_options(drafter, verify, drop_rate, draft_kv, draft_kv_budget), **tree}
@@ -137,11 +138,11 @@ def tree_record(drafter: Any, tree: dict[str, int | str]) -> dict[str, int | str
 def tree_options(budget: str, topk: int, depth: int) -> dict[str, int | str]:
     """Validate --tree-budget/--tree-topk/--tree-depth; the drafter options they turn into ({} for a chain)."""
     if budget != "auto" and not (budget.isdigit() and budget.isascii()):
-        raise ValueError(f"--tree-budget must be an integer >= 0 or 'auto', got {budget!r}")
+        raise UserError(f"--tree-budget must be an integer >= 0 or 'auto', got {budget!r}")
     if topk < 1:
-        raise ValueError(f"--tree-topk must be an integer >= 1, got {topk}")
+        raise UserError(f"--tree-topk must be an integer >= 1, got {topk}")
     if depth < 1:
-        raise ValueError(f"--tree-depth must be an integer >= 1, got {depth}")
+        raise UserError(f"--tree-depth must be an integer >= 1, got {depth}")
     if budget != "auto" and int(budget) == 0:
         return {}
     return {"tree_budget": budget if budget == "auto" else int(budget), "tree_topk": topk, "tree_depth": depth}
@@ -155,20 +156,20 @@ def video_drafter_options(drafter: str, verify: str, drop_rate: float | None, dr
     from sparrow.verifiers import VERIFIERS
 
     if verify not in ("auto", *VERIFIERS):
-        raise ValueError(f"unknown verifier {verify!r}; expected one of: auto, {', '.join(VERIFIERS)}")
+        raise UserError(f"unknown verifier {verify!r}; expected one of: auto, {', '.join(VERIFIERS)}")
     options: dict = {}
     if drop_rate is not None:
         if drafter != "visual-prune":
-            raise ValueError("--drop-rate applies to --drafter visual-prune only")
+            raise UserError("--drop-rate applies to --drafter visual-prune only")
         visual_budget(1, drop_rate)
         options["drop_rate"] = drop_rate
     if draft_kv is not None or draft_kv_budget is not None:
         if drafter != "sparse":
-            raise ValueError("--draft-kv/--draft-kv-budget apply to --drafter sparse only")
+            raise UserError("--draft-kv/--draft-kv-budget apply to --drafter sparse only")
         if draft_kv is not None and draft_kv not in SELECTORS:
-            raise ValueError(f"unknown --draft-kv {draft_kv!r}; expected one of: {', '.join(SELECTORS)}")
+            raise UserError(f"unknown --draft-kv {draft_kv!r}; expected one of: {', '.join(SELECTORS)}")
         if draft_kv_budget is not None and draft_kv_budget < 1:
-            raise ValueError(f"--draft-kv-budget must be an integer >= 1, got {draft_kv_budget}")
+            raise UserError(f"--draft-kv-budget must be an integer >= 1, got {draft_kv_budget}")
         options.update(draft_kv=draft_kv, draft_kv_budget=draft_kv_budget)
     return options
 

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from sparrow.cli._common import cli_errors, err
+from sparrow.errors import UserError
 
 tune_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                        help="Tune drafters for a target on this machine.", no_args_is_help=True)
@@ -34,7 +35,7 @@ def layer_skip(
     from sparrow.tuning import CALIBRATION_PROMPTS, tune_layer_skip
 
     if k < 1:
-        raise ValueError(f"k (num_draft_tokens) must be an integer >= 1, got {k!r}")
+        raise UserError(f"k (num_draft_tokens) must be an integer >= 1, got {k!r}")
     loaded = load_model(target, dtype=dtype, device=device, progress=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as bar:

@@ -57,6 +57,7 @@ from sparrow.drafters.registry import REGISTRY
 from sparrow.policy import DecayedLine, LengthPolicy, ProbeSchedule
 from sparrow.timing import now
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
+from sparrow.errors import UserError
 
 if TYPE_CHECKING:
     from sparrow.drafters import Drafter
@@ -93,9 +94,9 @@ class AutoConfig:
     def __post_init__(self) -> None:
         for name in ("forgetting", "probe_weight", "carry_over", "verify_decay"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"AutoConfig.{name} must lie in [0, 1], got {getattr(self, name)!r}")
+                raise UserError(f"AutoConfig.{name} must lie in [0, 1], got {getattr(self, name)!r}")
         if self.probe_rounds < 1 or self.reprobe_interval < 1 or self.max_reprobe_interval < self.reprobe_interval:
-            raise ValueError("AutoConfig needs probe_rounds >= 1 and 1 <= reprobe_interval <= max_reprobe_interval")
+            raise UserError("AutoConfig needs probe_rounds >= 1 and 1 <= reprobe_interval <= max_reprobe_interval")
 
 
 @dataclass
@@ -147,7 +148,7 @@ class AutoDrafter:
         """candidates: drafters with distinct names ("none" is implicit)."""
         names = [c.name for c in candidates]
         if len(set(names)) != len(names) or PLAIN in names:
-            raise ValueError(f"auto drafter candidates need distinct names other than {PLAIN!r}, got {names}")
+            raise UserError(f"auto drafter candidates need distinct names other than {PLAIN!r}, got {names}")
         self.config = config or AutoConfig()
         self.candidates: dict[str, Drafter] = {c.name: c for c in candidates}
         lookups = [c.name for c in candidates if isinstance(c, PromptLookupDrafter)]

@@ -46,6 +46,7 @@ from sparrow.drafters.token_bytes import TokenBytes, valid_utf8_prefix
 from sparrow.policy import LengthPolicy
 from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
+from sparrow.errors import UserError
 
 if TYPE_CHECKING:
     from sparrow.models import LoadedModel
@@ -70,11 +71,11 @@ class CrossVocabConfig:
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k (num_draft_tokens) must be an integer >= 1, got {self.num_draft_tokens!r}")
+            raise UserError(f"k (num_draft_tokens) must be an integer >= 1, got {self.num_draft_tokens!r}")
         if self.lookbehind < 1 or self.window < 1:
-            raise ValueError(f"lookbehind and window must be >= 1, got {self.lookbehind}, {self.window}")
+            raise UserError(f"lookbehind and window must be >= 1, got {self.lookbehind}, {self.window}")
         if not 0.0 <= self.min_confidence <= 1.0:
-            raise ValueError(f"min_confidence must lie in [0, 1], got {self.min_confidence}")
+            raise UserError(f"min_confidence must lie in [0, 1], got {self.min_confidence}")
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

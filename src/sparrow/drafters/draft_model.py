@@ -23,6 +23,7 @@ from sparrow.models import LoadedModel
 from sparrow.policy import LengthPolicy, TreePolicy
 from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
+from sparrow.errors import UserError
 
 
 def common_prefix_length(a: Tensor, b: Tensor) -> int:
@@ -40,7 +41,7 @@ class DraftModelDrafter:
         """tree: draft an EAGLE-2 dynamic tree of that shape each round instead of a chain of k tokens
         (the drafter's name then ends in "+tree"). name: "quantized-self" for the int4 copy of the target."""
         if draft.vocab_size != target_vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"draft model vocabulary ({draft.vocab_size} tokens) does not match the target's "
                 f"({target_vocab_size} tokens); the draft-model drafter needs the same tokenizer"
             )

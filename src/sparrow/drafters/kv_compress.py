@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from sparrow.drafters.kv_selection import KVSelector, TopKAttention
+from sparrow.errors import UserError
 
 SELECTORS = ("topk", "mm-shiftkv", "hybridkv")
 
@@ -84,11 +85,11 @@ class MMShiftKV:
                  std_ratio: float = 10.0, coverage: float = 0.95, seed: int = 0) -> None:
         for label, value in (("groups", groups), ("samples", samples), ("gap", gap)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+                raise UserError(f"{label} must be an integer >= 1, got {value!r}")
         if not 0.0 < coverage <= 1.0:
-            raise ValueError(f"coverage must lie in (0, 1], got {coverage!r}")
+            raise UserError(f"coverage must lie in (0, 1], got {coverage!r}")
         if std_ratio < 0:
-            raise ValueError(f"std_ratio must be >= 0, got {std_ratio!r}")
+            raise UserError(f"std_ratio must be >= 0, got {std_ratio!r}")
         self.inv_freq, self.groups, self.samples, self.gap = inv_freq, groups, samples, gap
         self.std_ratio, self.coverage, self.seed = std_ratio, coverage, seed
 
@@ -162,9 +163,9 @@ class HybridKV:
 
     def __init__(self, static_threshold: float = 0.5, chunk: int = 16) -> None:
         if not 0.0 <= static_threshold <= 1.0:
-            raise ValueError(f"static_threshold must lie in [0, 1], got {static_threshold!r}")
+            raise UserError(f"static_threshold must lie in [0, 1], got {static_threshold!r}")
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
+            raise UserError(f"chunk must be an integer >= 1, got {chunk!r}")
         self.static_threshold, self.chunk = static_threshold, chunk
         self.last_static: dict[int, Tensor] = {}  # layer -> [kv_heads] bool, for inspection
 
@@ -211,7 +212,7 @@ def build_selector(name: str, model: torch.nn.Module | None = None, **options) -
         return MMShiftKV(find_inv_freq(model) if model is not None else None, **options)
     if name == "hybridkv":
         return HybridKV(**options)
-    raise ValueError(f"unknown draft KV policy {name!r}; expected one of: {', '.join(SELECTORS)}")
+    raise UserError(f"unknown draft KV policy {name!r}; expected one of: {', '.join(SELECTORS)}")
 
 
 def configure_draft_kv(drafter, policy: str | None, budget: int | float | None) -> None:
@@ -220,7 +221,7 @@ def configure_draft_kv(drafter, policy: str | None, budget: int | float | None) 
     from sparrow.drafters.kv_selection import check_budget
 
     if not (hasattr(drafter, "selector") and hasattr(drafter, "budget")):
-        raise ValueError(f"draft KV policies apply to the sparse drafter, not {getattr(drafter, 'name', drafter)!r}")
+        raise UserError(f"draft KV policies apply to the sparse drafter, not {getattr(drafter, 'name', drafter)!r}")
     if budget is not None:
         check_budget(budget)
         drafter.budget = budget

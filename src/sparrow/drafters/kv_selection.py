@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
+from sparrow.errors import UserError
 
 
 class KVSelector(Protocol):
@@ -57,11 +58,11 @@ def resolve_budget(budget: int | float, candidates: int) -> int:
 
 def check_budget(budget: int | float) -> None:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"budget must be an int >= 1 or a fraction in (0, 1], got {budget!r}")
+        raise UserError(f"budget must be an int >= 1 or a fraction in (0, 1], got {budget!r}")
     if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-        raise ValueError(f"budget as a fraction must lie in (0, 1], got {budget!r}")
+        raise UserError(f"budget as a fraction must lie in (0, 1], got {budget!r}")
     if isinstance(budget, int) and budget < 1:
-        raise ValueError(f"budget must be an int >= 1 or a fraction in (0, 1], got {budget!r}")
+        raise UserError(f"budget must be an int >= 1 or a fraction in (0, 1], got {budget!r}")
 
 
 def candidate_span(n: int, sinks: int, window: int, span: tuple[int, int] | None) -> tuple[int, int]:
@@ -71,7 +72,7 @@ def candidate_span(n: int, sinks: int, window: int, span: tuple[int, int] | None
         return lo, hi
     start, end = span
     if not (isinstance(start, int) and isinstance(end, int)) or not 0 <= start <= end <= n:
-        raise ValueError(f"span must be (start, end) prompt positions with 0 <= start <= end <= {n}, got {span!r}")
+        raise UserError(f"span must be (start, end) prompt positions with 0 <= start <= end <= {n}, got {span!r}")
     start, end = min(max(start, lo), hi), min(max(end, lo), hi)
     return start, end
 

@@ -51,6 +51,7 @@ from sparrow.models.presets import default_cache_dir
 from sparrow.policy import LengthPolicy
 from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
+from sparrow.errors import UserError
 
 
 # --- skip sets -------------------------------------------------------------------------------------
@@ -59,7 +60,7 @@ def _indices(name: str, values: Any, num_layers: int) -> tuple[int, ...]:
     out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < num_layers:
-            raise ValueError(f"skip_set: {name} layer {v!r} is not a layer index in [0, {num_layers})")
+            raise UserError(f"skip_set: {name} layer {v!r} is not a layer index in [0, {num_layers})")
         out.append(v)
     return tuple(sorted(set(out)))
 
@@ -74,11 +75,11 @@ class SkipSet:
 
     def __post_init__(self) -> None:
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise ValueError(f"skip_set: num_layers must be an integer >= 1, got {self.num_layers!r}")
+            raise UserError(f"skip_set: num_layers must be an integer >= 1, got {self.num_layers!r}")
         object.__setattr__(self, "attention", _indices("attention", self.attention, self.num_layers))
         object.__setattr__(self, "mlp", _indices("mlp", self.mlp, self.num_layers))
         if len(self.attention) == len(self.mlp) == self.num_layers:
-            raise ValueError(f"skip_set: all {self.num_layers} layers are skipped; the draft must keep some")
+            raise UserError(f"skip_set: all {self.num_layers} layers are skipped; the draft must keep some")
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -101,7 +102,7 @@ class SkipSet:
         try:
             return SkipSet(int(d["num_layers"]), tuple(d.get("attention", ())), tuple(d.get("mlp", ())))
         except (KeyError, TypeError) as e:
-            raise ValueError(f"skip_set: expected {{num_layers, attention, mlp}}, got {d!r}") from e
+            raise UserError(f"skip_set: expected {{num_layers, attention, mlp}}, got {d!r}") from e
 
     @staticmethod
     def parse(spec: str, num_layers: int) -> SkipSet:
@@ -111,12 +112,12 @@ class SkipSet:
             key, _, values = item.partition("=")
             key = key.strip()
             if key not in ("attention", "mlp", "layers") or not _:
-                raise ValueError(f"skip_set: expected 'attention=..;mlp=..;layers=..', got {spec!r}")
+                raise UserError(f"skip_set: expected 'attention=..;mlp=..;layers=..', got {spec!r}")
             numbers = []
             for tok in filter(None, (t.strip() for t in values.split(","))):
                 m = re.fullmatch(r"(\d+)(?:-(\d+))?", tok)
                 if m is None:
-                    raise ValueError(f"skip_set: {tok!r} in {spec!r} is not a layer index or range a-b")
+                    raise UserError(f"skip_set: {tok!r} in {spec!r} is not a layer index or range a-b")
                 lo, hi = int(m[1]), int(m[2] or m[1])
                 numbers += range(lo, hi + 1)
             for name in (("attention", "mlp") if key == "layers" else (key,)):
@@ -169,7 +170,7 @@ class SkipRecord:
                               recommended=bool(d["recommended"]), date=str(d["date"]), note=str(d.get("note", "")),
                               details=dict(d.get("details", {})))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"skip_file: not a layer-skip record ({e})") from e
+            raise UserError(f"skip_file: not a layer-skip record ({e})") from e
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -178,11 +179,11 @@ class SkipRecord:
     def load(path: str | Path) -> SkipRecord:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"skip_file: no such file: {path}")
+            raise UserError(f"skip_file: no such file: {path}")
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"skip_file: {path} is not valid JSON ({e})") from e
+            raise UserError(f"skip_file: {path} is not valid JSON ({e})") from e
         return SkipRecord.from_dict(data)
 
 
@@ -247,7 +248,7 @@ def find_layers(model: nn.Module, num_layers: int) -> str:
         if (isinstance(module, nn.ModuleList) and name.split(".")[-1] == "layers" and len(module) == num_layers
                 and all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in module)):
             return name
-    raise ValueError("layer-skip needs a decoder whose layers have `self_attn` and `mlp` sub-modules "
+    raise UserError("layer-skip needs a decoder whose layers have `self_attn` and `mlp` sub-modules "
                      f"({type(model).__name__} has none)")
 
 
@@ -261,10 +262,10 @@ def anchor_layers(model: PreTrainedModel) -> tuple[int, ...]:
 def check_skip_set(model: PreTrainedModel, skip: SkipSet) -> None:
     num_layers = _text_config(model.config).num_hidden_layers
     if skip.num_layers != num_layers:
-        raise ValueError(f"skip_set is for a {skip.num_layers}-layer model, the target has {num_layers} layers")
+        raise UserError(f"skip_set is for a {skip.num_layers}-layer model, the target has {num_layers} layers")
     kept = [i for i in anchor_layers(model) if i in skip.attention]
     if kept:
-        raise ValueError(f"skip_set: the attention of layer(s) {kept} cannot be skipped (the first layer of each "
+        raise UserError(f"skip_set: the attention of layer(s) {kept} cannot be skipped (the first layer of each "
                          "attention type builds the attention masks)")
 
 
@@ -339,7 +340,7 @@ class LayerSkipDrafter:
                  tree: TreeShape | None = None) -> None:
         """tree: draft an EAGLE-2 dynamic tree through the skipping view (models without sliding-window layers)."""
         if tree is not None and "sliding_attention" in (getattr(_text_config(model.config), "layer_types", None) or ()):
-            raise ValueError("layer-skip: tree drafts need a model without sliding-window layers (use a chain)")
+            raise UserError("layer-skip: tree drafts need a model without sliding-window layers (use a chain)")
         self.tree = tree
         self.model = model
         self.skip = skip
@@ -351,7 +352,7 @@ class LayerSkipDrafter:
 
     def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:
         if target.model is not self.model:
-            raise ValueError("layer-skip: the target is not the model this drafter was built for")
+            raise UserError("layer-skip: the target is not the model this drafter was built for")
         self.target = target  # its cache records the past, so drafted positions can be cropped (CachedModel)
         self.length.reset()
 
@@ -395,7 +396,7 @@ def resolve_record(target: LoadedModel, skip_set: SkipSet | str | dict | None,
     """An explicit skip set, a record file, or the record shipped for the target's preset name."""
     num_layers = _text_config(target.model.config).num_hidden_layers
     if skip_set is not None and skip_file is not None:
-        raise ValueError("layer-skip: pass either skip_set or skip_file, not both")
+        raise UserError("layer-skip: pass either skip_set or skip_file, not both")
     if isinstance(skip_set, SkipSet):
         return skip_set
     if isinstance(skip_set, dict):
@@ -403,12 +404,12 @@ def resolve_record(target: LoadedModel, skip_set: SkipSet | str | dict | None,
     if isinstance(skip_set, str):
         return SkipSet.parse(skip_set, num_layers)
     if skip_set is not None:
-        raise ValueError(f"skip_set: expected a SkipSet, dict or 'attention=..;mlp=..' string, got {skip_set!r}")
+        raise UserError(f"skip_set: expected a SkipSet, dict or 'attention=..;mlp=..' string, got {skip_set!r}")
     if skip_file is not None:
         return SkipRecord.load(skip_file)
     record = find_record(target.name)
     if record is None:
-        raise ValueError(f"layer-skip: no tuned skip set ships for model {target.name!r}; run "
+        raise UserError(f"layer-skip: no tuned skip set ships for model {target.name!r}; run "
                          f"`sparrow tune layer-skip --target {target.name}` and pass skip_file=..., or pass skip_set=...")
     return record
 
@@ -426,7 +427,7 @@ def build_layer_skip(target: LoadedModel, draft: None, num_draft_tokens: int | N
     unless force=True.
     """
     if getattr(target.model, "sparrow_quantization", None) is not None:
-        raise ValueError("drafter 'layer-skip' needs an unquantized target (drop --quant)")
+        raise UserError("drafter 'layer-skip' needs an unquantized target (drop --quant)")
     found = resolve_record(target, skip_set, skip_file)
     enabled = True
     if isinstance(found, SkipRecord):

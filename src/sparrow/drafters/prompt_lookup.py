@@ -16,6 +16,7 @@ from sparrow.policy import LengthPolicy
 from sparrow.runner import runner_for
 from sparrow.tree import merge_paths
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
+from sparrow.errors import UserError
 
 
 def find_continuation(context: Tensor, min_n: int, max_n: int, k: int) -> Tensor:
@@ -60,7 +61,7 @@ class PromptLookupDrafter:
         keeps the chain's length (the round cap), the others at most `tree.depth` tokens; at most
         `tree.budget` nodes beyond the best match's."""
         if min_n < 1 or max_n < min_n:
-            raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+            raise UserError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive)  # nearly free to draft: no back-off
         self.min_n, self.max_n = min_n, max_n
         self.tree = tree

@@ -15,6 +15,7 @@ from sparrow.drafters.tree_draft import resolve_shape
 from sparrow.models import LoadedModel
 from sparrow.policy import follow_cost_curve
 from sparrow.quantization import DEFAULT_GROUP_SIZE, quantized_copy
+from sparrow.errors import UserError
 
 DEFAULT_BITS = "int4"
 
@@ -24,7 +25,7 @@ def build_quantized_self(target: LoadedModel, draft: None, num_draft_tokens: int
                          tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8) -> DraftModelDrafter:
     """Registry builder for "quantized-self"; `bits` is int4 (default) or int8; tree options as "draft-model"."""
     if getattr(target.model, "sparrow_quantization", None) is not None:
-        raise ValueError("drafter 'quantized-self' needs an unquantized target (drop --quant, or use another drafter)")
+        raise UserError("drafter 'quantized-self' needs an unquantized target (drop --quant, or use another drafter)")
     quantized = quantized_copy(target, DEFAULT_BITS if bits is None else bits, group_size, keep_dense=True)
     runner, draft_runner = runner_for(target.model), runner_for(quantized.model)
     shape = resolve_shape(tree_budget, tree_topk, tree_depth, runner)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sparrow.drafters.base import Drafter
+from sparrow.errors import UserError
 
 if TYPE_CHECKING:
     from sparrow.models import LoadedModel
@@ -89,13 +90,13 @@ def drafter_names() -> tuple[str, ...]:
 def check_drafter_args(name: str, num_draft_tokens: int | None, options: Mapping[str, Any] | None = None) -> None:
     """Cheap validation, run before any model is loaded: the name, k, and the option names."""
     if name not in drafter_names():
-        raise ValueError(f"unknown drafter {name!r}; expected one of: {', '.join(drafter_names())}")
+        raise UserError(f"unknown drafter {name!r}; expected one of: {', '.join(drafter_names())}")
     if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or num_draft_tokens < 1):
-        raise ValueError(f"k (num_draft_tokens) must be an integer >= 1, got {num_draft_tokens!r}")
+        raise UserError(f"k (num_draft_tokens) must be an integer >= 1, got {num_draft_tokens!r}")
     accepted = () if name == NONE else REGISTRY[name].options()
     unknown = [option for option in options or () if accepted is not None and option not in accepted]
     if unknown:
-        raise ValueError(f"drafter {name!r} does not accept option {', '.join(map(repr, unknown))}; "
+        raise UserError(f"drafter {name!r} does not accept option {', '.join(map(repr, unknown))}; "
                          f"its options: {', '.join(accepted) or 'none'}")
 
 
@@ -107,6 +108,6 @@ def build_drafter(name: str, target: LoadedModel, draft: LoadedModel | None = No
         return None
     entry = REGISTRY[name]
     if entry.needs_draft_model and draft is None:
-        raise ValueError(f"drafter {name!r} needs a draft model (--draft / draft=)")
+        raise UserError(f"drafter {name!r} needs a draft model (--draft / draft=)")
     k = entry.default_num_draft_tokens if num_draft_tokens is None else num_draft_tokens
     return entry.builder(target, draft if entry.takes_draft_model else None, k, adaptive, **options)

@@ -29,6 +29,7 @@ from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.kv_selection import KVSelector, TopKAttention, check_budget, kept_positions
 from sparrow.policy import LengthPolicy
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
+from sparrow.errors import UserError
 
 DEFAULT_BUDGET = 1024
 DEFAULT_SINKS = 4
@@ -39,7 +40,7 @@ Span = tuple[int, int] | Callable[[Prompt], tuple[int, int]] | None
 
 def _check_count(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise UserError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 class SparseDrafter:
@@ -55,7 +56,7 @@ class SparseDrafter:
         if span is not None and not callable(span):
             if not (isinstance(span, tuple) and len(span) == 2 and all(isinstance(i, int) and not isinstance(i, bool)
                                                                         for i in span) and 0 <= span[0] <= span[1]):
-                raise ValueError("span must be None, a callable, or (start, end) ints with 0 <= start <= end, "
+                raise UserError("span must be None, a callable, or (start, end) ints with 0 <= start <= end, "
                                  f"got {span!r}")
         self.model = model
         self.budget, self.sinks, self.window, self.span = budget, sinks, window, span
@@ -77,12 +78,12 @@ class SparseDrafter:
     def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:
         """Select the draft's prompt KV from the target's just-prefilled cache."""
         if target.model is not self.model:
-            raise ValueError("the sparse drafter must be used with the target model it was built on")
+            raise UserError("the sparse drafter must be used with the target model it was built on")
         self.length.reset()
         n = prompt.input_ids.numel()
         assert target.cache is not None and target.length == n, (target.length, n)
         if any(target.cache.is_sliding):
-            raise ValueError("drafter 'sparse' needs a model whose layers all use full attention "
+            raise UserError("drafter 'sparse' needs a model whose layers all use full attention "
                              "(sliding-window layers keep no full prompt cache)")
         captured = self.capture.take(n, len(target.cache.layers))
         span = self.span(prompt) if callable(self.span) else self.span
@@ -148,7 +149,7 @@ def build(target, draft: None, num_draft_tokens: int, adaptive: bool, budget: in
         span = visual_prune.visual_span(target.model.config)
     if draft_kv is not None:
         if selector is not None:
-            raise ValueError("give either selector= or draft_kv=, not both")
+            raise UserError("give either selector= or draft_kv=, not both")
         selector = kv_compress.build_selector(draft_kv, target.model)
     if draft_kv_budget is not None:
         budget = draft_kv_budget

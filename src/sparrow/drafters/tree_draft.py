@@ -31,6 +31,7 @@ from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.policy import measure_cost_curve
 from sparrow.types import Draft
+from sparrow.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class TreeShape:
         for name in ("budget", "topk", "depth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"tree_{name} must be an integer >= 1, got {value!r}")
+                raise UserError(f"tree_{name} must be an integer >= 1, got {value!r}")
 
 
 def _log_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
@@ -154,8 +155,8 @@ def resolve_shape(budget: int | str | None, topk: int, depth: int, target: Cache
     TreeShape(1, topk, depth)  # validates topk and depth before anything is measured
     if budget == "auto":
         if target is None:
-            raise ValueError("tree_budget='auto' needs a target to measure its verify cost curve")
+            raise UserError("tree_budget='auto' needs a target to measure its verify cost curve")
         return auto_shape(measure_cost_curve(target, MAX_AUTO_BUDGET).verify_seconds, topk, depth)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise ValueError(f"tree_budget must be an integer >= 0 or 'auto', got {budget!r}")
+        raise UserError(f"tree_budget must be an integer >= 0 or 'auto', got {budget!r}")
     return TreeShape(budget, topk, depth)

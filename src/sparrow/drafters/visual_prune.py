@@ -44,6 +44,7 @@ from sparrow.drafters.kv_selection import attention_scores
 from sparrow.runner import runner_for
 from sparrow.types import Prompt, TargetOutput
 from sparrow.vision.prompt import visual_token_positions
+from sparrow.errors import UserError
 
 DEFAULT_DROP_RATE = 0.9
 DEFAULT_MASS = 0.4  # SpecVLM's `percentage`
@@ -63,7 +64,7 @@ def visual_budget(num_visual: int, drop_rate: float) -> int:
     """Visual tokens kept at `drop_rate` (SpecVLM: int(N * (1 - drop_rate)), here without its float
     round-down: 100 tokens at 0.9 keep 10, not 9), at least 1 of N > 0."""
     if not 0.0 <= drop_rate < 1.0:
-        raise ValueError(f"drop_rate must lie in [0, 1), got {drop_rate!r}")
+        raise UserError(f"drop_rate must lie in [0, 1), got {drop_rate!r}")
     return max(1, int(num_visual * (1.0 - drop_rate) + 1e-9)) if num_visual else 0
 
 
@@ -71,16 +72,16 @@ def plan_pruning(scores: Tensor, budget: int | None = None, drop_rate: float | N
                  mass: float = DEFAULT_MASS) -> VisualPruning:
     """Two-stage selection over [N] non-negative scores; give exactly one of `budget`, `drop_rate`."""
     if scores.ndim != 1:
-        raise ValueError(f"scores must be 1-D [N], got shape {tuple(scores.shape)}")
+        raise UserError(f"scores must be 1-D [N], got shape {tuple(scores.shape)}")
     if (budget is None) == (drop_rate is None):
-        raise ValueError("give exactly one of budget, drop_rate")
+        raise UserError("give exactly one of budget, drop_rate")
     if not 0.0 <= mass <= 1.0:
-        raise ValueError(f"mass must lie in [0, 1], got {mass!r}")
+        raise UserError(f"mass must lie in [0, 1], got {mass!r}")
     n = scores.numel()
     if budget is None:
         budget = visual_budget(n, drop_rate)
     if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= n:
-        raise ValueError(f"budget must be an integer in [0, {n}], got {budget!r}")
+        raise UserError(f"budget must be an integer in [0, {n}], got {budget!r}")
     device = scores.device
     order = scores.float().argsort(descending=True, stable=True)  # [N]
     total = float(scores.float().clamp_min(0).sum())
@@ -214,13 +215,13 @@ class VisualPruneDrafter(DraftModelDrafter):
                  window: int = DEFAULT_WINDOW) -> None:
         visual_budget(1, drop_rate)  # validates drop_rate
         if not 0.0 <= mass <= 1.0:
-            raise ValueError(f"mass must lie in [0, 1], got {mass!r}")
+            raise UserError(f"mass must lie in [0, 1], got {mass!r}")
         if getattr(draft_model.config, "vision_config", None) is None:
-            raise ValueError(f"drafter 'visual-prune' needs a vision-language draft model of the target's family, got "
+            raise UserError(f"drafter 'visual-prune' needs a vision-language draft model of the target's family, got "
                              f"the text-only {type(draft_model).__name__}; pass a small VLM as draft, or draft=None "
                              "to self-draft with the target on the pruned visual tokens")
         if not isinstance(getattr(getattr(draft_model, "model", None), "language_model", None), torch.nn.Module):
-            raise ValueError(f"drafter 'visual-prune' cannot prune {type(draft_model).__name__}: it has no "
+            raise UserError(f"drafter 'visual-prune' cannot prune {type(draft_model).__name__}: it has no "
                              "`model.language_model` decoder to feed the pruned sequence to")
         self.view = PrunedView(runner_for(draft_model))
         super().__init__(self.view, CachedModel(target_model).vocab_size, num_draft_tokens, adaptive)
@@ -238,7 +239,7 @@ class VisualPruneDrafter(DraftModelDrafter):
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         if target is None or target.model is not self.target_model:
-            raise ValueError("the visual-prune drafter must be used with the target model it was built on")
+            raise UserError("the visual-prune drafter must be used with the target model it was built on")
         self.length.reset()
         ids = prompt.input_ids.to(target.device)
         n = ids.numel()
@@ -246,7 +247,7 @@ class VisualPruneDrafter(DraftModelDrafter):
         visual = visual_token_positions(prompt, self.target_model.config).to(ids.device)
         draft_visual = visual_token_positions(prompt, self.view.runner.model.config).to(ids.device)
         if not torch.equal(visual, draft_visual):
-            raise ValueError("draft and target VLMs disagree on the visual placeholder tokens of the prompt")
+            raise UserError("draft and target VLMs disagree on the visual placeholder tokens of the prompt")
         if visual.numel():
             keys = [layer.keys[0] for layer in target.cache.layers]  # [kv_heads, n, d]
             scores = text_to_visual_scores(captured, keys, visual)

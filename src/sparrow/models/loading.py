@@ -35,6 +35,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from sparrow.models.presets import PRESETS, Preset, default_cache_dir, gguf_path, is_installed
+from sparrow.errors import UserError
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -67,9 +68,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"invalid device {device!r}: expected e.g. 'cpu', 'cuda', 'cuda:0'") from None
+        raise UserError(f"invalid device {device!r}: expected e.g. 'cpu', 'cuda', 'cuda:0'") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was requested but CUDA is not available")
+        raise UserError(f"device {device!r} was requested but CUDA is not available")
     return dev
 
 
@@ -79,7 +80,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
-    raise ValueError(f"invalid dtype {dtype!r}: expected one of {', '.join(_DTYPES)}")
+    raise UserError(f"invalid dtype {dtype!r}: expected one of {', '.join(_DTYPES)}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -259,8 +260,8 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 def _from_hub(spec: str, dtype: torch.dtype, device: torch.device,
               say: _Progress) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a hub id: from the local Hugging Face cache if there, else from the network."""
-    def not_found(reason: str) -> ValueError:
-        return ValueError(
+    def not_found(reason: str) -> UserError:
+        return UserError(
             f"model spec {spec!r} is not a preset ({', '.join(PRESETS)}), not a local path, "
             f"and could not be fetched from the Hugging Face hub: {reason}"
         )
@@ -288,19 +289,19 @@ def _load_local(
     """Load an existing local path: a ``.gguf`` file or a Hugging Face model directory."""
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"model spec {spec!r} is a directory without a config.json, not a Hugging Face model")
+            raise UserError(f"model spec {spec!r} is a directory without a config.json, not a Hugging Face model")
         say(f"loading {path} …")
         kind, load = "local directory", functools.partial(_from_dir, str(path), dtype, device)
     elif path.suffix == ".gguf":
         say(f"dequantizing {path.name} to {_dtype_name(dtype)} …")
         kind, load, quiet = "GGUF file", functools.partial(_from_gguf, path, dtype, device), True
     else:
-        raise ValueError(f"model spec {spec!r} is a file but not a .gguf file")
+        raise UserError(f"model spec {spec!r} is a file but not a .gguf file")
     with _quiet_transformers(quiet):
         try:
             return load()
         except Exception as exc:  # a broken or unsupported file: one clear line, cause chained
-            raise ValueError(f"model spec {spec!r}: could not load the {kind}: {_one_line(exc)}") from exc
+            raise UserError(f"model spec {spec!r}: could not load the {kind}: {_one_line(exc)}") from exc
 
 
 def _load_any(
@@ -315,7 +316,7 @@ def _load_any(
     if path.exists():
         return _load_local(spec, path, dtype, device, say, quiet)
     if _looks_like_path(spec):
-        raise ValueError(
+        raise UserError(
             f"model spec {spec!r} is not a preset ({', '.join(PRESETS)}) and no such file or directory exists"
         )
     with _quiet_transformers(quiet):
@@ -336,7 +337,7 @@ def load_model(
     directory holding a Hugging Face model, or a Hugging Face hub id.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"invalid model spec {spec!r}: expected a preset name, a path or a hub id")
+        raise UserError(f"invalid model spec {spec!r}: expected a preset name, a path or a hub id")
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()

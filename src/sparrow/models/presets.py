@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from sparrow.errors import UserError
 
 Reporter = Callable[[str], None]
 
@@ -102,7 +103,7 @@ def get_preset(preset: Preset | str) -> Preset:
     try:
         return PRESETS[preset]
     except KeyError:
-        raise ValueError(
+        raise UserError(
             f"unknown preset {preset!r}; available presets: {', '.join(PRESETS)}"
         ) from None
 

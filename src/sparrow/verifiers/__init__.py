@@ -12,6 +12,7 @@ from sparrow.types import Draft, Verdict
 from sparrow.verifiers.greedy import GreedyVerifier
 from sparrow.verifiers.loose import LooseVerifier
 from sparrow.verifiers.rejection import RejectionVerifier
+from sparrow.errors import UserError
 
 
 class Verifier(Protocol):
@@ -36,9 +37,9 @@ def build_verifier(name: str, sampling: SamplingConfig, tokenizer=None) -> Verif
     if name == "auto":
         name = "greedy" if sampling.greedy else "rejection"
     if name not in VERIFIERS:
-        raise ValueError(f"unknown verifier {name!r}; expected one of: auto, {', '.join(VERIFIERS)}")
+        raise UserError(f"unknown verifier {name!r}; expected one of: auto, {', '.join(VERIFIERS)}")
     if name == "greedy" and not sampling.greedy:
-        raise ValueError(f"verifier 'greedy' needs temperature 0, got temperature={sampling.temperature}")
+        raise UserError(f"verifier 'greedy' needs temperature 0, got temperature={sampling.temperature}")
     if name == "loose" and tokenizer is not None:
         return LooseVerifier.for_tokenizer(tokenizer, len(tokenizer))
     return VERIFIERS[name]()

@@ -30,6 +30,7 @@ from torch import Tensor
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
 from sparrow.types import Draft, Verdict
+from sparrow.errors import UserError
 
 FUNCTION_WORDS = frozenset("""
 a an the and or but nor so yet of in on at to for from by with without into onto over under about above below
@@ -69,15 +70,15 @@ class LooseVerifier:
     def __init__(self, filler_mask: Tensor | None = None, top_m: int = 3, min_ratio: float = 0.3,
                  shift_window: int = 1, anchor_confidence: float = 0.5) -> None:
         if isinstance(top_m, bool) or not isinstance(top_m, int) or top_m < 1:
-            raise ValueError(f"top_m must be an integer >= 1, got {top_m!r}")
+            raise UserError(f"top_m must be an integer >= 1, got {top_m!r}")
         if not 0.0 <= min_ratio <= 1.0:
-            raise ValueError(f"min_ratio must lie in [0, 1], got {min_ratio!r}")
+            raise UserError(f"min_ratio must lie in [0, 1], got {min_ratio!r}")
         if isinstance(shift_window, bool) or not isinstance(shift_window, int) or shift_window < 0:
-            raise ValueError(f"shift_window must be an integer >= 0, got {shift_window!r}")
+            raise UserError(f"shift_window must be an integer >= 0, got {shift_window!r}")
         if not 0.0 <= anchor_confidence <= 1.0:
-            raise ValueError(f"anchor_confidence must lie in [0, 1], got {anchor_confidence!r}")
+            raise UserError(f"anchor_confidence must lie in [0, 1], got {anchor_confidence!r}")
         if filler_mask is not None and (filler_mask.ndim != 1 or filler_mask.dtype != torch.bool):
-            raise ValueError("filler_mask must be a 1-D bool tensor over the vocabulary")
+            raise UserError("filler_mask must be a 1-D bool tensor over the vocabulary")
         self.filler_mask = filler_mask
         self.top_m, self.min_ratio, self.shift_window = top_m, min_ratio, shift_window
         self.anchor_confidence = anchor_confidence
@@ -139,9 +140,9 @@ class Fidelity:
 def fidelity(outputs: list[list[int]], strict: list[list[int]]) -> Fidelity:
     """Compare lossy `outputs` with `strict` outputs of the same prompts (same order)."""
     if len(outputs) != len(strict):
-        raise ValueError(f"outputs and strict must have the same length, got {len(outputs)} and {len(strict)}")
+        raise UserError(f"outputs and strict must have the same length, got {len(outputs)} and {len(strict)}")
     if not outputs:
-        raise ValueError("fidelity needs at least one output")
+        raise UserError("fidelity needs at least one output")
     same = agree = total = 0
     prefix = 0.0
     for a, b in zip(outputs, strict):

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from sparrow.types import Prompt
 from sparrow.vision.video import Video, check_num_frames, read_image, read_video
+from sparrow.errors import UserError
 
 _DROPPED = ("input_ids", "attention_mask")  # batch 1, no padding: the model derives both
 
@@ -36,14 +37,14 @@ def build_prompt(processor: Any, question: str, videos: Sequence[Video] = (), im
     Raises ValueError (naming `video` / `image` / `prompt`) if the processor cannot take the media.
     """
     if not question.strip():
-        raise ValueError("prompt must not be empty")
+        raise UserError("prompt must not be empty")
     if videos and not supports_video(processor):
-        raise ValueError(f"video: the model's processor ({type(processor).__name__}) has no video support")
+        raise UserError(f"video: the model's processor ({type(processor).__name__}) has no video support")
     if images and not supports_images(processor):
-        raise ValueError(f"image: the model's processor ({type(processor).__name__}) has no image support")
+        raise UserError(f"image: the model's processor ({type(processor).__name__}) has no image support")
     template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
     if (videos or images) and not template:
-        raise ValueError(f"video/image: the model's processor ({type(processor).__name__}) has no chat template, "
+        raise UserError(f"video/image: the model's processor ({type(processor).__name__}) has no chat template, "
                          "so sparrow cannot place the visual tokens in the prompt")
     if chat and template:
         content = ([{"type": "video"}] * len(videos) + [{"type": "image"}] * len(images)
@@ -68,7 +69,7 @@ def build_prompt(processor: Any, question: str, videos: Sequence[Video] = (), im
 def visual_token_ids(config: Any, kind: str = "all") -> list[int]:
     """Placeholder token ids of `kind` ("image", "video" or "all") in a VLM's vocabulary."""
     if kind not in ("image", "video", "all"):
-        raise ValueError(f"kind must be 'image', 'video' or 'all', got {kind!r}")
+        raise UserError(f"kind must be 'image', 'video' or 'all', got {kind!r}")
     names = {"image": ("image_token_id", "image_token_index"), "video": ("video_token_id", "video_token_index")}
     ids = []
     for k in ("image", "video") if kind == "all" else (kind,):
@@ -116,17 +117,17 @@ def encode_media(processor: Any, question: Any, *, video: Any = None, frames: in
     if frames is not None:
         check_num_frames(frames)
         if video is None:
-            raise ValueError("frames: given without a video (pass video=... / --video)")
+            raise UserError("frames: given without a video (pass video=... / --video)")
     if processor is None:
         what = "video" if video is not None else "image"
-        raise ValueError(f"{what}: {model_name} is a text-only model; a vision-language model (e.g. Qwen2.5-VL, "
+        raise UserError(f"{what}: {model_name} is a text-only model; a vision-language model (e.g. Qwen2.5-VL, "
                          "LLaVA-OneVision) is needed for video or image input")
     if not isinstance(question, str):
-        raise ValueError("prompt must be text when a video or image is given, not token ids")
+        raise UserError("prompt must be text when a video or image is given, not token ids")
     if video is not None and not supports_video(processor):
-        raise ValueError(f"video: {model_name}'s processor ({type(processor).__name__}) has no video support")
+        raise UserError(f"video: {model_name}'s processor ({type(processor).__name__}) has no video support")
     if image is not None and not supports_images(processor):
-        raise ValueError(f"image: {model_name}'s processor ({type(processor).__name__}) has no image support")
+        raise UserError(f"image: {model_name}'s processor ({type(processor).__name__}) has no image support")
     videos = [] if video is None else [_video(video, frames)]
     images = [] if image is None else _images(image)
     return build_prompt(processor, question, videos, images)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from sparrow.errors import UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 FRAME_DIR_FPS = 2.0
@@ -52,16 +53,16 @@ class Video:
         """Wrap (T, H, W, 3) uint8 frames (e.g. synthetic), optionally sampling `num_frames` of them."""
         frames = np.asarray(frames)
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
-            raise ValueError(f"video: expected a (T, H, W, 3) uint8 array, got shape {frames.shape} {frames.dtype}")
+            raise UserError(f"video: expected a (T, H, W, 3) uint8 array, got shape {frames.shape} {frames.dtype}")
         if frames.shape[0] == 0:
-            raise ValueError("video: the array has no frames")
+            raise UserError("video: the array has no frames")
         indices = sample_indices(frames.shape[0], frames.shape[0] if num_frames is None else num_frames)
         return Video(frames[list(indices)], float(fps), indices, frames.shape[0])
 
 
 def check_num_frames(frames: int) -> None:
     if isinstance(frames, bool) or not isinstance(frames, (int, np.integer)) or frames < 1:
-        raise ValueError(f"frames must be an integer >= 1, got {frames!r}")
+        raise UserError(f"frames must be an integer >= 1, got {frames!r}")
 
 
 def sample_indices(total: int, frames: int) -> tuple[int, ...]:
@@ -71,7 +72,7 @@ def sample_indices(total: int, frames: int) -> tuple[int, ...]:
     """
     check_num_frames(frames)
     if total < 1:
-        raise ValueError("video has no frames")
+        raise UserError("video has no frames")
     n = min(int(frames), total)
     return tuple(int(i) for i in ((np.arange(n) + 0.5) * total / n).astype(np.int64))
 
@@ -81,7 +82,7 @@ def _read_frame_dir(directory: Path, frames: int, fps: float) -> Video:
 
     files = sorted(p for p in directory.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
-        raise ValueError(f"video: directory {str(directory)!r} holds no frame images ({', '.join(IMAGE_SUFFIXES)})")
+        raise UserError(f"video: directory {str(directory)!r} holds no frame images ({', '.join(IMAGE_SUFFIXES)})")
     indices = sample_indices(len(files), frames)
     images = []
     for i in indices:
@@ -89,9 +90,9 @@ def _read_frame_dir(directory: Path, frames: int, fps: float) -> Video:
             with Image.open(files[i]) as im:
                 images.append(np.asarray(im.convert("RGB")))
         except OSError as e:
-            raise ValueError(f"video: cannot read frame {str(files[i])!r}: {e}") from None
+            raise UserError(f"video: cannot read frame {str(files[i])!r}: {e}") from None
     if len({im.shape for im in images}) > 1:
-        raise ValueError(f"video: frames in {str(directory)!r} differ in size")
+        raise UserError(f"video: frames in {str(directory)!r} differ in size")
     return Video(np.stack(images), fps, indices, len(files))
 
 
@@ -101,7 +102,7 @@ def _read_video_file(path: Path, frames: int) -> Video:
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
-                raise ValueError(f"video: {str(path)!r} has no video stream")
+                raise UserError(f"video: {str(path)!r} has no video stream")
             stream = container.streams.video[0]
             fps = float(stream.average_rate or stream.guessed_rate or 0) or 24.0
             total = stream.frames  # 0 when the container does not record it: count by decoding
@@ -109,7 +110,7 @@ def _read_video_file(path: Path, frames: int) -> Video:
                 total = sum(1 for _ in container.decode(stream))
                 container.seek(0)
             if total <= 0:
-                raise ValueError(f"video: {str(path)!r} has no frames")
+                raise UserError(f"video: {str(path)!r} has no frames")
             indices = sample_indices(total, frames)
             wanted, picked = set(indices), {}
             for i, frame in enumerate(container.decode(stream)):
@@ -118,9 +119,9 @@ def _read_video_file(path: Path, frames: int) -> Video:
                 if i >= indices[-1]:
                     break
     except av.error.FFmpegError as e:
-        raise ValueError(f"video: cannot read {str(path)!r} as a video: {e}") from None
+        raise UserError(f"video: cannot read {str(path)!r} as a video: {e}") from None
     if not picked:
-        raise ValueError(f"video: {str(path)!r} has no decodable frames")
+        raise UserError(f"video: {str(path)!r} has no decodable frames")
     found = tuple(i for i in indices if i in picked)  # the frame count in the header may overstate
     return Video(np.stack([picked[i] for i in found]), fps, found, total)
 
@@ -134,7 +135,7 @@ def read_video(source: str | Path, frames: int = 8, fps: float = FRAME_DIR_FPS) 
     check_num_frames(frames)
     path = Path(source).expanduser()
     if not path.exists():
-        raise ValueError(f"video: no such file or directory: {str(source)!r}")
+        raise UserError(f"video: no such file or directory: {str(source)!r}")
     if path.is_dir():
         return _read_frame_dir(path, frames, fps)
     return _read_video_file(path, frames)
@@ -146,12 +147,12 @@ def read_image(source: str | Path):
 
     path = Path(source).expanduser()
     if not path.is_file():
-        raise ValueError(f"image: no such file: {str(source)!r}")
+        raise UserError(f"image: no such file: {str(source)!r}")
     try:
         with Image.open(path) as im:
             return im.convert("RGB")
     except (OSError, UnidentifiedImageError) as e:
-        raise ValueError(f"image: cannot read {str(source)!r} as an image: {e}") from None
+        raise UserError(f"image: cannot read {str(source)!r} as an image: {e}") from None
 
 
 def check_media_args(video: str | None, frames: int | None, images: list[str] | None) -> None:
@@ -159,9 +160,9 @@ def check_media_args(video: str | None, frames: int | None, images: list[str] | 
     if frames is not None:
         check_num_frames(frames)
         if video is None:
-            raise ValueError("frames: given without a video (--video)")
+            raise UserError("frames: given without a video (--video)")
     if video is not None and not Path(video).expanduser().exists():
-        raise ValueError(f"video: no such file or directory: {video!r}")
+        raise UserError(f"video: no such file or directory: {video!r}")
     for image in images or ():
         if not Path(image).expanduser().is_file():
-            raise ValueError(f"image: no such file: {image!r}")
+            raise UserError(f"image: no such file: {image!r}")
