@@ -43,3 +43,12 @@ class StoppingConfig:
             raise UserError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if any(not s for s in self.stop_strings):
             raise UserError("stop strings must not be empty")
+
+
+def check_seed(seed: object, argument: str = "seed") -> int | None:
+    """A sampling seed is None or an integer in [0, 2**64) (what torch.Generator.manual_seed takes)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise UserError(f"{argument} must be an integer in [0, 2**64), got {seed!r}")
+    return seed

@@ -7,7 +7,8 @@ from typing import Annotated
 import typer
 
 from sparrow.cli.bench import bench
-from sparrow.cli.generate import generate, models
+from sparrow.cli.generate import generate
+from sparrow.cli.models import models
 from sparrow.cli.tune import tune_app
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,

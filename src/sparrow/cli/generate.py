@@ -1,4 +1,4 @@
-"""`sparrow generate` and `sparrow models`: flags -> configs -> a Pipeline -> printed results."""
+"""`sparrow generate`: flags -> configs -> a Pipeline -> printed results."""
 
 from __future__ import annotations
 
@@ -172,14 +172,3 @@ def video_drafter_options(drafter: str, verify: str, drop_rate: float | None, dr
             raise UserError(f"--draft-kv-budget must be an integer >= 1, got {draft_kv_budget}")
         options.update(draft_kv=draft_kv, draft_kv_budget=draft_kv_budget)
     return options
-
-
-def models() -> None:
-    """List the preset models and whether each is installed and cached."""
-    from sparrow.models import list_presets
-
-    table = Table("preset", "installed", "cached", "description")
-    for row in list_presets():
-        table.add_row(row["name"], "yes" if row["installed"] else "no", "yes" if row["cached"] else "no",
-                      row["description"])
-    Console().print(table)
