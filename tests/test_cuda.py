@@ -101,3 +101,35 @@ def test_exponential_race_on_cuda_follows_the_distribution():
     counts = torch.bincount(draws, minlength=p.numel()).float()
     assert counts[0] == 0 and counts[3] == 0
     assert ((counts - n * p).abs() <= 6 * (n * p * (1 - p)).sqrt() + 5).all(), counts
+
+
+CUDA_DRAFTERS = [  # (drafter, uses the perturbed draft model, options)
+    ("draft-model", True, {}),
+    ("draft-model", True, {"tree_budget": 12, "tree_topk": 3, "tree_depth": 5}),
+    ("prompt-lookup", False, {}),
+    ("prompt-lookup", False, {"tree_budget": 12}),
+    ("quantized-self", False, {"bits": "int8"}),
+    ("layer-skip", False, {"skip_set": "mlp=2-3"}),
+    ("layer-skip", False, {"skip_set": "mlp=2-3", "tree_budget": 12}),
+    ("sparse", False, {}),
+    ("auto", True, {}),
+]
+
+
+@pytest.mark.parametrize("name,with_draft,options", CUDA_DRAFTERS)
+def test_every_drafter_is_exact_in_float32_on_cuda(tokenizer, name, with_draft, options):
+    """The CPU equivalence tests, on CUDA tensors: greedy output equals plain greedy token for token, and
+    drafts were accepted (no drafter may leave a tensor on the CPU or assume one)."""
+    target_model = tiny_model("llama", seed=0, num_layers=4)
+    draft_model = perturbed(target_model, 0.05, seed=1).cuda()
+    target = LoadedModel(target_model.cuda(), tokenizer, "tiny-cuda")
+    draft = LoadedModel(draft_model, tokenizer, "close-cuda") if with_draft else None
+    pipe = Pipeline(target, build_drafter(name, target, draft, 4, **options))
+    prompts = [*PROMPTS, "a b a c a b a d a b a c a b a"]
+    accepted = 0
+    for prompt in prompts:
+        expected = pipe.generate_plain(prompt, max_new_tokens=32).token_ids
+        result = pipe.generate(prompt, max_new_tokens=32)
+        assert result.token_ids == expected, (name, options, prompt)
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0, (name, options)
