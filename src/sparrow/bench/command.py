@@ -86,7 +86,8 @@ def load_models(config, progress: bool = True):
 def run_to_dir(runner, questions: list, out: Path, *, repeats: int = 1, first_repeat: int = 0, warmup: int = 1,
                progress: bool = True) -> Path:
     """Run, append rows to out/rows-<run>.jsonl as they come, then write out/report.md and the plots.
-    An interrupted run still gets a report of the rows it finished."""
+    An interrupted run still gets a report of the rows it finished. Methods the models cannot run
+    (runner.skipped) are named on stderr and in the report."""
     import datetime
     import json
 
@@ -95,6 +96,8 @@ def run_to_dir(runner, questions: list, out: Path, *, repeats: int = 1, first_re
 
     from sparrow.bench.report import write_report
 
+    for method, why in runner.skipped.items():
+        Console(stderr=True).print(f"skipping {method}: {why}", markup=False, highlight=False, soft_wrap=True)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     path = out / f"rows-{stamp}.jsonl"
@@ -112,7 +115,8 @@ def run_to_dir(runner, questions: list, out: Path, *, repeats: int = 1, first_re
             rows.append(row)
             sink.write(json.dumps(row) + "\n")
             sink.flush()
-            bar.advance(job)
+            if "skipped" not in row:
+                bar.advance(job)
 
         try:
             runner.run(questions, repeats=repeats, warmup=warmup, first_repeat=first_repeat, on_row=on_row,

@@ -1,14 +1,19 @@
-"""Spec-Bench questions: loading, category -> task grouping, filtering."""
+"""Spec-Bench questions: loading, category -> task grouping, filtering.
+
+The default question set ships inside the package: spec_bench/question.jsonl (Spec-Bench's 480 questions,
+Apache-2.0; LICENSE and NOTICE beside it).
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from sparrow.errors import UserError
 
-DEFAULT_DATA = Path("/work/shared/data/spec_bench/question.jsonl")
+DEFAULT_DATA = Path(str(resources.files("sparrow.bench") / "spec_bench" / "question.jsonl"))
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 

@@ -44,6 +44,12 @@ def needs_draft(method: str) -> bool:
     return method == "hf-assisted" or (entry is not None and entry.takes_draft_model)
 
 
+def needs_same_vocabulary(method: str) -> bool:
+    """Cannot run unless the --draft model has the target's vocabulary ("auto" switches to cross-vocab itself)."""
+    entry = REGISTRY.get(method)
+    return method == "hf-assisted" or (entry is not None and entry.needs_draft_model and method not in CROSS_VOCAB)
+
+
 def needs_cross_draft(method: str) -> bool:
     """Needs the draft model with another tokenizer (--cross-draft)."""
     return method in CROSS_VOCAB

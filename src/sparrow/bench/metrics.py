@@ -127,8 +127,9 @@ def cell(task: str, method: str, rows: Sequence[dict], base_rows: Sequence[dict]
 
 
 def summarize(rows: Sequence[dict]) -> list[Cell]:
-    """Cells per task (Spec-Bench's order) and overall, for every method, of rows of ONE setup."""
-    rows = dedupe(rows)
+    """Cells per task (Spec-Bench's order) and overall, for every method, of rows of ONE setup
+    (the rows of skipped methods, which measured nothing, are left out)."""
+    rows = dedupe(r for r in rows if "skipped" not in r)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     present = {r["task"] for r in rows}
     tasks = [t for t in TASKS if t in present] + sorted(present - set(TASKS))

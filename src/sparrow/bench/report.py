@@ -51,6 +51,16 @@ def _matrix(cells: Sequence[Cell], title: str, show) -> list[str]:
     return [*lines, ""]
 
 
+def _skipped(rows: Sequence[dict]) -> list[str]:
+    """The methods a run skipped (and no run of this setup measured), with the reason."""
+    measured = {r["method"] for r in rows if "skipped" not in r}
+    notes = {r["method"]: r["skipped"] for r in rows if "skipped" in r and r["method"] not in measured}
+    if not notes:
+        return []
+    lines = ["### Skipped methods", "", "| method | why |", "|---|---|"]
+    return [*lines, *(f"| {method} | {why} |" for method, why in notes.items()), ""]
+
+
 def render_markdown(rows: Sequence[dict]) -> str:
     """Markdown for rows of one setup."""
     cells = summarize(rows)
@@ -80,6 +90,7 @@ def render_markdown(rows: Sequence[dict]) -> str:
             lines.append(f"| {c.method} | {c.baseline} | {c.questions} | {c.repeats} | {c.tokens_per_second:.2f} | "
                          f"{_speedup(c)} | {_f(c.mean_accepted_tokens)} | {exact} | {plain} | {c.seconds:.1f} |")
     lines.append("")
+    lines += _skipped(rows)
     lines += _matrix(cells, "Speedup per task", _speedup)
     lines += _matrix(cells, "Mean accepted tokens per step (τ) per task", lambda c: _f(c.mean_accepted_tokens))
     lines += _matrix(cells, "Tokens per second per task", lambda c: f"{c.tokens_per_second:.2f}")

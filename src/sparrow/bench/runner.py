@@ -21,8 +21,9 @@ from transformers import PreTrainedTokenizerBase
 
 from sparrow.bench.data import Question
 from sparrow.bench.methods import (PLAIN, baseline_of, is_peer, needs_cross_draft, needs_draft,
-                                   parse_methods)
+                                   needs_same_vocabulary, parse_methods)
 from sparrow.bench.peers import run_peer
+from sparrow.cached_model import CachedModel
 from sparrow.drafters.registry import REGISTRY
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
@@ -73,6 +74,19 @@ def check_models(methods: Sequence[str], models: Models) -> None:
         raise UserError(f"methods {', '.join(missing)} need a draft model (--draft / --cross-draft)")
 
 
+def unfit_methods(methods: Sequence[str], models: Models) -> dict[str, str]:
+    """Methods these models cannot run, each with the reason: those needing a --draft with the target's
+    vocabulary when the draft has another one (a run skips them and its report says why)."""
+    if models.draft is None:
+        return {}
+    target_vocab, draft_vocab = CachedModel(models.target.model).vocab_size, CachedModel(models.draft.model).vocab_size
+    if draft_vocab == target_vocab:
+        return {}
+    why = (f"the draft {models.draft.name} has a {draft_vocab}-token vocabulary, the target {models.target.name} "
+           f"{target_vocab}: pass a --draft with the target's vocabulary, or use cross-vocab / hf-uad (--cross-draft)")
+    return {m: why for m in methods if needs_same_vocabulary(m)}
+
+
 def build_pipelines(methods: Sequence[str], models: Models, config: BenchConfig) -> dict[str, Pipeline]:
     """One Pipeline per sparrow method, all sharing the one loaded target (and drafts)."""
     import sparrow
@@ -120,8 +134,10 @@ class Runner:
     """Runs methods on questions with one loaded target; returns JSON-ready rows."""
 
     def __init__(self, methods: Sequence[str], models: Models, config: BenchConfig) -> None:
-        self.methods = parse_methods(methods)
-        check_models(self.methods, models)
+        methods = parse_methods(methods)
+        check_models(methods, models)
+        self.skipped = unfit_methods(methods, models)  # method -> why: not run, one "skipped" row each
+        self.methods = [m for m in methods if m not in self.skipped]
         self.models = models
         self.config = config
         self.pipes = build_pipelines(self.methods, models, config)
@@ -180,6 +196,12 @@ class Runner:
         run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         env = environment(self.models.target)
         rows = []
+        for method, why in self.skipped.items():  # no question_id: the report lists these apart from measurements
+            row = {"run_id": run_id, "setup": asdict(self.config), "setup_key": self.config.key(), **env,
+                   "method": method, "baseline": baseline_of(method), "skipped": why}
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
         for repeat in range(first_repeat, first_repeat + repeats):
             for question in questions:
                 hashes: dict[str, str] = {}

@@ -8,7 +8,7 @@ import typer
 
 from sparrow.cli.bench import bench
 from sparrow.cli.generate import generate
-from sparrow.cli.models import models
+from sparrow.cli.models import models_app
 from sparrow.cli.tune import tune_app
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -16,13 +16,13 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_mar
 
 
 @app.callback()
-def main(debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of user errors too.")] = False) -> None:
+def main(debug: Annotated[bool, typer.Option("--debug", help="Also print the traceback of user errors (exit code 2); internal errors (exit 1) always print theirs.")] = False) -> None:
     """Lossless speculative decoding for LLMs and Video-LLMs."""
 
 
 app.command()(generate)
-app.command()(models)
 app.command()(bench)
+app.add_typer(models_app, name="models")
 app.add_typer(tune_app, name="tune")
 
 __all__ = ["app"]

@@ -9,7 +9,7 @@ import typer
 
 from sparrow.bench.command import DEFAULT_METHODS, QUICK_MAX_NEW_TOKENS, QUICK_METHODS, run
 from sparrow.bench.data import DEFAULT_DATA
-from sparrow.cli._common import cli_errors
+from sparrow.cli._common import check_int, cli_errors
 
 
 @cli_errors
@@ -46,6 +46,10 @@ def bench(
 
         typer.echo(write_report(report_only).read_text())
         return
+    for flag, value, low in (("--limit", limit, 1), ("--per-task", per_task, 1), ("--max-new-tokens", max_new_tokens, 1),
+                             ("--repeats", repeats, 1), ("--first-repeat", first_repeat, 0), ("--warmup", warmup, 0),
+                             ("-k/--num-draft-tokens", k, 1), ("--lookup-tokens", lookup_tokens, 1)):
+        check_int(flag, value, low)  # before any model is loaded
     report = run(data=data, methods=methods, categories=categories, limit=limit, per_task=per_task,
                  max_new_tokens=max_new_tokens, repeats=repeats, first_repeat=first_repeat, warmup=warmup,
                  all_turns=all_turns, target=target, draft=draft, cross_draft=cross_draft, k=k, adaptive=adaptive,

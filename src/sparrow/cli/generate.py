@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sparrow.cli._common import DType, cli_errors, err
+from sparrow.cli._common import DType, check_float, check_int, cli_errors, err
+from sparrow.config import check_max_new_tokens, check_seed, check_temperature, check_top_k, check_top_p
 from sparrow.drafters.registry import REGISTRY, check_drafter_args, drafter_names
 from sparrow.errors import UserError
 
@@ -49,14 +50,15 @@ def generate(
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow
-    from sparrow.config import SamplingConfig, StoppingConfig
     from sparrow.vision.video import check_media_args
 
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    seed=seed, stop=tuple(stop or ()), chat=chat, video=video, frames=frames, image=image or None)
     # Cheap checks first, so a typo fails before minutes of model loading.
-    SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    StoppingConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()))
+    check_numbers(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  k=k, frames=frames, drop_rate=drop_rate, draft_kv_budget=draft_kv_budget)
+    if any(not s for s in stop or ()):
+        raise UserError("--stop must not be an empty string")
     if not prompt.strip():
         raise UserError("prompt must not be empty")
     check_drafter_args(drafter, k)
@@ -89,12 +91,27 @@ def generate(
         record["baseline"] = {"token_ids": baseline.token_ids, "seconds": baseline.seconds,
                               "tokens_per_second": baseline.tokens_per_second}
         record["identical"] = baseline.token_ids == result.token_ids
-        record["speedup"] = result.tokens_per_second / baseline.tokens_per_second
+        record["speedup"] = (result.tokens_per_second / baseline.tokens_per_second
+                             if baseline.tokens_per_second > 0 else None)  # None: a run too short for the clock
     if as_json:
         sys.stdout.write(json.dumps(record) + "\n")
         return
     typer.echo(result.text)
     err.print(summary(record, verify))
+
+
+def check_numbers(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
+                  k: int | None, frames: int | None, drop_rate: float | None, draft_kv_budget: int | None) -> None:
+    """Refuse non-finite floats and out-of-range integers, naming the flag, before any model is loaded."""
+    check_max_new_tokens(max_new_tokens, "--max-new-tokens")
+    check_temperature(temperature, "--temperature")
+    check_top_k(top_k, "--top-k")
+    check_top_p(top_p, "--top-p")
+    check_seed(seed, "--seed")
+    check_int("-k/--num-draft-tokens", k, 1)
+    check_int("--frames", frames, 1)
+    check_float("--drop-rate", drop_rate, "in [0, 1)", lambda rate: 0 <= rate < 1)
+    check_int("--draft-kv-budget", draft_kv_budget, 1)
 
 
 def summary(record: dict[str, Any], verify: str) -> Table:
@@ -112,7 +129,7 @@ def summary(record: dict[str, Any], verify: str) -> Table:
                   f"{record['mean_accepted_tokens']:.2f} (acceptance {record['acceptance_rate']:.2f})")
     if "baseline" in record:
         table.add_row("plain decoding", f"{record['baseline']['tokens_per_second']:.2f} tok/s")
-        table.add_row("speedup", f"{record['speedup']:.2f}x")
+        table.add_row("speedup", "-" if record["speedup"] is None else f"{record['speedup']:.2f}x")
         table.add_row("identical to plain decoding", "yes" if record["identical"] else "no")
     return table
 

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from sparrow.cli._common import cli_errors, err
+from sparrow.cli._common import check_float, check_int, cli_errors, err
 from sparrow.errors import UserError
 
 tune_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -34,8 +34,12 @@ def layer_skip(
     from sparrow.models import load_model
     from sparrow.tuning import CALIBRATION_PROMPTS, tune_layer_skip
 
-    if k < 1:
-        raise UserError(f"k (num_draft_tokens) must be an integer >= 1, got {k!r}")
+    check_int("-k/--num-draft-tokens", k, 1)
+    check_int("--new-tokens", new_tokens, 2)  # agreement is measured on the tokens after the first
+    check_float("--time-budget", time_budget, "a finite number of seconds > 0", lambda seconds: seconds > 0)
+    check_int("--confirm-tokens", confirm_tokens, 0)
+    if any(not p.strip() for p in prompt or ()):
+        raise UserError("--prompt must not be empty")
     loaded = load_model(target, dtype=dtype, device=device, progress=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as bar:

