@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+import sparrow.bench.command
 from conftest import perturbed, tiny_model, tiny_tokenizer
 from sparrow.bench.command import run_to_dir
-from sparrow.bench.data import Question, load_questions, read_questions, select, shortest_per_task, task_of
+from sparrow.bench.data import (DEFAULT_DATA, TASKS, Question, load_questions, read_questions, select,
+                                shortest_per_task, task_of)
 from sparrow.bench.methods import parse_methods
 from sparrow.bench.metrics import (acceptance_per_position, dedupe, exact_matches, mean_accepted_tokens, mean_std,
                                    speedups, summarize)
@@ -169,14 +172,14 @@ def test_conversation_continues_with_the_methods_own_answers():
     (["--methods", "plain,medusa"], "unknown methods"),
     (["--categories", "poetry"], "unknown categories"),
     (["--limit", "0"], "limit must be"),
-    (["--max-new-tokens", "0"], "max_new_tokens must be"),
+    (["--max-new-tokens", "0"], "max.new.tokens must be"),  # the flag (--max-new-tokens) or the argument
     (["--repeats", "0"], "repeats must be"),
 ])
 def test_cli_bad_input_fails_before_loading_models(data, args, message):
     if "--data" not in args:
         args = ["--data", str(data), *args]
     result = CliRunner().invoke(app, ["bench", *args])
-    assert result.exit_code == 2 and "error:" in result.output and message in result.output
+    assert result.exit_code == 2 and "error:" in result.output and re.search(message, result.output)
 
 
 # ---------------------------------------------------------------- a whole run on tiny models
@@ -219,3 +222,99 @@ def test_bench_run_writes_rows_report_and_plots(data, tokenizer, tmp_path, one_t
     result = CliRunner().invoke(app, ["bench", "--report-only", str(out)])
     assert result.exit_code == 0, result.output
     assert (out / "report.md").read_text() == report
+
+
+# ---------------------------------------------------------------- a draft with another vocabulary
+
+def other_tokenizer(vocab_size: int = 288):
+    """A byte-level BPE like conftest's, with another vocabulary size (a draft from another model family)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import CORPUS
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+@pytest.fixture
+def mismatched(tokenizer) -> Models:
+    """A tiny target (vocabulary 320) and a tiny draft of another vocabulary (288) as --draft."""
+    target = LoadedModel(tiny_model("llama", seed=0), tokenizer, "tiny")
+    draft_tokenizer = other_tokenizer()
+    draft = LoadedModel(tiny_model("qwen2", seed=1, vocab_size=len(draft_tokenizer)), draft_tokenizer, "tiny-other")
+    assert draft.model.config.vocab_size != target.model.config.vocab_size
+    return Models(target, draft)
+
+
+def test_methods_whose_draft_has_another_vocabulary_are_skipped_and_reported(data, mismatched, tmp_path, one_thread):
+    methods = ["plain", "draft-model", "prompt-lookup", "hf-plain", "hf-assisted"]
+    config = BenchConfig(target="tiny", draft="tiny-other", cross_draft=None, dtype="float32", k=4, adaptive=False,
+                         max_new_tokens=8, turns=1, chat=True, device="cpu")
+    runner = Runner(methods, mismatched, config)
+    assert set(runner.skipped) == {"draft-model", "hf-assisted"}
+    assert all("288-token vocabulary" in why and "320" in why for why in runner.skipped.values())
+    assert runner.methods == ["plain", "hf-plain", "prompt-lookup"]
+
+    out = tmp_path / "out"
+    run_to_dir(runner, load_questions(data, ["qa"]), out, warmup=0, progress=False)
+    rows = read_rows(out)
+    measured = [r for r in rows if "skipped" not in r]
+    assert {r["method"] for r in measured} == {"plain", "hf-plain", "prompt-lookup"} and len(measured) == 2 * 3
+    assert sorted(r["method"] for r in rows if "skipped" in r) == ["draft-model", "hf-assisted"]
+    report = (out / "report.md").read_text()
+    assert "### Skipped methods" in report and "| draft-model | the draft tiny-other has a 288-token" in report
+    assert "| hf-assisted |" in report and "| prompt-lookup | plain |" in report
+
+
+def test_quick_bench_with_a_draft_of_another_vocabulary_runs_to_the_end(data, mismatched, tmp_path, monkeypatch,
+                                                                       one_thread):
+    """`sparrow bench --quick --target smollm2-135m` with the default (Qwen) draft, on tiny stand-ins."""
+    monkeypatch.setattr(sparrow.bench.command, "load_models", lambda config, progress=True: mismatched)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["bench", "--quick", "--data", str(data), "--out", str(out), "--no-progress",
+                                      "--max-new-tokens", "6", "--dtype", "float32", "--warmup", "0"])
+    assert result.exit_code == 0, result.output
+    assert "skipping draft-model: the draft tiny-other has a 288-token vocabulary" in result.output
+    report = (out / "report.md").read_text()
+    assert "### Skipped methods" in report
+    measured = {r["method"] for r in read_rows(out) if "skipped" not in r}
+    assert {"plain", "prompt-lookup", "hf-plain"} <= measured and "draft-model" not in measured
+
+
+# ---------------------------------------------------------------- the question set ships with the package
+
+def test_default_question_set_is_package_data():
+    import inspect
+    from pathlib import Path
+
+    import sparrow.bench
+    from sparrow.cli.bench import bench
+
+    package = Path(sparrow.bench.__file__).parent
+    assert DEFAULT_DATA == package / "spec_bench" / "question.jsonl" and DEFAULT_DATA.is_file()
+    assert inspect.signature(bench).parameters["data"].default == DEFAULT_DATA  # `sparrow bench`'s --data
+    questions = read_questions(DEFAULT_DATA)
+    assert len(questions) == 480 and {q.task for q in questions} == set(TASKS)
+    assert (package / "spec_bench" / "LICENSE").read_text().lstrip().startswith("Apache License")
+    assert "Spec-Bench" in (package / "spec_bench" / "NOTICE").read_text()
+
+
+def test_pyproject_ships_the_question_set_as_package_data():
+    from fnmatch import fnmatch
+    from pathlib import Path
+
+    import sparrow
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = Path(sparrow.__file__).parents[2] / "pyproject.toml"  # the checkout's (an editable install)
+    if not pyproject.is_file():
+        pytest.skip("not run from a checkout")
+    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["sparrow"]
+    for name in ("question.jsonl", "LICENSE", "NOTICE"):
+        assert any(fnmatch(f"bench/spec_bench/{name}", p) for p in patterns), name
