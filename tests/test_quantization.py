@@ -99,7 +99,9 @@ def test_layers_the_kernel_cannot_take_are_skipped_or_refused():
     mixed = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 100))
     info = Q.quantize_model(mixed, 4, 64).sparrow_quantization
     assert info.quantized == ("0",) and info.skipped == ("1",)
-    assert Q.quantize_model(odd, 8).sparrow_quantization.quantized == ("0", "1")  # int8 takes any shape
+    assert Q.quantize_model(odd, 8).sparrow_quantization.quantized == ("0", "1")  # int8: any N, K % 16 == 0
+    ragged = torch.nn.Sequential(torch.nn.Linear(72, 64), torch.nn.Linear(64, 100))  # the CPU int8 kernel: K % 16
+    assert Q.quantize_model(ragged, 8).sparrow_quantization.skipped == ("0",)
 
 
 @pytest.mark.parametrize("bits", ["int4", "int8"])
@@ -144,15 +146,15 @@ def test_quantized_copy_is_built_once_and_reused_from_disk(target, tmp_path, mon
     first = Q.quantized_copy(target, "int8", GROUP)
     assert Q.quantized_copy(target, "int8", GROUP).model is first.model  # in-process: once per model and bits
     assert Q.quantized_copy(target, "int4", GROUP).model is not first.model
-    path = tmp_path / "tiny-int4.safetensors"
-    built = Q.quantize_model(target.model, 4, GROUP, cache_file=path)
-    assert path.is_file() and not built.sparrow_quantization.from_disk
+    entry = tmp_path / "tiny-int4"
+    built = Q.quantize_model(target.model, 4, GROUP, cache_entry=entry)
+    assert (entry / Q.WEIGHTS_FILE).is_file() and not built.sparrow_quantization.from_disk
 
     def no_requantizing(*args, **kwargs):
         raise AssertionError("quantized again although the disk cache matches")
 
     monkeypatch.setattr(Q.QuantizedLinear, "from_linear", no_requantizing)
-    loaded = Q.quantize_model(target.model, 4, GROUP, cache_file=path)
+    loaded = Q.quantize_model(target.model, 4, GROUP, cache_entry=entry)
     assert loaded.sparrow_quantization.from_disk
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     assert torch.equal(loaded(ids).logits, built(ids).logits)

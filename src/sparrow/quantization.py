@@ -19,16 +19,21 @@ speculation is lossless relative to the quantized target only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import os
+import hashlib
+import json
+import struct
+import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from sparrow.models import LoadedModel, PRESETS
+from sparrow.models import LoadedModel, PRESETS, cache
 from sparrow.models.presets import default_cache_dir
 from sparrow.errors import UserError
 
@@ -36,7 +41,9 @@ QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4}
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 128
 CUDA_INT4_INNER_K_TILES = 8  # tinygemm tiling: K must be a multiple of 16 * inner_k_tiles
-FORMAT_VERSION = 1  # bump when the on-disk layout changes
+CPU_INT8_K_MULTIPLE = 16  # the CPU int8 kernel reads each weight row with 16-byte-aligned loads
+FORMAT_VERSION = 2  # bump when the on-disk layout changes (2: a cache entry directory with a manifest)
+WEIGHTS_FILE = "weights.safetensors"  # the packed weights inside a quantized cache entry
 DENSE_FROM_TOKENS = 16  # with a dense fallback, forwards of >= this many tokens (prefill) use it
 
 
@@ -73,9 +80,12 @@ def check_device(bits: int, device: torch.device, dtype: torch.dtype) -> None:
 
 
 def kernel_takes(bits: int, out_features: int, in_features: int, group_size: int, device: torch.device) -> bool:
-    """Whether the packed kernel accepts a [out_features, in_features] weight."""
+    """Whether the packed kernel accepts a [out_features, in_features] weight.
+
+    int8 on the CPU needs K % 16 == 0 (and 16-byte-aligned weights, see _load_cached): in bfloat16
+    the kernel crashes (SIGSEGV) on forwards of 4+ tokens otherwise (torch 2.14, avx512)."""
     if bits == 8:
-        return True
+        return device.type != "cpu" or in_features % CPU_INT8_K_MULTIPLE == 0
     k_multiple = 16 * CUDA_INT4_INNER_K_TILES if device.type == "cuda" else group_size
     return in_features % group_size == 0 and in_features % k_multiple == 0 and out_features % 8 == 0
 
@@ -199,46 +209,95 @@ def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
-def _cache_metadata(model: nn.Module, bits: int, group_size: int, device: torch.device) -> dict[str, str]:
-    dtype = next(model.parameters()).dtype
-    return {"format": str(FORMAT_VERSION), "bits": str(bits), "group_size": str(group_size),
-            "device_type": device.type, "dtype": str(dtype), "torch": torch.__version__}
+def _stderr(message: str) -> None:
+    print(f"sparrow: {message}", file=sys.stderr, flush=True)
 
 
-def _load_cached(path: Path, metadata: dict[str, str], device: torch.device) -> dict[str, Tensor] | None:
-    from safetensors import safe_open
+def _cache_meta(layers: dict[str, nn.Linear], bits: int, group_size: int, device: torch.device) -> dict[str, str]:
+    """What a cache entry must have been built for: anything else (another torch: another packed
+    layout; another model's layers) rebuilds it."""
+    shapes = hashlib.sha256(repr(sorted((n, m.out_features, m.in_features) for n, m in layers.items())).encode())
+    dtype = next(iter(layers.values())).weight.dtype
+    return {"kind": "quantized", "format": str(FORMAT_VERSION), "bits": str(bits), "group_size": str(group_size),
+            "device_type": device.type, "dtype": str(dtype), "torch": torch.__version__,
+            "layers_sha256": shapes.hexdigest()}
 
+
+_SAFETENSORS_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "BF16": torch.bfloat16,
+                       "F16": torch.float16, "F32": torch.float32}
+
+
+def _read_safetensors(path: Path) -> dict[str, Tensor]:
+    """Every tensor of a safetensors file read into fresh CPU memory (torch's allocator: 64-byte aligned).
+
+    Not memory-mapped: tensors in a mapped file are only 8-byte aligned (the CPU int8 kernel then
+    crashes, see kernel_takes) and a process would fault (SIGBUS) if the file were truncated under
+    it. One read per tensor costs ~0.2 s for 820 MB, less than copying out of a mapping (~0.4-0.9 s)."""
+    tensors = {}
+    with open(path, "rb", buffering=0) as f:
+        (header_bytes,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_bytes))
+        for key, spec in header.items():
+            if key == "__metadata__":
+                continue
+            tensor = torch.empty(spec["shape"], dtype=_SAFETENSORS_DTYPES[spec["dtype"]])
+            start, end = spec["data_offsets"]
+            size = tensor.numel() * tensor.element_size()
+            if end - start != size:
+                raise ValueError(f"{path}: {key} has {end - start} bytes, expected {size}")
+            f.seek(8 + header_bytes + start)
+            if size and f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != size:
+                raise ValueError(f"{path}: {key} is cut short")
+            tensors[key] = tensor
+    return tensors
+
+
+def _load_cached(path: Path, device: torch.device) -> dict[str, Tensor] | None:
+    """The packed weights of a verified cache entry, on `device`; None if unreadable (then rebuilt)."""
     try:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            if f.metadata() is None or {k: f.metadata().get(k) for k in metadata} != metadata:
-                return None  # another torch (packed layout), dtype or device type: rebuild
-            return {key: f.get_tensor(key) for key in f.keys()}
-    except (OSError, ValueError, RuntimeError):
-        return None  # missing or unreadable: rebuild
+        tensors = _read_safetensors(path)
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+    return {k: t.to(device) for k, t in tensors.items()}
 
 
-def _save_cached(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+def _save_cached(directory: Path, tensors: dict[str, Tensor]) -> None:
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the complete new one
-    finally:
-        tmp.unlink(missing_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / WEIGHTS_FILE))
+
+
+def _quantize_layers(model: nn.Module, take: dict[str, nn.Linear], bits: int, group_size: int, keep_dense: bool,
+                     cached: dict[str, Tensor] | None) -> nn.Module:
+    """A shared copy of `model` with the `take` layers replaced by QuantizedLinear (from `cached` if given)."""
+    clone = _shared_copy(model)
+    for name, linear in take.items():
+        if cached is not None:
+            layer = QuantizedLinear(linear.in_features, linear.out_features, bits, group_size,
+                                    cached[f"{name}.packed"], cached[f"{name}.scales"], linear.bias,
+                                    linear.weight if keep_dense else None)
+        else:
+            layer = QuantizedLinear.from_linear(linear, bits, group_size, keep_dense)
+        _set_module(clone, name, layer)
+    return clone
+
+
+def _buffers(clone: nn.Module, take: dict[str, nn.Linear]) -> dict[str, Tensor]:
+    return {f"{n}.{b}": t for n in take for b, t in clone.get_submodule(n).named_buffers()}
 
 
 def quantize_model(model: nn.Module, bits: int | str, group_size: int = DEFAULT_GROUP_SIZE,
-                   cache_file: Path | str | None = None, keep_dense: bool = False) -> nn.Module:
+                   cache_entry: Path | str | None = None, keep_dense: bool = False,
+                   report: Callable[[str], None] | None = None) -> nn.Module:
     """A weight-only quantized copy of `model` (int8 or int4); `model` itself is left untouched.
 
     Every nn.Linear the kernel can take (lm_head included) is quantized; the rest is shared.
-    With `cache_file`, the packed weights are read from it when it matches (bits, group size,
-    dtype, device type, torch version) and written to it otherwise. With `keep_dense`, forwards
-    of >= DENSE_FROM_TOKENS tokens (prefill) use the source's dense weights: for drafts only (the
-    output of a draft never changes the result), since it keeps the source weights alive and makes
-    the copy's numerics depend on the forward's length.
+    With `cache_entry` (a directory, see sparrow.models.cache), the packed weights are read from it
+    when it is intact and matches (bits, group size, dtype, device type, torch version, layer shapes),
+    and written to it otherwise; `report` gets the cache's problems (damaged entry rebuilt, cache not
+    writable; default: stderr). With `keep_dense`, forwards of >= DENSE_FROM_TOKENS tokens (prefill)
+    use the source's dense weights: for drafts only (the output of a draft never changes the result),
+    since it keeps the source weights alive and makes the copy's numerics depend on the forward's length.
     """
     bits = parse_quant(bits, "bits")
     if bits is None:
@@ -252,27 +311,20 @@ def quantize_model(model: nn.Module, bits: int | str, group_size: int = DEFAULT_
                                                               m.weight.device)}
     if not take:
         raise UserError(f"int{bits} (group size {group_size}): the kernel takes none of the model's linear layers "
-                         f"(int4 needs in_features divisible by the group size and out_features by 8)")
-    metadata = _cache_metadata(model, bits, group_size, first.device)
-    path = Path(cache_file).expanduser() if cache_file is not None else None
-    cached = _load_cached(path, metadata, first.device) if path is not None else None
-    if cached is not None and any(f"{n}.packed" not in cached for n in take):
-        cached = None
-    clone = _shared_copy(model)
-    for name, linear in take.items():
-        if cached is not None:
-            layer = QuantizedLinear(linear.in_features, linear.out_features, bits, group_size,
-                                    cached[f"{name}.packed"], cached[f"{name}.scales"], linear.bias,
-                                    linear.weight if keep_dense else None)
-        else:
-            layer = QuantizedLinear.from_linear(linear, bits, group_size, keep_dense)
-        _set_module(clone, name, layer)
-    if path is not None and cached is None:
-        try:
-            _save_cached(path, {f"{n}.{b}": t for n in take for b, t in clone.get_submodule(n).named_buffers()},
-                         metadata)
-        except OSError:
-            pass  # the cache is an optimisation only
+                         f"(int4 needs in_features divisible by the group size and out_features by 8; "
+                         f"int8 on the CPU in_features divisible by {CPU_INT8_K_MULTIPLE})")
+    cached = None
+    if cache_entry is None:
+        clone = _quantize_layers(model, take, bits, group_size, keep_dense, None)
+    else:
+        entry = Path(cache_entry).expanduser()
+        with cache.open_entry(entry, _cache_meta(take, bits, group_size, first.device), report or _stderr) as slot:
+            cached = _load_cached(entry / WEIGHTS_FILE, first.device) if slot.ready else None
+            if cached is not None and any(f"{n}.{b}" not in cached for n in take for b in ("packed", "scales")):
+                cached = None
+            clone = _quantize_layers(model, take, bits, group_size, keep_dense, cached)
+            if cached is None:
+                slot.commit(lambda directory: _save_cached(directory, _buffers(clone, take)))
     clone.sparrow_quantization = QuantizationInfo(bits, group_size, tuple(take), tuple(sorted(set(linears) - set(take))),
                                                   from_disk=cached is not None)
     return clone.eval()
@@ -281,21 +333,24 @@ def quantize_model(model: nn.Module, bits: int | str, group_size: int = DEFAULT_
 _COPIES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int, bool], nn.Module]] = weakref.WeakKeyDictionary()
 
 
-def quantized_cache_file(loaded: LoadedModel, bits: int, group_size: int,
-                         cache_dir: Path | str | None = None) -> Path | None:
-    """Disk cache of a preset's quantized copy, under <sparrow cache>/quantized/; None for other models."""
+def quantized_cache_entry(loaded: LoadedModel, bits: int, group_size: int,
+                          cache_dir: Path | str | None = None) -> Path | None:
+    """Disk cache entry (a directory) of a preset's quantized copy, under <sparrow cache>/quantized/;
+    None for other models (nothing names their weights reliably)."""
     if loaded.name.strip().lower() not in PRESETS:
         return None
     first = next(loaded.model.parameters())
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     dtype = str(first.dtype).removeprefix("torch.")
-    return root / "quantized" / f"{loaded.name.strip().lower()}-{dtype}-int{bits}-g{group_size}-{first.device.type}.safetensors"
+    return root / "quantized" / f"{loaded.name.strip().lower()}-{dtype}-int{bits}-g{group_size}-{first.device.type}"
 
 
 def quantized_copy(loaded: LoadedModel, quant: str | int, group_size: int = DEFAULT_GROUP_SIZE,
-                   cache_dir: Path | str | None = None, keep_dense: bool = False) -> LoadedModel:
+                   cache_dir: Path | str | None = None, keep_dense: bool = False,
+                   report: Callable[[str], None] | None = None) -> LoadedModel:
     """The quantized copy of `loaded`, built once per (model, bits, group size, keep_dense) in this
-    process, and for presets read from / written to the disk cache. keep_dense: for drafts only."""
+    process, and for presets read from / written to the disk cache. keep_dense: for drafts only.
+    `report`: see quantize_model."""
     bits = parse_quant(quant)
     if bits is None:
         raise UserError("quant must be int8 or int4")
@@ -304,8 +359,12 @@ def quantized_copy(loaded: LoadedModel, quant: str | int, group_size: int = DEFA
     copies = _COPIES.setdefault(loaded.model, {})
     key = (bits, group_size, keep_dense)
     if key not in copies:
-        path = quantized_cache_file(loaded, bits, group_size, cache_dir)
-        copies[key] = quantize_model(loaded.model, bits, group_size, cache_file=path, keep_dense=keep_dense)
+        entry = quantized_cache_entry(loaded, bits, group_size, cache_dir)
+        copies[key] = quantize_model(loaded.model, bits, group_size, cache_entry=entry, keep_dense=keep_dense,
+                                     report=report)
+        if entry is not None and cache.status(entry).state == "complete":
+            with contextlib.suppress(OSError):  # sparrow's first cache format: a bare file beside the entry
+                entry.with_name(entry.name + ".safetensors").unlink(missing_ok=True)
     return LoadedModel(model=copies[key], tokenizer=loaded.tokenizer, name=f"{loaded.name} (int{bits})",
                        processor=loaded.processor)
 
@@ -337,4 +396,4 @@ def summary(model: nn.Module) -> dict[str, object]:
 
 
 __all__ = ["QUANT_BITS", "check_quant_args", "QuantizedLinear", "QuantizationInfo", "quantize_model", "quantized_copy",
-           "quantized_cache_file", "parse_quant", "weight_bytes", "describe", "summary"]
+           "quantized_cache_entry", "parse_quant", "weight_bytes", "describe", "summary"]

@@ -1,4 +1,7 @@
-"""Preset models and loading of target/draft models (presets, GGUF files, local dirs, hub ids)."""
+"""Preset models and loading of target/draft models (presets, GGUF files, local dirs, hub ids).
+
+The on-disk cache of dequantized presets and quantized copies: ``sparrow.models.cache``.
+"""
 
 from sparrow.models.loading import LoadedModel, list_presets, load_model, resolve_device, resolve_dtype
 from sparrow.models.presets import PRESETS

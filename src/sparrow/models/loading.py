@@ -1,17 +1,19 @@
 """Load a target or draft model: a preset name, a ``.gguf`` file, a local directory or a hub id.
 
 Presets are dequantized from GGUF once and then cached as safetensors under
-``<cache_dir>/models/<preset>-<dtype>/``, so later loads take about a second.
+``<cache_dir>/models/<preset>-<dtype>/``, so later loads take about a second. The cache entry is
+written, verified and rebuilt by :mod:`sparrow.models.cache`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import gc
 import os
-import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from sparrow.models import cache
 from sparrow.models.presets import PRESETS, Preset, default_cache_dir, gguf_path, is_installed
 from sparrow.errors import UserError
 
@@ -87,17 +90,26 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _cache_dir_for(preset: Preset, dtype: torch.dtype, cache_dir: Path) -> Path:
     return cache_dir / "models" / f"{preset.name}-{_dtype_name(dtype)}"
 
 
+def _cache_meta(preset: Preset, dtype: torch.dtype) -> dict[str, str]:
+    """What a preset's cache entry was built from: a new GGUF (another pinned version) rebuilds it."""
+    return {"kind": "preset", "preset": preset.name, "dtype": _dtype_name(dtype), "gguf_sha256": preset.sha256}
+
+
 def list_presets(cache_dir: Path | str | None = None) -> list[dict]:
-    """One dict per preset: name, description, installed, cached (and cached_dtypes)."""
+    """One dict per preset: name, description, installed, cached (a complete entry in some dtype),
+    cached_dtypes and damaged_dtypes (entries a load would rebuild). Cheap: sizes, no checksums."""
     root = Path(cache_dir or default_cache_dir()).expanduser()
     rows = []
     for preset in PRESETS.values():
-        dtypes = (torch.bfloat16, torch.float16, torch.float32)
-        cached = [_dtype_name(d) for d in dtypes if _cache_dir_for(preset, d, root).is_dir()]
+        states = {_dtype_name(d): cache.status(_cache_dir_for(preset, d, root)).state for d in _CACHE_DTYPES}
+        cached = [d for d, state in states.items() if state == "complete"]
         rows.append(
             {
                 "name": preset.name,
@@ -105,6 +117,7 @@ def list_presets(cache_dir: Path | str | None = None) -> list[dict]:
                 "installed": is_installed(preset),
                 "cached": bool(cached),
                 "cached_dtypes": cached,
+                "damaged_dtypes": [d for d, state in states.items() if state == "damaged"],
             }
         )
     return rows
@@ -188,43 +201,52 @@ def _from_dir(path: str, dtype: torch.dtype, device: torch.device,
     return model, tokenizer
 
 
-def _save_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
-    """Write a safetensors copy into a temp dir, then rename it into place atomically."""
+def _save_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+    """Write the model (safetensors) and its tokenizer into ``directory``."""
     model.hf_quantizer = None  # a GGUF-quantized model refuses save_pretrained
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+_UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
+
+
+def _dequantize(preset: Preset, dtype: torch.dtype, device: torch.device, cache_dir: Path,
+                say: _Progress) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Dequantize the preset's GGUF. gguf_path assembles (or marks verified) the GGUF in the cache; a
+    cache it cannot write gets a temporary directory instead, removed once the model is in memory."""
+    with contextlib.ExitStack() as stack:
         try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.is_dir():  # another process did not win the race: a real error
+            path = gguf_path(preset, cache_dir, report=say)
+        except OSError as exc:
+            if exc.errno not in _UNWRITABLE:
                 raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sparrow-gguf-")))
+            say(f"cannot write the GGUF into {cache_dir} ({exc.strerror}): assembling it in {scratch}")
+            path = gguf_path(preset, scratch, report=say)
+        say(f"dequantizing {preset.name} to {_dtype_name(dtype)} (first time only, ~15-90 s) …")
+        return _from_gguf(path, dtype, device)
 
 
 def _load_preset(
     preset: Preset, dtype: torch.dtype, device: torch.device, cache_dir: Path, say: _Progress
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    cached = _cache_dir_for(preset, dtype, cache_dir)
-    if not cached.is_dir():
-        path = gguf_path(preset, cache_dir, report=say)
-        say(f"dequantizing {preset.name} to {_dtype_name(dtype)} (first time only, ~15-90 s) …")
-        model, tokenizer = _from_gguf(path, dtype, device)
-        say(f"saving safetensors cache to {cached} …")
-        try:
-            _save_cache(model, tokenizer, cached)
-        except OSError as exc:  # the cache is an optimisation: keep the loaded model
-            say(f"warning: could not write the cache ({exc}); continuing without it")
-            return model, tokenizer
-        del model, tokenizer
-        gc.collect()
+    """From the verified cache entry; else dequantize the GGUF, cache it (when the cache can be
+    written) and load the entry, or keep the model built in memory (when it cannot)."""
+    entry = _cache_dir_for(preset, dtype, cache_dir)
+    with cache.open_entry(entry, _cache_meta(preset, dtype), say) as slot:
+        if not slot.ready:
+            model, tokenizer = _dequantize(preset, dtype, device, cache_dir, say)
+            if slot.writable:
+                say(f"saving safetensors cache to {entry} …")
+            if not slot.commit(functools.partial(_save_cache, model, tokenizer)):
+                return model, tokenizer  # the cache is an optimisation: keep the model built in memory
+            del model, tokenizer
+            gc.collect()
     say(f"loading cached {preset.name} ({_dtype_name(dtype)}) …")
-    return _from_dir(str(cached), dtype, device)
+    return _from_dir(str(entry), dtype, device)
 
 
 def _looks_like_path(spec: str) -> bool:
