@@ -12,10 +12,11 @@ from sparrow.config import StoppingConfig
 from sparrow.models import LoadedModel
 from sparrow.drafters import build_drafter
 from sparrow.pipeline import Pipeline
-from sparrow.stopping import Stopper
+from sparrow.stopping import MAX_UNSETTLED, Stopper
 
 PROMPT = "def add(a, b):"
 K = 8
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only cost time on a shared CPU
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,81 @@ def test_stop_strings_stop_where_decoding_everything_would(tokenizer, ids, data)
     expected = next((i for i in range(1, len(ids) + 1)
                      if stop in tokenizer.decode(ids[:i], skip_special_tokens=True)), None)
     stopper = Stopper(StoppingConfig(max_new_tokens=100, stop_strings=(stop,)), tokenizer)
+    for token in ids:
+        stopper.push([token])
+    assert (len(stopper.tokens) if stopper.finish_reason == "stop" else None) == expected
+
+
+def byte_tokens(tokenizer) -> list[int]:
+    """Tokens that decode to U+FFFD alone: bytes of multi-byte characters (or no character at all)."""
+    return [i for i in range(VOCAB) if tokenizer.decode([i]) == "\ufffd"]
+
+
+def hostile_output(tokenizer, kind: str, n: int = 1000) -> list[int]:
+    """Outputs a broken or sampled model can produce, each of which once made the unsettled tail grow."""
+    if kind == "lone continuation bytes":
+        return [byte_tokens(tokenizer)[0]] * n
+    if kind == "special tokens":
+        return [tokenizer.eos_token_id] * n
+    if kind == "real U+FFFD characters":
+        return tokenizer("\ufffd" * n)["input_ids"][:n]
+    if kind == "text between special tokens":
+        return ((tokenizer("return a + b")["input_ids"] + [tokenizer.eos_token_id] * 20) * n)[:n]
+    assert kind == "random bytes"
+    pool = byte_tokens(tokenizer)
+    return [pool[(i * 7919) % len(pool)] for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["lone continuation bytes", "special tokens", "real U+FFFD characters",
+                                  "text between special tokens", "random bytes"])
+def test_stop_string_work_per_token_is_bounded(tokenizer, monkeypatch, kind):
+    """Whatever the output, each token decodes a bounded number of tokens and scans a bounded number of
+    characters for stop strings (counted, not timed): O(n) work for n tokens, where decoding everything
+    after every token is O(n^2)."""
+    ids = hostile_output(tokenizer, kind)
+    counting = CountingTokenizer(tokenizer)
+    scanned: list[int] = []
+    find = Stopper._find_stop
+    monkeypatch.setattr(Stopper, "_find_stop", lambda self, text: scanned.append(len(text)) or find(self, text))
+    stop = "never there"
+    stopper = Stopper(StoppingConfig(max_new_tokens=len(ids), stop_strings=(stop,)), counting)
+    per_token = []
+    for token in ids:
+        before = sum(counting.decoded)
+        stopper.push([token])
+        per_token.append(sum(counting.decoded) - before)
+    assert stopper.finish_reason == "length"
+    assert max(per_token) <= 5 * MAX_UNSETTLED, max(per_token)  # tokens decoded for one new token: a constant
+    assert sum(per_token) <= 2 * MAX_UNSETTLED * len(ids), sum(per_token)  # decoding all: ~len(ids) ** 2 / 2
+    longest_token_text = 16  # characters one token of the tiny vocabulary decodes to, with room
+    assert max(scanned) <= len(stop) - 1 + (MAX_UNSETTLED + 1) * longest_token_text, max(scanned)
+
+
+@pytest.mark.parametrize("text, stop", [("naïve 🦜 text", "🦜"), ("naïve 🦜 text", "ve 🦜 t"), ("café", "é"),
+                                        ("a\ufffdb", "\ufffd"), ("x é y", " é ")])
+def test_multi_byte_stop_strings_fire_on_the_token_that_completes_them(tokenizer, text, stop):
+    """A stop string whose characters span several byte tokens fires on the token that completes it, no
+    sooner (its first bytes decode to U+FFFD) and no later."""
+    ids = tokenizer(text + " the end")["input_ids"]
+    expected = next(i for i in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:i]))
+    stopper = Stopper(StoppingConfig(max_new_tokens=100, stop_strings=(stop,)), tokenizer)
+    assert stopper.push(ids) == ids[:expected] and stopper.finish_reason == "stop"
+    assert stopper.text() == text[: text.index(stop)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_stop_strings_exact_over_long_runs_of_broken_bytes(tokenizer, data):
+    """Mostly byte tokens and special tokens, long enough that the unsettled tail hits its limit and is
+    settled early: the stop still fires where decoding the whole output after every token would."""
+    pool = byte_tokens(tokenizer) + [tokenizer.eos_token_id] * 20 + list(range(VOCAB - 40, VOCAB))
+    ids = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=120))
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    start = data.draw(st.integers(0, max(0, len(text) - 1)))
+    stop = text[start : start + data.draw(st.integers(1, 5))] or "x"
+    expected = next((i for i in range(1, len(ids) + 1)
+                     if stop in tokenizer.decode(ids[:i], skip_special_tokens=True)), None)
+    stopper = Stopper(StoppingConfig(max_new_tokens=200, stop_strings=(stop,)), tokenizer)
     for token in ids:
         stopper.push([token])
     assert (len(stopper.tokens) if stopper.finish_reason == "stop" else None) == expected

@@ -1,27 +1,28 @@
 """sparrow: lossless speculative decoding for LLMs and Video-LLMs."""
 
 from sparrow.config import GREEDY, SamplingConfig, StoppingConfig
-from sparrow.pipeline import Pipeline, load
+from sparrow.pipeline import Pipeline, PipelineCache, load
 from sparrow.types import Draft, GenerationResult, GenerationStats, Prompt, Verdict
 
-_PIPELINES: dict[tuple, Pipeline] = {}
+PIPELINES = PipelineCache(size=4)
+"""What `generate` keeps: the 4 most recently used pipelines and the models they run (shared between them).
+`sparrow.PIPELINES.clear()` frees them."""
 
 
 def generate(prompt, *, target: str = "qwen2.5-coder-1.5b", drafter: str = "draft-model",
              draft: str | None = "default", num_draft_tokens: int | None = None,
              adaptive: bool = True, dtype: str = "bfloat16", device: str | None = None,
              quant: str | None = None, draft_quant: str | None = None, **options) -> GenerationResult:
-    """One-call API: loads (and caches) the pipeline, then generates speculatively.
+    """One-call API: gets a pipeline from `PIPELINES` (loading its models once), then generates speculatively.
 
+    Safe to call from several threads: generations on the same models run one at a time (see sparrow.pipeline).
     quant / draft_quant: "int8" | "int4" weight-only target / draft (see sparrow.load).
     options: max_new_tokens, temperature, top_k, top_p, seed, stop, chat.
     """
-    key = (target, drafter, draft, num_draft_tokens, adaptive, dtype, device, quant, draft_quant)
-    if key not in _PIPELINES:
-        _PIPELINES[key] = load(target, drafter=drafter, draft=draft, num_draft_tokens=num_draft_tokens,
-                               adaptive=adaptive, dtype=dtype, device=device, quant=quant, draft_quant=draft_quant)
-    return _PIPELINES[key].generate(prompt, **options)
+    pipe = PIPELINES.get(target, drafter=drafter, draft=draft, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
+                         dtype=dtype, device=device, quant=quant, draft_quant=draft_quant)
+    return pipe.generate(prompt, **options)
 
 
-__all__ = ["generate", "load", "Pipeline", "SamplingConfig", "StoppingConfig", "GREEDY", "Draft", "Verdict",
-           "Prompt", "GenerationResult", "GenerationStats"]
+__all__ = ["generate", "load", "Pipeline", "PipelineCache", "PIPELINES", "SamplingConfig", "StoppingConfig",
+           "GREEDY", "Draft", "Verdict", "Prompt", "GenerationResult", "GenerationStats"]

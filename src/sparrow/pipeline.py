@@ -3,30 +3,51 @@
     pipe = sparrow.load("qwen2.5-coder-1.5b", drafter="draft-model", draft="qwen2.5-coder-0.5b")
     result = pipe.generate("def fib(n):", max_new_tokens=64)
     baseline = pipe.generate_plain("def fib(n):", max_new_tokens=64)
+
+Threads: a generation holds a lock on every object whose state it changes: the target's module (its
+attention switch and capture hooks are shared by every pipeline built on that LoadedModel, and the
+pipeline's own runner and its KV cache are only touched under it), the drafter, and each module the
+drafter runs (a draft model, the target itself for self-drafters). The locks are taken in one global
+order, so calls on one pipeline, and on pipelines that share any of these, run one after the other and
+never see each other's caches, while pipelines on disjoint models run in parallel.
+
+`PipelineCache` is what `sparrow.generate` keeps: a few pipelines, which share their loaded models.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import numbers
+import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from sparrow.baseline import plain_decode
-from sparrow.config import SamplingConfig, StoppingConfig
+from sparrow.config import (SamplingConfig, StoppingConfig, check_max_new_tokens, check_seed, check_temperature,
+                            check_top_k, check_top_p)
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.registry import REGISTRY, build_drafter, check_drafter_args
 from sparrow.engine import speculative_decode
-from sparrow.models import LoadedModel, load_model
+from sparrow.errors import UserError
+from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from sparrow.policy import follow_cost_curve
 from sparrow.quantization import check_quant_args, quantized_copy
 from sparrow.runner import runner_for
 from sparrow.stopping import Stopper
+from sparrow.text import clean_text
 from sparrow.types import GenerationResult, GenerationStats, Prompt
 from sparrow.verifiers import VERIFIERS, build_verifier
-from sparrow.errors import UserError
+
+PromptInput = str | bytes | Sequence[int] | torch.Tensor  # text, UTF-8 bytes, or token ids
+
 
 @dataclass(frozen=True)
 class Request:
@@ -39,11 +60,15 @@ class Request:
 
 
 class Pipeline:
+    """A target, its runner (and KV cache) and a drafter. Safe to share between threads: see the module doc."""
+
     def __init__(self, target: LoadedModel, drafter: Drafter | None, verifier: str = "auto") -> None:
         self.target = target
         self.runner = runner_for(target.model)
         self.drafter = drafter
         self.verifier = verifier
+        self._found: tuple[Drafter, list[object]] | None = None  # the drafter, and what a generation with it changes
+        self._stateful(drafter)  # now, while no other thread can be changing the drafter
         if verifier not in ("auto", *VERIFIERS):
             raise UserError(f"unknown verifier {verifier!r}; expected one of: auto, {', '.join(VERIFIERS)}")
 
@@ -62,9 +87,12 @@ class Pipeline:
             ids.append(self.tokenizer.eos_token_id)
         return frozenset(ids)
 
-    def encode(self, prompt: str | Sequence[int], chat: bool = False, *, video=None, frames: int | None = None,
+    def encode(self, prompt: PromptInput, chat: bool = False, *, video=None, frames: int | None = None,
                image=None) -> Prompt:
-        """Tokenize a prompt; with video (file, frame dir, array) / image (file(s)), run the VLM's processor."""
+        """Tokenize a prompt: text (a str; bytes are UTF-8, invalid UTF-8 becomes U+FFFD) or token ids; with
+        video (file, frame dir, array) / image (file(s)), run the VLM's processor."""
+        if isinstance(prompt, (str, bytes, bytearray)):
+            prompt = clean_text(prompt, "prompt")
         if video is not None or image is not None or frames is not None:
             from sparrow.vision.prompt import encode_media
 
@@ -80,19 +108,21 @@ class Pipeline:
             else:
                 ids = self.tokenizer(prompt)["input_ids"]
         else:
-            ids = list(prompt)
-            if not ids:
-                raise UserError("prompt must not be empty")
-        if any(not 0 <= int(t) < self.runner.vocab_size for t in ids):
-            raise UserError(f"prompt token ids must lie in [0, {self.runner.vocab_size})")
+            ids = token_ids(prompt, self.runner.vocab_size)
         return Prompt(input_ids=torch.tensor(ids, dtype=torch.long))
 
-    def request(self, prompt: str | Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
+    def request(self, prompt: PromptInput, *, max_new_tokens: int = 128, temperature: float = 0.0,
+                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Iterable[str] | None = (),
                 chat: bool = False, video=None, frames: int | None = None, image=None) -> Request:
-        sampling = SamplingConfig(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+        """Check every option (each error names its argument), then tokenize the prompt."""
+        sampling = SamplingConfig(temperature=check_temperature(temperature), top_k=check_top_k(top_k),
+                                  top_p=check_top_p(top_p))
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         stopping = StoppingConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids(),
-                                  stop_strings=tuple(stop))
+                                  stop_strings=stop_strings(stop))
+        seed = check_seed(seed)
+        if not isinstance(chat, bool):
+            raise UserError(f"chat must be True or False, got {chat!r}")
         encoded = self.encode(prompt, chat, video=video, frames=frames, image=image)
         context = self.runner.context_length
         n = encoded.input_ids.numel()
@@ -103,29 +133,175 @@ class Pipeline:
                              f"context of {context} tokens (at most {context - n} new tokens)")
         return Request(encoded, sampling, stopping, seed)
 
-    def generate(self, prompt: str | Sequence[int], **options) -> GenerationResult:
+    def generate(self, prompt: PromptInput, **options) -> GenerationResult:
         """Speculative generation (plain decoding when the pipeline has no drafter)."""
-        return self._run(self.request(prompt, **options), speculative=True)
+        return self._run(prompt, options, self.drafter)
 
-    def generate_plain(self, prompt: str | Sequence[int], **options) -> GenerationResult:
+    def generate_plain(self, prompt: PromptInput, **options) -> GenerationResult:
         """Plain autoregressive decoding of the same target: the oracle and the baseline."""
-        return self._run(self.request(prompt, **options), speculative=False)
+        return self._run(prompt, options, None)
 
-    def _run(self, request: Request, speculative: bool) -> GenerationResult:
-        generator = None
-        if request.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(request.seed)
-        stopper = Stopper(request.stopping, self.tokenizer)
-        start = time.perf_counter()
-        if speculative and self.drafter is not None:
-            verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
-            decoded = speculative_decode(self.runner, self.drafter, verifier, request.prompt, request.sampling,
-                                         stopper, generator)
-        else:
-            decoded = plain_decode(self.runner, request.prompt, request.sampling, stopper, generator)
-        seconds = time.perf_counter() - start
-        return GenerationResult(token_ids=decoded.token_ids, text=stopper.text(), finish_reason=decoded.finish_reason,
-                                seconds=seconds, stats=decoded.stats)
+    def _run(self, prompt: PromptInput, options: dict[str, Any], drafter: Drafter | None) -> GenerationResult:
+        # The locks cover tokenizing and detokenizing too: the tokenizer is shared with every pipeline on the model.
+        with self._locked(drafter):
+            request = self.request(prompt, **options)
+            generator = None
+            if request.seed is not None:
+                generator = torch.Generator(device=self.runner.device).manual_seed(request.seed)
+            stopper = Stopper(request.stopping, self.tokenizer)
+            start = time.perf_counter()
+            try:
+                if drafter is not None:
+                    verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
+                    decoded = speculative_decode(self.runner, drafter, verifier, request.prompt, request.sampling,
+                                                 stopper, generator)
+                else:
+                    decoded = plain_decode(self.runner, request.prompt, request.sampling, stopper, generator)
+            except BaseException:
+                # An error (or Ctrl-C) mid-round leaves a half-updated cache. Every generation starts with a
+                # prefill that replaces the target's cache and the drafter's state, so the pipeline stays
+                # usable; drop the cache now to free its memory.
+                self.runner.cache = None
+                raise
+            seconds = time.perf_counter() - start
+            return GenerationResult(token_ids=decoded.token_ids, text=stopper.text(),
+                                    finish_reason=decoded.finish_reason, seconds=seconds, stats=decoded.stats)
+
+    @contextlib.contextmanager
+    def _locked(self, drafter: Drafter | None) -> Iterator[None]:
+        """Hold the locks of the target's module and of everything `drafter` changes (see the module doc)."""
+        with contextlib.ExitStack() as stack:
+            for obj in self._stateful(drafter):
+                stack.enter_context(_lock(obj))
+            yield
+
+    def _stateful(self, drafter: Drafter | None) -> list[object]:
+        """stateful_objects of the target and `drafter`, found once per drafter (drafters get their models
+        when built; what they make later is their own, and the drafter's lock covers it)."""
+        if drafter is None:
+            return [self.target.model]
+        if self._found is None or self._found[0] is not drafter:
+            self._found = (drafter, stateful_objects(self.target.model, drafter))
+        return self._found[1]
+
+    def models(self) -> list[torch.nn.Module]:
+        """Every module this pipeline runs: the target's and those its drafter reaches."""
+        return [o for o in self._stateful(self.drafter) if isinstance(o, torch.nn.Module)]
+
+
+# --- arguments ------------------------------------------------------------------------------------------
+
+
+def token_ids(prompt: object, vocab_size: int) -> list[int]:
+    """A token-id prompt as a list of ints in [0, vocab_size); anything else is refused, naming `prompt`."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.ndim != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise UserError(f"prompt as a tensor must be 1-D of integer token ids, got shape {tuple(prompt.shape)} "
+                            f"{prompt.dtype}")
+        ids = prompt.tolist()
+    elif isinstance(prompt, (Mapping, set, frozenset)) or not isinstance(prompt, Iterable):
+        raise UserError(f"prompt must be a str, UTF-8 bytes or a sequence of int token ids, got "
+                        f"{type(prompt).__name__}")
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise UserError("prompt must not be empty")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise UserError(f"prompt token ids must be ints, got {t!r} ({type(t).__name__}) at position {i}")
+        if not 0 <= t < vocab_size:
+            raise UserError(f"prompt token ids must lie in [0, {vocab_size}), got {t} at position {i}")
+    return [int(t) for t in ids]
+
+
+def stop_strings(stop: object) -> tuple[str, ...]:
+    """`stop` as a tuple of non-empty strings: None (none), one str, or an iterable of str. Invalid UTF-8
+    (lone surrogates) becomes U+FFFD, as in prompts."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, (bytes, bytearray, Mapping)) or not isinstance(stop, Iterable):
+        raise UserError(f"stop must be a str or a list of str, got {type(stop).__name__}")
+    strings = []
+    for s in stop:
+        if not isinstance(s, str):
+            raise UserError(f"stop must be a str or a list of str, got an item {s!r} ({type(s).__name__})")
+        if not s:
+            raise UserError("stop strings must not be empty")
+        strings.append(clean_text(s, "stop"))
+    return tuple(strings)
+
+
+# --- locks ----------------------------------------------------------------------------------------------
+
+_LOCKS: dict[int, threading.RLock] = {}  # id(object) -> its lock, while the object lives
+_LOCKS_GUARD = threading.Lock()
+_WALK_DEPTH = 4  # attribute hops from a drafter to the modules it runs (drafter -> runner -> module: 2)
+_WALK_WIDTH = 64  # longer containers hold data (token lists), not models
+
+
+def stateful_objects(model: torch.nn.Module, drafter: Drafter | None) -> list[object]:
+    """The objects a generation on `model` with `drafter` changes, in one global order (by id): the module,
+    the drafter, and every module reachable from the drafter through sparrow's own objects and containers."""
+    found = {id(model): model}
+    if drafter is not None:
+        seen: set[int] = set()
+        stack: list[tuple[object, int]] = [(drafter, 0)]
+        while stack:
+            obj, depth = stack.pop()
+            if id(obj) in seen or depth > _WALK_DEPTH:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.nn.Module):
+                found[id(obj)] = obj
+                continue  # its submodules are part of it
+            if obj is drafter:
+                found[id(obj)] = obj
+                children = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+            elif isinstance(obj, Mapping):
+                children = list(obj.values())
+            elif isinstance(obj, (list, tuple, set, frozenset)):
+                children = list(obj)
+            elif type(obj).__module__.startswith("sparrow.") and hasattr(obj, "__dict__"):
+                children = list(vars(obj).values())
+            else:
+                continue
+            if len(children) <= _WALK_WIDTH:
+                stack.extend((child, depth + 1) for child in children)
+    return [found[key] for key in sorted(found)]
+
+
+def _lock(obj: object) -> threading.RLock:
+    """The one lock of `obj` (reentrant: a thread may run a nested generation on the same models)."""
+    key = id(obj)
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(key)
+        if lock is None:
+            lock = _LOCKS[key] = threading.RLock()
+            try:  # forget it with the object, before its id can be reused
+                weakref.finalize(obj, _LOCKS.pop, key, None)
+            except TypeError:  # not weak-referenceable: the lock stays (an id reused later only shares it)
+                pass
+    return lock
+
+
+# --- loading --------------------------------------------------------------------------------------------
+
+
+def _draft_spec(drafter: str, draft: str | LoadedModel | None, num_draft_tokens: int | None,
+                quant: str | None, draft_quant: str | None, drafter_options: dict[str, Any]) -> str | LoadedModel | None:
+    """Check the drafter and quantization arguments (before any model is loaded); returns the draft to load
+    ("default" resolved to the drafter's own default; None when the drafter runs no draft model)."""
+    if drafter == "quantized-self" and draft_quant is not None:
+        drafter_options.setdefault("bits", draft_quant)
+    check_drafter_args(drafter, num_draft_tokens, drafter_options)
+    entry = REGISTRY.get(drafter)  # None: "none"
+    if isinstance(draft, str) and draft == "default":  # the drafter's own default (none for self-drafters)
+        draft = entry.default_draft if entry is not None else None
+    needs_draft = entry is not None and entry.takes_draft_model
+    check_quant_args(drafter, quant, draft_quant, needs_draft)
+    return draft if needs_draft else None
 
 
 def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "draft-model",
@@ -141,27 +317,110 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     quant: int8 | int4 weight-only target (lossless only relative to the quantized target).
     draft_quant: int8 | int4 draft model, or the bits of the "quantized-self" copy (default int4).
     """
-    if drafter == "quantized-self" and draft_quant is not None:
-        drafter_options.setdefault("bits", draft_quant)
-    check_drafter_args(drafter, num_draft_tokens, drafter_options)  # before any model is loaded
-    entry = REGISTRY.get(drafter)  # None: "none"
-    if isinstance(draft, str) and draft == "default":  # the drafter's own default (none for self-drafters)
-        draft = entry.default_draft if entry is not None else None
-    needs_draft = entry is not None and entry.takes_draft_model
-    check_quant_args(drafter, quant, draft_quant, needs_draft)  # before any model is loaded
+    draft = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options)
     if isinstance(target, str):
         target = load_model(target, dtype=dtype, device=device, progress=progress)
-    if quant is not None:
-        target = quantized_copy(target, quant)
-    if needs_draft and isinstance(draft, str):
+    if isinstance(draft, str):
         draft = load_model(draft, dtype=dtype, device=device, progress=progress)
-    if needs_draft and draft is not None and draft_quant is not None:
-        draft = quantized_copy(draft, draft_quant, keep_dense=True)  # dense prefill: a draft never changes the output
-    built = build_drafter(drafter, target, draft if needs_draft else None, num_draft_tokens, adaptive,
-                          **drafter_options)
-    if quant is not None or draft_quant is not None:  # quantized kernels: k follows the measured cost curve
+    target = _quantized(target, quant)
+    draft = _quantized(draft, draft_quant, keep_dense=True) if draft is not None else None
+    return _build(target, drafter, draft, num_draft_tokens, adaptive, verifier,
+                  quant is not None or draft_quant is not None, drafter_options)
+
+
+def _quantized(loaded: LoadedModel, quant: str | None, keep_dense: bool = False) -> LoadedModel:
+    """`loaded`, or its quantized copy (one per model and bits; keep_dense for drafts: a dense prefill, since
+    a draft never changes the output)."""
+    return loaded if quant is None else quantized_copy(loaded, quant, keep_dense=keep_dense)
+
+
+def _build(target: LoadedModel, drafter: str, draft: LoadedModel | None, num_draft_tokens: int | None,
+           adaptive: bool, verifier: str, quantized: bool, drafter_options: dict[str, Any]) -> Pipeline:
+    """A Pipeline from loaded (and already quantized) models."""
+    built = build_drafter(drafter, target, draft, num_draft_tokens, adaptive, **drafter_options)
+    if quantized:  # quantized kernels: k follows the measured cost curve
         follow_cost_curve(built, runner_for(target.model))
     return Pipeline(target, built, verifier)
 
 
-__all__ = ["Pipeline", "Request", "load", "build_drafter", "GenerationStats"]
+class PipelineCache:
+    """The pipelines `sparrow.generate` keeps: the `size` most recently used (LRU; building a pipeline from
+    loaded models takes milliseconds). Pipelines share their models: one LoadedModel per (model, dtype,
+    device, quantization), so calls that differ only in drafter options (k, adaptive, the drafter) never load a model
+    twice, and a model no kept pipeline runs is dropped. So at most `size` pipelines and the models they run
+    are alive, whatever the calls. Thread-safe; loading happens under the cache's lock."""
+
+    def __init__(self, size: int = 4) -> None:
+        if size < 1:
+            raise UserError(f"PipelineCache size must be >= 1, got {size}")
+        self.size = size
+        self._pipelines: OrderedDict[tuple, Pipeline] = OrderedDict()
+        self._models: dict[tuple, LoadedModel] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._pipelines)
+
+    @property
+    def num_models(self) -> int:
+        """Loaded models held (each shared by every kept pipeline that runs it)."""
+        return len(self._models)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pipelines.clear()
+            self._models.clear()
+        gc.collect()
+
+    def get(self, target: str | LoadedModel, *, drafter: str = "draft-model", draft: str | LoadedModel | None = "default",
+            num_draft_tokens: int | None = None, adaptive: bool = True, dtype: str = "bfloat16",
+            device: str | None = None, quant: str | None = None, draft_quant: str | None = None) -> Pipeline:
+        options: dict[str, Any] = {}
+        draft = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options)  # before loading
+        key = (_key(target), drafter, _key(draft), num_draft_tokens, adaptive, resolve_dtype(dtype),
+               resolve_device(device), quant, draft_quant)
+        with self._lock:
+            pipe = self._pipelines.get(key)
+            if pipe is not None:
+                self._pipelines.move_to_end(key)
+                return pipe
+            try:
+                target_model = self._model(target, dtype, device, quant)
+                draft_model = (self._model(draft, dtype, device, draft_quant, keep_dense=True)
+                               if draft is not None else None)
+                pipe = _build(target_model, drafter, draft_model, num_draft_tokens, adaptive, "auto",
+                              quant is not None or draft_quant is not None, options)
+                self._pipelines[key] = pipe
+                evicted = len(self._pipelines) > self.size
+                if evicted:
+                    self._pipelines.popitem(last=False)
+            finally:
+                self._drop_unused_models()
+        if evicted:
+            gc.collect()  # drafters hold reference cycles: free the evicted models now
+        return pipe
+
+    def _model(self, spec: str | LoadedModel, dtype: str, device: str | None, quant: str | None,
+               keep_dense: bool = False) -> LoadedModel:
+        """The model as the pipeline runs it (quantized if asked), loaded once while a kept pipeline runs it."""
+        if isinstance(spec, LoadedModel):  # the caller's: not ours to keep (its quantized copy is shared anyway)
+            return _quantized(spec, quant, keep_dense)
+        dense = (spec, resolve_dtype(dtype), resolve_device(device), None, False)
+        key = dense if quant is None else (*dense[:3], quant, keep_dense)
+        if key not in self._models:  # a dense model only quantized from is dropped with the other unused ones
+            if dense not in self._models:
+                self._models[dense] = load_model(spec, dtype=dtype, device=device)
+            self._models[key] = _quantized(self._models[dense], quant, keep_dense)
+        return self._models[key]
+
+    def _drop_unused_models(self) -> None:
+        used = {id(m) for pipe in self._pipelines.values() for m in pipe.models()}
+        for key in [k for k, m in self._models.items() if id(m.model) not in used]:
+            del self._models[key]
+
+
+def _key(spec: str | LoadedModel | None) -> object:
+    return spec if not isinstance(spec, LoadedModel) else ("loaded", id(spec.model))
+
+
+__all__ = ["Pipeline", "PipelineCache", "Request", "load", "build_drafter", "GenerationStats"]

@@ -1,11 +1,21 @@
 """Stopper: applies EOS, stop strings and max_new_tokens token by token, so a rule that fires
 inside an accepted draft block cuts the block exactly there and the output never overshoots.
 
-Stop strings are matched against the decoded text, which is built incrementally as streaming
-detokenizers do (text-generation-inference, vLLM): each token is decoded together with the few
-tokens before it (from `_prefix`), and the text it adds is the difference to decoding those alone;
-the tokens of an incomplete character (a trailing U+FFFD) are decoded again until it completes.
-So each push decodes a bounded tail, not the whole output: O(n) decoding work, not O(n^2).
+A stop string fires at the first token after which the decoded output (`tokenizer.decode(tokens,
+skip_special_tokens=True)`) contains it, as if the whole output were decoded after every token; the work
+per token is bounded, not proportional to the output. The text is decoded incrementally, as streaming
+detokenizers do (text-generation-inference, vLLM): each token is decoded together with the tokens before
+it since the last settled point, and what it adds is the difference to decoding those alone. Text is
+*settled* once it can no longer change; a trailing U+FFFD may be an incomplete character that the next
+tokens complete, so it stays unsettled (is decoded again) while it could. Three things would otherwise
+make the unsettled tail, and with it the work per token, grow with the output:
+
+* special tokens that decoding skips are dropped from the decoded stream (they add no text anywhere);
+* an unsettled tail longer than `MAX_UNSETTLED` tokens (a run of broken bytes, or of real U+FFFD
+  characters) is settled except its last `KEEP_UNSETTLED` tokens: a UTF-8 character is at most 4 bytes
+  and every text token stands for at least one, so nothing before those can still change;
+* stop strings are searched only in the new text and the `longest - 1` settled characters before it,
+  the only places where a match that was not there before can lie.
 """
 
 from __future__ import annotations
@@ -17,6 +27,10 @@ from transformers import PreTrainedTokenizerBase
 from sparrow.config import StoppingConfig
 from sparrow.errors import UserError
 
+MAX_UNSETTLED = 8  # tokens decoded again and again while their text may still change
+KEEP_UNSETTLED = 4  # tokens kept unsettled when that limit forces a settlement (>= the bytes of one character)
+REPLACEMENT = "\ufffd"
+
 
 class Stopper:
     def __init__(self, config: StoppingConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
@@ -26,10 +40,15 @@ class Stopper:
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
-        self._text = ""  # the decoded text so far (while stop strings are set)
-        self._prefix = 0  # tokens[_prefix:_read] decode to the end of _text; they give the next token context
-        self._read = 0
-        self._checked_chars = 0  # stop strings cannot start before this offset of the decoded text
+        self._lookback = max((len(s) for s in config.stop_strings), default=1) - 1
+        # Incremental decoding (only while stop strings are set):
+        self._ids: list[int] = []  # the tokens that carry text (skipped special tokens left out)
+        self._prefix = 0  # _ids[_prefix:_read]: the context the next tokens are decoded with; its text is settled
+        self._read = 0  # _ids[_read:]: tokens whose text is not settled yet
+        self._context = ""  # decode(_ids[_prefix:_read])
+        self._window = ""  # decode(_ids[_prefix:]) as of the last token
+        self._tail = ""  # the last `_lookback` settled characters: where a new match can start
+        self._skipped: dict[int, bool] = {}  # token id -> whether decoding skips it (a special token)
 
     @property
     def done(self) -> bool:
@@ -45,9 +64,10 @@ class Stopper:
         for token in tokens:
             if self.done:
                 break
-            self.tokens.append(int(token))
-            kept.append(int(token))
-            if int(token) in self.config.eos_token_ids or self._stop_string_index() is not None:
+            token = int(token)
+            self.tokens.append(token)
+            kept.append(token)
+            if token in self.config.eos_token_ids or (self.config.stop_strings and self._stop_string_added(token)):
                 self.finish_reason = "stop"
             elif self.remaining == 0:
                 self.finish_reason = "length"
@@ -58,31 +78,53 @@ class Stopper:
         if self.tokenizer is None:
             return ""
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = self._find_stop(text, 0)
+        cut = self._find_stop(text)
         return text if cut is None else text[:cut]
 
-    def _stop_string_index(self) -> int | None:
-        if not self.config.stop_strings:
-            return None
-        text = self._decoded()
-        found = self._find_stop(text, self._checked_chars)
-        longest = max(len(s) for s in self.config.stop_strings)
-        self._checked_chars = max(0, len(text) - longest)
+    def _stop_string_added(self, token: int) -> bool:
+        """Whether the output, now ending in `token`, contains a stop string (it did not before)."""
+        settled, unsettled = self._decode_next(token)
+        found = self._find_stop(self._tail + settled + unsettled) is not None
+        if settled and self._lookback:
+            self._tail = (self._tail + settled)[-self._lookback:]
         return found
 
-    def _decoded(self) -> str:
-        """The decoded text of all tokens; `_text` grows by the newest tokens once their characters are complete."""
-        before = self.tokenizer.decode(self.tokens[self._prefix:self._read], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.tokens[self._prefix:], skip_special_tokens=True)
-        if len(after) <= len(before):  # e.g. a skipped special token
-            return self._text
-        new = after[len(before):]
-        if new.endswith("\ufffd"):  # an incomplete character: decode these tokens again with the next one
-            return self._text + new
-        self._text += new
-        self._prefix, self._read = self._read, len(self.tokens)
-        return self._text
+    def _decode_next(self, token: int) -> tuple[str, str]:
+        """Decode one more token: (the text settled by it, the unsettled text after all settled text)."""
+        decode = self.tokenizer.decode
+        self._ids.append(token)
+        window = decode(self._ids[self._prefix:], skip_special_tokens=True)
+        if window == self._window and self._is_skipped(token):  # no text here nor anywhere: forget it
+            self._ids.pop()
+            return "", window[len(self._context):]
+        self._window = window
+        if window.startswith(self._context) and not window.endswith(REPLACEMENT):
+            return self._settle(len(self._ids), window), ""
+        if len(self._ids) - self._read > MAX_UNSETTLED:  # nothing before the last few tokens can change now
+            end = len(self._ids) - KEEP_UNSETTLED
+            head = decode(self._ids[self._prefix:end], skip_special_tokens=True)
+            if head.startswith(self._context) and window.startswith(head):
+                settled = self._settle(end, head)
+                unsettled = window[len(head):]
+                self._window = self._context + unsettled  # only compared with the next window, to spot skips
+                return settled, unsettled
+        return "", window[len(self._context):]
 
-    def _find_stop(self, text: str, start: int) -> int | None:
-        hits = [i for s in self.config.stop_strings if (i := text.find(s, start)) >= 0]
+    def _settle(self, end: int, text: str) -> str:
+        """_ids[:end] decode to settled text (`text` = decode(_ids[_prefix:end])); returns what it adds."""
+        new = text[len(self._context):]
+        self._prefix, self._read = self._read, end
+        self._context = self._window = self.tokenizer.decode(self._ids[self._prefix:end], skip_special_tokens=True)
+        return new
+
+    def _is_skipped(self, token: int) -> bool:
+        """A special token that decoding with skip_special_tokens leaves out (it adds text only when kept)."""
+        if token not in self._skipped:
+            decode = self.tokenizer.decode
+            self._skipped[token] = (decode([token], skip_special_tokens=True) == ""
+                                    and decode([token], skip_special_tokens=False) != "")
+        return self._skipped[token]
+
+    def _find_stop(self, text: str) -> int | None:
+        hits = [i for s in self.config.stop_strings if (i := text.find(s)) >= 0]
         return min(hits) if hits else None

@@ -42,7 +42,7 @@ def _cached(row: dict) -> str:
 def _models_group(ctx: typer.Context) -> None:
     """List the preset models and whether each is installed and cached; `install NAME...` installs presets."""
     if ctx.invoked_subcommand is None:
-        models()
+        cli_errors(models)(ctx)  # the same error policy as every command
 
 
 @models_app.command("install")

@@ -4,6 +4,7 @@ The on-disk cache of dequantized presets and quantized copies: ``sparrow.models.
 """
 
 from sparrow.models.loading import LoadedModel, list_presets, load_model, resolve_device, resolve_dtype
-from sparrow.models.presets import PRESETS
+from sparrow.models.presets import PRESETS, install, is_installed
 
-__all__ = ["PRESETS", "LoadedModel", "list_presets", "load_model", "resolve_device", "resolve_dtype"]
+__all__ = ["PRESETS", "LoadedModel", "install", "is_installed", "list_presets", "load_model", "resolve_device",
+           "resolve_dtype"]
