@@ -4,26 +4,20 @@
     result = pipe.generate("def fib(n):", max_new_tokens=64)
     baseline = pipe.generate_plain("def fib(n):", max_new_tokens=64)
 
-Threads: a generation holds a lock on every object whose state it changes: the target's module (its
-attention switch and capture hooks are shared by every pipeline built on that LoadedModel, and the
-pipeline's own runner and its KV cache are only touched under it), the drafter, and each module the
-drafter runs (a draft model, the target itself for self-drafters). The locks are taken in one global
-order, so calls on one pipeline, and on pipelines that share any of these, run one after the other and
-never see each other's caches, while pipelines on disjoint models run in parallel.
+Threads: a generation holds the locks of the models and drafter it changes (`sparrow.locks`), so calls
+on one pipeline, and on pipelines that share a model, run one after the other.
 
 `PipelineCache` is what `sparrow.generate` keeps: a few pipelines, which share their loaded models.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import numbers
 import threading
 import time
-import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +31,7 @@ from sparrow.drafters.base import Drafter
 from sparrow.drafters.registry import REGISTRY, build_drafter, check_drafter_args
 from sparrow.engine import speculative_decode
 from sparrow.errors import UserError
+from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from sparrow.policy import follow_cost_curve
 from sparrow.quantization import check_quant_args, quantized_copy
@@ -143,7 +138,7 @@ class Pipeline:
 
     def _run(self, prompt: PromptInput, options: dict[str, Any], drafter: Drafter | None) -> GenerationResult:
         # The locks cover tokenizing and detokenizing too: the tokenizer is shared with every pipeline on the model.
-        with self._locked(drafter):
+        with holding(self._stateful(drafter)):
             request = self.request(prompt, **options)
             generator = None
             if request.seed is not None:
@@ -166,14 +161,6 @@ class Pipeline:
             seconds = time.perf_counter() - start
             return GenerationResult(token_ids=decoded.token_ids, text=stopper.text(),
                                     finish_reason=decoded.finish_reason, seconds=seconds, stats=decoded.stats)
-
-    @contextlib.contextmanager
-    def _locked(self, drafter: Drafter | None) -> Iterator[None]:
-        """Hold the locks of the target's module and of everything `drafter` changes (see the module doc)."""
-        with contextlib.ExitStack() as stack:
-            for obj in self._stateful(drafter):
-                stack.enter_context(_lock(obj))
-            yield
 
     def _stateful(self, drafter: Drafter | None) -> list[object]:
         """stateful_objects of the target and `drafter`, found once per drafter (drafters get their models
@@ -231,59 +218,6 @@ def stop_strings(stop: object) -> tuple[str, ...]:
             raise UserError("stop strings must not be empty")
         strings.append(clean_text(s, "stop"))
     return tuple(strings)
-
-
-# --- locks ----------------------------------------------------------------------------------------------
-
-_LOCKS: dict[int, threading.RLock] = {}  # id(object) -> its lock, while the object lives
-_LOCKS_GUARD = threading.Lock()
-_WALK_DEPTH = 4  # attribute hops from a drafter to the modules it runs (drafter -> runner -> module: 2)
-_WALK_WIDTH = 64  # longer containers hold data (token lists), not models
-
-
-def stateful_objects(model: torch.nn.Module, drafter: Drafter | None) -> list[object]:
-    """The objects a generation on `model` with `drafter` changes, in one global order (by id): the module,
-    the drafter, and every module reachable from the drafter through sparrow's own objects and containers."""
-    found = {id(model): model}
-    if drafter is not None:
-        seen: set[int] = set()
-        stack: list[tuple[object, int]] = [(drafter, 0)]
-        while stack:
-            obj, depth = stack.pop()
-            if id(obj) in seen or depth > _WALK_DEPTH:
-                continue
-            seen.add(id(obj))
-            if isinstance(obj, torch.nn.Module):
-                found[id(obj)] = obj
-                continue  # its submodules are part of it
-            if obj is drafter:
-                found[id(obj)] = obj
-                children = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
-            elif isinstance(obj, Mapping):
-                children = list(obj.values())
-            elif isinstance(obj, (list, tuple, set, frozenset)):
-                children = list(obj)
-            elif type(obj).__module__.startswith("sparrow.") and hasattr(obj, "__dict__"):
-                children = list(vars(obj).values())
-            else:
-                continue
-            if len(children) <= _WALK_WIDTH:
-                stack.extend((child, depth + 1) for child in children)
-    return [found[key] for key in sorted(found)]
-
-
-def _lock(obj: object) -> threading.RLock:
-    """The one lock of `obj` (reentrant: a thread may run a nested generation on the same models)."""
-    key = id(obj)
-    with _LOCKS_GUARD:
-        lock = _LOCKS.get(key)
-        if lock is None:
-            lock = _LOCKS[key] = threading.RLock()
-            try:  # forget it with the object, before its id can be reused
-                weakref.finalize(obj, _LOCKS.pop, key, None)
-            except TypeError:  # not weak-referenceable: the lock stays (an id reused later only shares it)
-                pass
-    return lock
 
 
 # --- loading --------------------------------------------------------------------------------------------
