@@ -126,7 +126,8 @@ def test_draft_kv_policy_lossless_budget_and_target_untouched(vlm, policy, kind)
         assert int(torch.isin(kept, visual).sum(-1).min()) == budget
     # the target's cache is never touched by the drafter (prefill, then a round of drafting)
     target = runner_for(vlm.model)
-    target.prefill(prompt)
+    with drafter.watch_prefill(target):  # as the engine runs it: the capture records this prefill's queries
+        target.prefill(prompt)
     before = [(layer.keys.clone(), layer.values.clone()) for layer in target.cache.layers]
     drafter.prefill(prompt, target)
     committed = torch.cat([prompt.input_ids, torch.tensor([plain[0]])])

@@ -121,6 +121,14 @@ def test_kept_positions_without_drop_is_everything():
     assert idx.tolist() == [list(range(12))] * 2
 
 
+@pytest.mark.parametrize("n, span", [(1, None), (2, None), (3, (0, 3)), (5, None), (5, (1, 5))])
+def test_kept_positions_of_a_prompt_shorter_than_sinks_and_window_is_everything(n, span):
+    """sinks 4 + window 3 > n: nothing is left to select in (this used to raise from torch.arange)."""
+    idx = kept_positions(TopKAttention(), torch.randn(4, min(n, 3), 4), torch.randn(2, n, 4), 2, 4, 3, span, layer=0,
+                         scaling=0.5)
+    assert idx.tolist() == [list(range(n))] * 2
+
+
 def test_capture_wrapper_is_bit_identical(arch, tokenizer):
     """Same weights, sdpa vs the capture wrapper with an active capture: identical logits, prefill and decode."""
     base = tiny_model(arch, seed=3)
@@ -150,7 +158,8 @@ def test_sampled_drafts_return_q(sparse_target):
     drafter = SparseDrafter(sparse_target.model, num_draft_tokens=3, budget=4)
     target = CachedModel(sparse_target.model)
     ids = torch.tensor(sparse_target.tokenizer(LONG)["input_ids"])
-    target.prefill(Prompt(ids))
+    with drafter.watch_prefill(target):  # as the engine runs it: the capture records this prefill's queries
+        target.prefill(Prompt(ids))
     drafter.prefill(Prompt(ids), target)
     sampling = SamplingConfig(temperature=0.9, top_k=5)
     draft = drafter.propose(torch.cat([ids, ids[-1:]]), 3, sampling, torch.Generator().manual_seed(0))
@@ -171,7 +180,8 @@ def test_sampling_preserves_the_target_distribution(tokenizer):
     drafter = SparseDrafter(model, num_draft_tokens=1, budget=4, window=4)
     target, verifier = CachedModel(model), RejectionVerifier()
     ids = torch.tensor(tokenizer(LONG)["input_ids"])
-    first = target.prefill(Prompt(ids)).logits[-1].argmax().reshape(1)
+    with drafter.watch_prefill(target):
+        first = target.prefill(Prompt(ids)).logits[-1].argmax().reshape(1)
     drafter.prefill(Prompt(ids), target)
     committed = torch.cat([ids, first])
     p = S.probs(target.forward(first).logits[-1], sampling)
@@ -207,8 +217,10 @@ def test_span_beyond_prompt_is_an_error(sparse_target):
 
 
 def test_capture_switches_the_model_only_around_prefills(arch, tokenizer):
-    """The drafter leaves its target on sdpa outside the target's prefill; close() removes its hooks, and a
-    stopped capture switches the model back (the context-manager form too)."""
+    """The drafter switches its target to the capture wrapper only for the target's prefill of a speculative
+    generation (the engine runs it inside `watch_prefill`) and installs no hooks: plain decoding and the user's
+    own forwards run sdpa and are not recorded; a stopped capture switches the model back (the context-manager
+    form too)."""
     model = tiny_model(arch, seed=4)
     target = LoadedModel(model, tokenizer, "tiny")
     seen = []
@@ -219,11 +231,11 @@ def test_capture_switches_the_model_only_around_prefills(arch, tokenizer):
     result = Pipeline(target, drafter).generate(LONG, max_new_tokens=6)
     assert result.new_tokens == 6 and model.config._attn_implementation == "sdpa"
     assert seen[0] == attention_capture.IMPLEMENTATION and set(seen[1:]) == {"sdpa"}  # prefill, then decoding
-    drafter.close()
     seen.clear()
     Pipeline(target, None).generate_plain(LONG, max_new_tokens=2)
-    assert set(seen) == {"sdpa"} and drafter.capture.layers == {}  # no longer recorded
+    assert set(seen) == {"sdpa"} and drafter.capture.layers == {}  # not recorded
     probe.remove()
+    assert not model._forward_hooks and not model._forward_pre_hooks
     with attention_capture.QueryCapture(model, window=4) as capture:
         assert capture.active and model.config._attn_implementation == attention_capture.IMPLEMENTATION
     assert not capture.active and model.config._attn_implementation == "sdpa"

@@ -1,25 +1,25 @@
 """Record the post-RoPE queries a model's prefill computes, without changing its numerics.
 
-A running `QueryCapture` switches its model's attention from transformers' "sdpa" to "sparrow_capture"
-(registered with `transformers.AttentionInterface`, and its mask with the sdpa mask function, when the
-first capture starts): it calls the very same sdpa function with the very same arguments, so outputs
-are bit-identical. Every forward that starts from an empty cache (query length == key length: a
-prefill) also stores, per layer, a copy of the queries of its last `window` positions and the
-attention scale. Stopping the capture (the last one on that model) switches the model back to "sdpa".
+A running `QueryCapture` routes the attention of its model's decoder layers from transformers' "sdpa" to
+"sparrow_capture" (registered with `transformers.AttentionInterface`, and its mask with the sdpa mask
+function): it calls the very same sdpa function with the very same arguments, so outputs are
+bit-identical. Every forward that starts from an empty cache (query length == key length: a prefill)
+also stores, per layer, a copy of the queries of its last `window` positions and the attention scale.
 Scores are then computed from these queries against the keys in the cache (see
 drafters/kv_selection.py); nothing is re-run through the model.
 
-Drafters that read the target's prefill queries (sparse, visual-prune) cannot wrap that prefill (the
-engine runs it before `Drafter.prefill`), so they use `capture_prefills()`: forward hooks that run the
-capture around each forward of the model that starts from an empty cache, and leave the model on
-"sdpa" everywhere else. The hooks live until the drafter's `close()`, or until it is garbage-collected.
+A capture runs only inside `with capture:` (or between `start()` and `stop()`). Starting switches the
+attention config(s) of the decoder layers, and nothing else (a VLM's vision tower keeps its own
+implementation); the last capture to stop on a config restores exactly the implementation it had.
+No hooks are installed. Drafters that read the target's prefill queries (sparse, visual-prune) hand
+the engine their capture as `watch_prefill(target)` (drafters/base.py), and the engine runs the
+target's prefill inside it: the user's model is switched for the duration of that one forward only.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,7 +29,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from sparrow.errors import UserError
 
 IMPLEMENTATION = "sparrow_capture"
-_ACTIVE: weakref.WeakSet[QueryCapture] = weakref.WeakSet()  # a capture stops when its owner drops it
+_ACTIVE: set[QueryCapture] = set()  # started, not yet stopped
+_SWITCHED: dict[int, tuple[Any, Any, int]] = {}  # id(config) -> (config, implementation before, captures on it)
 
 
 @dataclass(frozen=True)
@@ -57,29 +58,43 @@ def register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The language model's modules with a `layer_idx` (decoder layers and their attention modules)."""
+    try:  # the language model only: a VLM's vision tower is neither switched nor recorded
+        decoder = model.get_decoder()
+    except (AttributeError, ValueError, NotImplementedError):
+        decoder = model
+    return [m for m in decoder.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+
+
+def attention_configs(model: torch.nn.Module) -> list[Any]:
+    """The distinct configs the decoder's attention layers dispatch on (`config._attn_implementation`)."""
+    configs = {id(m.config): m.config for m in decoder_layers(model) if getattr(m, "config", None) is not None}
+    return list(configs.values()) or [model.config]
+
+
 def check_capturable(model: torch.nn.Module) -> None:
-    """ValueError unless the model's attention runs through sdpa (or already through the capture wrapper)."""
-    implementation = model.config._attn_implementation
-    if implementation not in ("sdpa", IMPLEMENTATION):
-        raise UserError(f"query capture needs a model with attn_implementation='sdpa', got {implementation!r} "
-                         "(load it with attn_implementation='sdpa')")
+    """ValueError unless the decoder's attention runs through sdpa (or already through the capture wrapper)."""
+    for config in attention_configs(model):
+        implementation = config._attn_implementation
+        if implementation not in ("sdpa", IMPLEMENTATION):
+            raise UserError(f"query capture needs a model with attn_implementation='sdpa', got {implementation!r} "
+                             "(load it with attn_implementation='sdpa')")
 
 
 class QueryCapture:
-    """Per-layer queries of the last `window` positions of the most recent prefill of `model`.
+    """Per-layer queries of the last `window` positions of the most recent prefill of `model` while started.
 
-    Records while started: `start()`/`stop()`, or `with QueryCapture(model, window) as capture: ...`.
+    `with QueryCapture(model, window) as capture: ...` (or `start()` / `stop()`); the model is switched back to
+    exactly what it was when the last capture on it stops.
     """
 
     def __init__(self, model: torch.nn.Module, window: int) -> None:
         check_capturable(model)
         self.model = model
         self.window = window
-        try:  # the language model only: a VLM's vision tower runs through the wrapper too, but is not recorded
-            decoder = model.get_decoder()
-        except (AttributeError, ValueError, NotImplementedError):
-            decoder = model
-        self.module_ids = {id(m) for m in decoder.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+        self.module_ids = {id(m) for m in decoder_layers(model)}
+        self.configs = attention_configs(model)
         self.layers: dict[int, CapturedQueries] = {}
 
     def record(self, module: torch.nn.Module, query: Tensor, scaling: float | None) -> None:
@@ -89,20 +104,30 @@ class QueryCapture:
         self.layers[module.layer_idx] = CapturedQueries(query[0, :, -self.window:].detach().clone(), scale, n)
 
     def start(self) -> QueryCapture:
-        """Route the model's attention through the capture wrapper and record its prefills."""
+        """Route the decoder's attention through the capture wrapper and record its prefills (from now on)."""
+        if self.active:
+            return self
         check_capturable(self.model)
         register()
-        if self.model.config._attn_implementation != IMPLEMENTATION:
-            self.model.set_attn_implementation(IMPLEMENTATION)
+        self.layers = {}
+        for config in self.configs:
+            _, before, users = _SWITCHED.get(id(config), (config, config._attn_implementation_internal, 0))
+            _SWITCHED[id(config)] = (config, before, users + 1)
+            config._attn_implementation_internal = IMPLEMENTATION  # this config only, not its sub-configs
         _ACTIVE.add(self)
         return self
 
     def stop(self) -> None:
-        """Stop recording; the last capture running on the model switches it back to sdpa."""
+        """Stop recording (what was recorded stays for `take`); the last capture on a config restores it."""
+        if not self.active:
+            return
         _ACTIVE.discard(self)
-        others = any(capture.model is self.model for capture in _ACTIVE)
-        if not others and self.model.config._attn_implementation == IMPLEMENTATION:
-            self.model.set_attn_implementation("sdpa")
+        for config in self.configs:
+            _, before, users = _SWITCHED.pop(id(config))
+            if users > 1:
+                _SWITCHED[id(config)] = (config, before, users - 1)
+            else:
+                config._attn_implementation_internal = before
 
     @property
     def active(self) -> bool:
@@ -114,36 +139,12 @@ class QueryCapture:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def capture_prefills(self) -> Callable[[], None]:
-        """Run this capture around every forward of the model that starts from an empty cache (a prefill);
-        returns the function that removes these hooks."""
-        started = []  # whether the running forward started the capture (it was not running already)
-
-        def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            cache = kwargs.get("past_key_values")
-            if not self.active and (cache is None or cache.get_seq_length() == 0):
-                self.start()
-                started.append(True)
-
-        def after(module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
-            if started:
-                started.clear()
-                self.stop()
-
-        hooks = (self.model.register_forward_pre_hook(before, with_kwargs=True),
-                 self.model.register_forward_hook(after, with_kwargs=True, always_call=True))
-
-        def remove() -> None:
-            for hook in hooks:
-                hook.remove()
-
-        return remove
-
     def take(self, length: int, num_layers: int) -> list[CapturedQueries]:
         """The recorded layers of a prefill over `length` positions (then forgotten); ValueError if absent."""
         layers, self.layers = self.layers, {}
         missing = [i for i in range(num_layers) if i not in layers or layers[i].length != length]
         if missing:
             raise UserError(f"no captured prefill queries of length {length} for layers {missing[:5]}: the target "
-                             "must be prefilled while the capture is active (sparse drafter built on this target?)")
+                             "must be prefilled inside the drafter's `watch_prefill(target)` context (the engine "
+                             "does this; the drafter must be built on this target)")
         return [layers[i] for i in range(num_layers)]

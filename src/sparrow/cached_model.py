@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from sparrow.types import Prompt, TargetOutput
 
@@ -144,8 +145,14 @@ class CachedModel:
         self.rewind(start + 1 + m)
 
     def rewind(self, length: int) -> None:
-        """Drop cached positions >= length."""
+        """Drop cached positions >= length. A sliding-window layer can give back only what was fed since the last
+        prefill / rewind (they trim it to its window): rewinding into a prompt of a full window is refused."""
         assert self.cache is not None
         surplus = self.length - length
         assert surplus >= 0, f"cannot rewind a cache of length {self.length} forward to {length}"
+        for layer in self.cache.layers:  # a sliding layer holds its window plus what was fed since the last rewind
+            if isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized and surplus:
+                needed = min(layer.sliding_window - 1, layer.get_seq_length() - surplus) + surplus
+                assert layer.keys.shape[-2] >= needed, (f"cannot rewind a sliding-window layer by {surplus}: only "
+                                                        "states fed since the last prefill or rewind can go")
         self.cache.crop(-surplus)  # transformers >= 5: negative = positions to drop; 0 trims sliding layers

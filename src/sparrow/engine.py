@@ -7,7 +7,7 @@ import torch
 from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.drafters.base import Drafter
+from sparrow.drafters.base import Drafter, watching_prefill
 from sparrow.stopping import Stopper
 from sparrow.timing import now
 from sparrow.tree import TreeLayout, on_first_branch
@@ -38,7 +38,8 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
     """
     device, layers = target.device, drafter.hidden_layers
     start = now(device, sync_timing)
-    out = target.prefill(prompt, layers)  # cache: prompt; invariant from here on: cache == committed[:-1]
+    with watching_prefill(drafter, target):  # e.g. the sparse drafter records this forward's queries
+        out = target.prefill(prompt, layers)  # cache: prompt; invariant from here on: cache == committed[:-1]
     drafter.prefill(prompt, target, out)
     committed = torch.cat([prompt.input_ids.to(device), S.choose(out.logits[-1], sampling, generator).reshape(1)])
     stopper.push(committed[-1:].tolist())

@@ -140,7 +140,12 @@ def measure_cost_curve(target: CachedModel, max_tokens: int, draft: CachedModel 
                        context_tokens: int = 64, repeats: int = 3) -> CostCurve:
     """Median seconds of target forwards of n = 1, 2, 4, ... and max_tokens + 1 tokens (interpolated in
     between; timed in interleaved rounds so drift hits every n alike) and of one draft forward, after a
-    `context_tokens` context. Leaves the caches holding that dummy context; prefill() resets them."""
+    `context_tokens` context. Leaves the caches holding that dummy context; prefill() resets them.
+    A model context too small for both is measured on what fits (fewer context tokens, then narrower forwards)."""
+    limits = [m.context_length for m in (target, draft) if m is not None and m.context_length is not None]
+    if limits:
+        max_tokens = max(0, min(max_tokens, min(limits) - 2))
+        context_tokens = max(1, min(context_tokens, min(limits) - max_tokens - 1))
     vocab = min(target.vocab_size, draft.vocab_size) if draft is not None else target.vocab_size
     ids = torch.arange(context_tokens + max_tokens + 1, dtype=torch.long) * DUMMY_ID_STRIDE % vocab
     context, new = Prompt(input_ids=ids[:context_tokens]), ids[context_tokens:]

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ from torch import Tensor
 
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.drafters.base import watching_prefill
 from sparrow.drafters.cross_vocab import CrossVocabDrafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter
@@ -173,6 +175,14 @@ class AutoDrafter:
         self._round: tuple[str, bool] = (PLAIN, False)  # this round's option, and whether it is a probe
 
     # --- Drafter protocol ----------------------------------------------------------------------
+    @contextmanager
+    def watch_prefill(self, target: CachedModel) -> Iterator[None]:
+        """Every candidate's context around the target's prefill (e.g. a sparse candidate's query capture)."""
+        with ExitStack() as stack:
+            for candidate in self.candidates.values():
+                stack.enter_context(watching_prefill(candidate, target))
+            yield
+
     def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:
         self._prompt, self._target, self._prefill_out = prompt, target, out
         self.choices, self.rounds = [], []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import torch
@@ -13,6 +14,9 @@ from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
 class Drafter(Protocol):
+    """Optional: `watch_prefill(target) -> context manager`, which the engine runs the target's prefill inside
+    (drafters that read what that forward computes, e.g. its queries: sparse, visual-prune)."""
+
     name: str
     hidden_layers: tuple[int, ...]
     """Target hidden-state layers this drafter reads (transformers' `hidden_states` indexing); () = none,
@@ -31,3 +35,9 @@ class Drafter(Protocol):
         """Feedback after verification: `out` holds the target's outputs for the committed rows of the round
         ([root, *accepted path]: num_accepted + 1 rows, the last of which predicted the bonus/recovered
         token), and `step` the engine-measured draft and verify seconds."""
+
+
+def watching_prefill(drafter: Drafter, target: CachedModel) -> AbstractContextManager:
+    """The context to run the target's prefill in for `drafter`: its `watch_prefill(target)`, else none."""
+    watch = getattr(drafter, "watch_prefill", None)
+    return watch(target) if watch is not None else nullcontext()

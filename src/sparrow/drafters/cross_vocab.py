@@ -117,9 +117,12 @@ class CrossVocabDrafter:
         self._bring_over()
         if not self._draft_ids:  # nothing to condition on: start from the draft's own BOS or EOS
             self._draft_ids = [next(t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id, 0) if t is not None)]
-        self._cached = list(self._draft_ids)  # draft tokens whose KV the draft cache holds
+        # The cache holds all but the last draft token, which the first round feeds (with what the target added):
+        # no round rewinds into the prefilled prompt (a sliding-window layer cannot give a full window back).
+        held = self._draft_ids[:-1] or self._draft_ids
+        self._cached = list(held)  # draft tokens whose KV the draft cache holds
         if committed:
-            self.draft.prefill(Prompt(input_ids=torch.tensor(self._draft_ids, dtype=torch.long)))
+            self.draft.prefill(Prompt(input_ids=torch.tensor(held, dtype=torch.long)))
 
     def _bring_over(self) -> None:
         """Extend the draft tokens over the committed bytes they do not cover yet."""

@@ -66,8 +66,10 @@ def check_budget(budget: int | float) -> None:
 
 
 def candidate_span(n: int, sinks: int, window: int, span: tuple[int, int] | None) -> tuple[int, int]:
-    """The span to select in, clipped to [sinks, n - window) (may be empty: start == end)."""
-    lo, hi = sinks, max(sinks, n - window)
+    """The span to select in, clipped to [sinks, n - window) (may be empty: start == end). A prompt shorter
+    than sinks + window leaves it empty: every entry is kept."""
+    lo = min(sinks, n)
+    hi = max(lo, n - window)
     if span is None:
         return lo, hi
     start, end = span

@@ -10,12 +10,13 @@ shorter than the context) and finally drops its drafted entries again. Verificat
 target's dense cache, so the output is exactly the target's.
 
 The prompt queries come from the target's own prefill through the capture wrapper
-(attention_capture.py): the target's numerics are untouched and nothing is re-run.
+(attention_capture.py), which the engine runs that one forward in (`watch_prefill`): the target's
+numerics are untouched, nothing is re-run, and the model is left as it was (no hooks, its attention
+implementation switched back). A prompt shorter than sinks + window keeps every entry.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -62,17 +63,16 @@ class SparseDrafter:
         self.budget, self.sinks, self.window, self.span = budget, sinks, window, span
         self.selector: KVSelector = selector if selector is not None else TopKAttention()
         self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive)
-        self.capture = QueryCapture(model, window)  # records the target's prefill queries (only those)
-        self._release_capture = weakref.finalize(self, self.capture.capture_prefills())
+        self.capture = QueryCapture(model, window)  # records the target's prefill queries, inside watch_prefill
         self.kept: tuple[Tensor, ...] = ()  # per layer [kv_heads, m] prompt positions in the draft cache
         self.cache: DynamicCache | None = None
         self._target: CachedModel | None = None
         self._synced = 0  # target positions whose KV the draft cache holds (the kept prompt ones, then all)
         self._base = 0  # draft cache length holding exactly those
 
-    def close(self) -> None:
-        """Remove the prefill-capture hooks from the target (also done when this drafter is garbage-collected)."""
-        self._release_capture()
+    def watch_prefill(self, target: CachedModel) -> QueryCapture:
+        """The context the engine runs the target's prefill in: it records that forward's queries."""
+        return self.capture
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:

@@ -2,11 +2,11 @@
 
 1. Scores (verifier-guided, from the *target's* prefill): score of visual token v = attention from the
    text queries after the last visual token (the last `window` of them) to v, averaged over heads, those
-   queries and layers. The
-   queries come from the target's own prefill through the capture wrapper (attention_capture.py, bit-
-   identical outputs) and the keys from its cache, so scoring re-runs nothing: it costs one
-   [heads, t, n] attention product per layer (t = text tokens after the video). The draft's own prefill
-   cannot be used: it runs after pruning, and an unpruned draft prefill would cost what pruning saves.
+   queries and layers. The queries come from the target's own prefill through the capture wrapper
+   (attention_capture.py, bit-identical outputs; the engine runs that one forward inside `watch_prefill`)
+   and the keys from its cache, so scoring re-runs nothing: it costs one [heads, t, n] attention product
+   per layer (t = text tokens after the video). The draft's own prefill cannot be used: it runs after
+   pruning, and an unpruned draft prefill would cost what pruning saves.
 2. Selection (`prune_visual_tokens`, pure): budget = int(N * (1 - drop_rate)) visual tokens (at least 1).
    Stage I keeps the smallest set of top-scored tokens covering `mass` of the visual attention mass
    (capped at the budget); Stage II fills the rest uniformly (linspace) from the remaining tokens in
@@ -29,7 +29,6 @@ features; not done here).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -227,14 +226,13 @@ class VisualPruneDrafter(DraftModelDrafter):
         super().__init__(self.view, CachedModel(target_model).vocab_size, num_draft_tokens, adaptive)
         self.target_model = target_model
         self.drop_rate, self.mass = drop_rate, mass
-        self.capture = QueryCapture(target_model, window)  # records the target's prefill queries (only those)
-        self._release_capture = weakref.finalize(self, self.capture.capture_prefills())
+        self.capture = QueryCapture(target_model, window)  # records the target's prefill queries, inside watch_prefill
         self.last_pruning: VisualPruning | None = None
         self.last_visual: Tensor | None = None  # [N] prompt positions of the visual tokens
 
-    def close(self) -> None:
-        """Remove the prefill-capture hooks from the target (also done when this drafter is garbage-collected)."""
-        self._release_capture()
+    def watch_prefill(self, target: CachedModel) -> QueryCapture:
+        """The context the engine runs the target's prefill in: it records that forward's queries."""
+        return self.capture
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
