@@ -177,7 +177,7 @@ def test_cli_loose_is_labelled_lossy(model_dir):
 @pytest.mark.parametrize(("args", "match"), [
     (["--verify", "sloppy"], "unknown verifier"),
     (["--drop-rate", "0.5"], "--drop-rate applies to --drafter visual-prune"),
-    (["--drafter", "visual-prune", "--drop-rate", "1.5"], "drop_rate"),
+    (["--drafter", "visual-prune", "--drop-rate", "1.5"], "--drop-rate must be in [0, 1)"),
     (["--draft-kv", "mm-shiftkv"], "apply to --drafter sparse"),
     (["--drafter", "sparse", "--draft-kv", "snapkv"], "unknown --draft-kv"),
     (["--drafter", "sparse", "--draft-kv-budget", "0"], "--draft-kv-budget"),
