@@ -6,29 +6,31 @@ difference between the two is the loop itself.
 
 from __future__ import annotations
 
-import torch
-
 from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.noise import Randomness, at
 from sparrow.timing import now as clock
 from sparrow.stopping import Stopper
 from sparrow.types import Decoded, GenerationStats, Prompt, StepStats
 
 
 def plain_decode(target: CachedModel, prompt: Prompt, sampling: SamplingConfig, stopper: Stopper,
-                 generator: torch.Generator | None) -> Decoded:
+                 generator: Randomness) -> Decoded:
+    """Positional noise (seeded requests) samples position t with the noise of t, as the engine does."""
     device = target.device
     start = clock(device)
     logits = target.prefill(prompt).logits[-1]
-    token = S.choose(logits, sampling, generator)
+    position = prompt.input_ids.numel()  # of the token sampled next
+    token = S.choose(logits, sampling, at(generator, position))
     stopper.push([int(token)])
     prefill_seconds = clock(device) - start
     steps: list[StepStats] = []
     while not stopper.done:
         t0 = clock(device)
         logits = target.forward(token.reshape(1)).logits[-1]
-        token = S.choose(logits, sampling, generator)
+        position += 1
+        token = S.choose(logits, sampling, at(generator, position))
         stopper.push([int(token)])
         steps.append(StepStats(0, 0, 0.0, clock(device) - t0))
     return Decoded(list(stopper.tokens), stopper.finish_reason or "length",

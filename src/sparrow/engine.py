@@ -8,6 +8,7 @@ from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.base import Drafter, watching_prefill
+from sparrow.noise import Randomness, at
 from sparrow.stopping import Stopper
 from sparrow.timing import now
 from sparrow.tree import TreeLayout, on_first_branch
@@ -28,11 +29,13 @@ def score(target: CachedModel, last: torch.Tensor, draft: Draft, hidden_layers: 
 
 
 def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier, prompt: Prompt,
-                       sampling: SamplingConfig, stopper: Stopper, generator: torch.Generator | None,
+                       sampling: SamplingConfig, stopper: Stopper, generator: Randomness,
                        sync_timing: bool = True) -> Decoded:
     """Generate with `stopper`'s rules (a fresh Stopper: EOS, stop strings, max_new_tokens); the target's
     output distribution is unchanged (lossless).
 
+    generator: positional noise (seeded requests) makes the output independent of the draft lengths, so equal
+    to seeded plain decoding (`sparrow.noise`); a sequential generator (or None) gives rejection sampling.
     sync_timing: on CUDA, synchronise before each clock read so draft and verify seconds are exact
     (the adaptive policies compare them); False measures only what the host waited for.
     """
@@ -41,20 +44,22 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
     with watching_prefill(drafter, target):  # e.g. the sparse drafter records this forward's queries
         out = target.prefill(prompt, layers)  # cache: prompt; invariant from here on: cache == committed[:-1]
     drafter.prefill(prompt, target, out)
-    committed = torch.cat([prompt.input_ids.to(device), S.choose(out.logits[-1], sampling, generator).reshape(1)])
+    first = S.choose(out.logits[-1], sampling, at(generator, prompt.input_ids.numel()))  # position: the prompt length
+    committed = torch.cat([prompt.input_ids.to(device), first.reshape(1)])
     stopper.push(committed[-1:].tolist())
     prefill_seconds = now(device, sync_timing) - start
     steps: list[StepStats] = []
     while not stopper.done:
         t0 = now(device, sync_timing)
         # 1. Draft a chain or a tree; never more nodes than the budget allows, since each round adds a target token.
-        draft = drafter.propose(committed, stopper.remaining - 1, sampling, generator)
+        noise = at(generator, committed.numel())  # positional noise: offset 0 is the first draft position
+        draft = drafter.propose(committed, stopper.remaining - 1, sampling, noise)
         t1 = now(device, sync_timing)
         # 2. Score: one target forward over [last committed token, *draft] -> [n + 1] rows.
         base = target.length
         out = score(target, committed[-1:], draft, layers)
         # 3. Verify: the accepted path plus one bonus or recovered token.
-        verdict = verifier.verify(draft, out.logits, sampling, generator)
+        verdict = verifier.verify(draft, out.logits, sampling, noise)
         # 4. Commit: the target keeps the accepted path's KV (compaction; a crop for chains).
         nodes = verdict.accepted_nodes
         target.keep(base, nodes)

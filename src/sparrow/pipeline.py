@@ -33,6 +33,7 @@ from sparrow.engine import speculative_decode
 from sparrow.errors import UserError
 from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
+from sparrow.noise import PositionalNoise
 from sparrow.policy import follow_cost_curve
 from sparrow.quantization import check_quant_args, quantized_copy
 from sparrow.runner import runner_for
@@ -142,7 +143,7 @@ class Pipeline:
             request = self.request(prompt, **options)
             generator = None
             if request.seed is not None:
-                generator = torch.Generator(device=self.runner.device).manual_seed(request.seed)
+                generator = PositionalNoise(request.seed, self.runner.device)  # repeats however rounds are chunked
             stopper = Stopper(request.stopping, self.tokenizer)
             start = time.perf_counter()
             try:

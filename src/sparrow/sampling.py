@@ -1,7 +1,8 @@
 """Logits -> probabilities (temperature, top-k, top-p) and seeded sampling.
 
 The same `probs` is applied to target logits (p) and draft logits (q), as lossless
-verification requires.
+verification requires. Randomness is a sequential `torch.Generator` (or None), or the positional
+noise of a seeded request (`sparrow.noise`: the draws of a position do not depend on call order).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
+from sparrow.noise import PositionalNoise, Randomness
 
 
 def probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
@@ -35,17 +37,22 @@ def probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return logits.softmax(-1)
 
 
-def sample(p: Tensor, generator: torch.Generator | None) -> Tensor:
+def sample(p: Tensor, generator: Randomness, offsets: list[int] | None = None) -> Tensor:
     """One token id per row of `p` ([..., vocab] -> [...] int64), without a host sync.
 
     Exponential race (vLLM's recovered-token sampler): argmax(p / E) with E ~ Exp(1) i.i.d. picks
     token i with probability p_i / sum(p), so `p` need not be normalised. A zero-probability token
     scores 0 and never beats a positive one; E is clamped away from 0 so that 0 / 0 = nan (which
-    argmax would pick) cannot occur.
+    argmax would pick) cannot occur. Positional noise: row r of a [m, vocab] `p` races with the
+    exponentials of position offsets[r]; without offsets every row uses those of offset 0.
     """
     p = p if p.dtype == torch.float64 else p.float()  # half-precision exponentials are too coarse
-    race = torch.empty_like(p).exponential_(generator=generator).clamp_min_(torch.finfo(p.dtype).tiny)
-    return (p / race).argmax(-1)
+    if isinstance(generator, PositionalNoise):
+        race = generator.exponentials([0] if offsets is None else offsets, p.shape[-1], p)  # [m or 1, vocab]
+        race = race[0] if offsets is None else race
+    else:
+        race = torch.empty_like(p).exponential_(generator=generator)
+    return (p / race.clamp_min_(torch.finfo(p.dtype).tiny)).argmax(-1)
 
 
 def uniform(n: int, device: torch.device, generator: torch.Generator | None) -> Tensor:
@@ -53,6 +60,6 @@ def uniform(n: int, device: torch.device, generator: torch.Generator | None) -> 
     return torch.rand(n, dtype=torch.float64, device=device, generator=generator)
 
 
-def choose(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
+def choose(logits: Tensor, sampling: SamplingConfig, generator: Randomness) -> Tensor:
     """Next token from [vocab] logits: argmax when greedy, else a sample of `probs`."""
     return logits.argmax(-1) if sampling.greedy else sample(probs(logits, sampling), generator)

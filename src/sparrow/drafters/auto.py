@@ -32,8 +32,8 @@ drafts with probs None, sampled drafts with their q), and the verifier does the 
 with their own caches (draft model, cross-vocab) re-sync lazily from `committed` when they draft
 again; they are prefilled lazily, on their first use in a request.
 
-Caveat: with sampling the choices depend on wall-clock time, and a sampled draft consumes random
-numbers, so a seed fixes the output distribution but not the exact tokens from run to run.
+With sampling the choices depend on wall-clock time; a seeded request still repeats exactly, since its
+tokens do not depend on what was drafted (`sparrow.noise`), while an unseeded one is only lossless.
 `choices` records what each round used (for benchmarks and tests).
 """
 
@@ -56,6 +56,7 @@ from sparrow.drafters.cross_vocab import CrossVocabDrafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter
 from sparrow.drafters.registry import REGISTRY
+from sparrow.noise import Randomness
 from sparrow.policy import DecayedLine, LengthPolicy, ProbeSchedule
 from sparrow.timing import now
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
@@ -201,7 +202,7 @@ class AutoDrafter:
                 candidate.prefill(prompt, target, out)
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Draft:
+                generator: Randomness) -> Draft:
         start = now(committed.device)
         if max_tokens < 1:
             return self._chosen(PLAIN, Draft.empty(committed.device), probe=False)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
-import torch
 from torch import Tensor
 
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.noise import Randomness
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
@@ -28,7 +28,7 @@ class Drafter(Protocol):
         target's cache and append to it while drafting, but must leave it cropped back to its length."""
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Draft:
+                generator: Randomness) -> Draft:
         """A chain or a tree of at most `max_tokens` draft nodes continuing `committed` ([n] prompt + generated)."""
 
     def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput, step: StepStats) -> None:

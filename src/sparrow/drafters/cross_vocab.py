@@ -43,6 +43,7 @@ from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.dtw import carry_confidence, dtw_path, target_to_source
 from sparrow.drafters.token_bytes import TokenBytes, valid_utf8_prefix
+from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy
 from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
@@ -160,7 +161,7 @@ class CrossVocabDrafter:
         self._start(prompt.input_ids.tolist())
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Draft:
+                generator: Randomness) -> Draft:
         ids = committed.tolist()
         if ids[: len(self._committed)] != self._committed:  # not a continuation: start over
             self._start(ids)

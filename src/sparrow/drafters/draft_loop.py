@@ -20,6 +20,7 @@ from torch import Tensor
 
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
+from sparrow.noise import Randomness, at
 from sparrow.policy import LengthPolicy
 from sparrow.types import Draft
 
@@ -28,8 +29,9 @@ Step = Callable[[Tensor, int], Tensor]
 
 
 def autoregressive_draft(step: Step, first_token: Tensor, steps: int, sampling: SamplingConfig,
-                         generator: torch.Generator | None, policy: LengthPolicy, defer: bool | None = None) -> Draft:
-    """Up to `steps` draft tokens after `first_token` ([1], the last committed token).
+                         generator: Randomness, policy: LengthPolicy, defer: bool | None = None) -> Draft:
+    """Up to `steps` draft tokens after `first_token` ([1], the last committed token). Positional noise
+    (seeded requests): offset i is draft token i's position, so a sampled draft shares the target's noise there.
 
     defer: check the confidence exit once after the loop (default: on accelerators, not on CPUs)."""
     if steps < 1:
@@ -43,7 +45,7 @@ def autoregressive_draft(step: Step, first_token: Tensor, steps: int, sampling: 
             token = logits.argmax().reshape(1)
         else:
             rows.append(S.probs(logits, sampling))
-            token = S.sample(rows[-1], generator).reshape(1)
+            token = S.sample(rows[-1], at(generator, i)).reshape(1)
         tokens.append(token)
         if threshold > 0:
             top = logits.float().softmax(-1).max()

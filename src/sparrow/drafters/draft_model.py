@@ -20,6 +20,7 @@ from sparrow.config import SamplingConfig
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
+from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy, TreePolicy
 from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
@@ -59,7 +60,7 @@ class DraftModelDrafter:
         self._cached = prompt.input_ids.to(self.draft.device)
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Draft:
+                generator: Randomness) -> Draft:
         committed = committed.to(self.draft.device)
         drafting = self.tree_policy is None or self.tree_policy.draft_now()
         num_tokens = self.length.cap(max_tokens) if self.tree is None else max_tokens * drafting

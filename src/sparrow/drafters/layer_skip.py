@@ -48,6 +48,7 @@ from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
 from sparrow.models.presets import default_cache_dir
+from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy
 from sparrow.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
@@ -366,7 +367,7 @@ class LayerSkipDrafter:
         return out.logits[0, -1]
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Draft:
+                generator: Randomness) -> Draft:
         assert self.target is not None, "prefill() must run before propose()"
         committed = committed.to(self.target.device)
         start = committed.numel() - 1  # the target cache holds committed[:-1]

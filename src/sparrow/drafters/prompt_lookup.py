@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from torch import Tensor
 
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.tree_draft import TreeShape, resolve_shape
+from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy
 from sparrow.runner import runner_for
 from sparrow.tree import merge_paths
@@ -71,7 +71,7 @@ class PromptLookupDrafter:
         self.length.reset()
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Draft:
+                generator: Randomness) -> Draft:
         k = self.length.cap(max_tokens)
         if self.tree is None:
             return Draft(tokens=find_continuation(committed, self.min_n, self.max_n, k))

@@ -28,6 +28,7 @@ from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.kv_selection import KVSelector, TopKAttention, check_budget, kept_positions
+from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 from sparrow.errors import UserError
@@ -117,7 +118,7 @@ class SparseDrafter:
 
     @torch.inference_mode()
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Draft:
+                generator: Randomness) -> Draft:
         assert self.cache is not None and self._target is not None, "prefill() must run before propose()"
         device = self._target.device
         committed = committed.to(device)

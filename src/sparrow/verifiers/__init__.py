@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
+from sparrow.noise import Randomness
 from sparrow.types import Draft, Verdict
 from sparrow.verifiers.greedy import GreedyVerifier
 from sparrow.verifiers.loose import LooseVerifier
@@ -23,7 +23,7 @@ class Verifier(Protocol):
         draft: Draft,
         target_logits: Tensor,  # [len(draft) + 1, vocab]: row 0 scores the last committed token
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        generator: Randomness,  # positional noise (seeded requests): offset 0 = the first draft token's position
     ) -> Verdict: ...
 
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
+from sparrow.noise import Randomness, at
 from sparrow.types import Draft, Verdict
 from sparrow.errors import UserError
 
@@ -100,7 +101,7 @@ class LooseVerifier:
         draft: Draft,
         target_logits: Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        generator: Randomness,  # positional noise: offset 0 is the position of the first draft token
     ) -> Verdict:
         k = len(draft)
         assert target_logits.ndim == 2 and target_logits.shape[0] == k + 1, (tuple(target_logits.shape), k)
@@ -119,7 +120,7 @@ class LooseVerifier:
         ok = strict | (self.fillers(tokens, p[:k]) & (loose | shifted))
         bad = (~ok).nonzero()
         n = int(bad[0]) if bad.numel() else k
-        last = S.choose(target_logits[n], sampling, generator).reshape(1).to(tokens.device)
+        last = S.choose(target_logits[n], sampling, at(generator, n)).reshape(1).to(tokens.device)
         return Verdict(tokens=torch.cat([tokens[:n], last]), num_accepted=n)
 
 

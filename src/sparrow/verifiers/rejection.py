@@ -36,6 +36,11 @@ Given the emitted token x, an accepted node's subtree depends only on x, so the 
 p(. | x) in turn.
 
 At temperature 0 both p and q are one-hot, and the rules reduce to greedy matching.
+
+Seeded requests (`sparrow.noise.PositionalNoise`) use coupled verification instead, so that their output
+does not depend on how the tokens were chunked into rounds: greedy matching against the target's own
+sample at each row, drawn with the noise of the row's position (`verify_coupled`; lossless, and equal
+to seeded plain decoding; see `sparrow.noise` for why and for its acceptance rate).
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ from torch import Tensor
 from sparrow import sampling as S
 from sparrow import tree
 from sparrow.config import SamplingConfig
+from sparrow.noise import PositionalNoise, Randomness
 from sparrow.types import Draft, Verdict
+from sparrow.verifiers import greedy
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:
@@ -74,16 +81,29 @@ class RejectionVerifier:
         draft: Draft,
         target_logits: Tensor,  # [n + 1, vocab]: row 0 scores the root, row i + 1 scores node i
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        generator: Randomness,  # positional noise: offset 0 is the position of the first draft token
     ) -> Verdict:
         n = len(draft)
         assert target_logits.ndim == 2 and target_logits.shape[0] == n + 1, (tuple(target_logits.shape), n)
         p = S.probs(target_logits, sampling)  # [n + 1, vocab]
         tokens = draft.tokens.to(p.device)  # [n]
+        if isinstance(generator, PositionalNoise):
+            return verify_coupled(tokens, draft.parents, p, generator)
         q = None if draft.probs is None else draft.probs.to(p.device).float()  # [n, vocab] or None (q = 1)
         if draft.parents is None:
             return verify_chain(tokens, q, p, generator)
         return verify_tree(tokens, draft.parents, q, p, generator)
+
+
+def verify_coupled(tokens: Tensor, parents: Tensor | None, p: Tensor, noise: PositionalNoise) -> Verdict:
+    """tokens, parents: [n] chain (parents None) or tree; p: [n + 1, vocab]. Row r (the root, or node r - 1)
+    predicts the token at offset depth(r) from the first draft position; the target samples it with that
+    position's noise, and the draft is greedily matched against these samples. q is not needed."""
+    depth = list(range(tokens.numel() + 1)) if parents is None else [0, *tree.depths(parents).tolist()]
+    choice = S.sample(p, noise, depth)  # [n + 1]: the target's own token after each row
+    if parents is None:
+        return greedy.verify_chain(tokens, choice)
+    return greedy.verify_tree(tokens, parents.to(p.device), choice)
 
 
 def verify_chain(tokens: Tensor, q: Tensor | None, p: Tensor, generator: torch.Generator | None) -> Verdict:
