@@ -12,6 +12,7 @@ d) Argument checks: prompts (text, bytes, token ids), `stop`, `seed`, `max_new_t
 from __future__ import annotations
 
 import gc
+import inspect
 import threading
 import weakref
 
@@ -316,3 +317,10 @@ def test_bad_options_are_refused_naming_them(pipe, option, value):
 def test_numpy_integers_are_integers(pipe):
     request = pipe.request("hi", max_new_tokens=np.int64(3), seed=np.uint64(7), top_k=np.int32(2))
     assert request.stopping.max_new_tokens == 3 and request.seed == 7 and request.sampling.top_k == 2
+
+
+def test_unknown_generate_options_are_named():
+    pipe = Pipeline(LoadedModel(tiny_model("llama", seed=0), tiny_tokenizer(), "tiny"), None)
+    with pytest.raises(UserError, match="unknown option 'max_tokens'; expected one of: max_new_tokens"):
+        pipe.generate("hello", max_tokens=5)
+    assert set(Pipeline.OPTIONS) == set(inspect.signature(Pipeline.request).parameters) - {"self", "prompt"}

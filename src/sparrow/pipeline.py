@@ -133,12 +133,17 @@ class Pipeline:
         """Speculative generation (plain decoding when the pipeline has no drafter)."""
         return self._run(prompt, options, self.drafter)
 
+    OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "chat", "video", "frames", "image")
+
     def generate_plain(self, prompt: PromptInput, **options) -> GenerationResult:
         """Plain autoregressive decoding of the same target: the oracle and the baseline."""
         return self._run(prompt, options, None)
 
     def _run(self, prompt: PromptInput, options: dict[str, Any], drafter: Drafter | None) -> GenerationResult:
         # The locks cover tokenizing and detokenizing too: the tokenizer is shared with every pipeline on the model.
+        unknown = sorted(set(options) - set(self.OPTIONS))
+        if unknown:
+            raise UserError(f"unknown option {unknown[0]!r}; expected one of: {', '.join(self.OPTIONS)}")
         with holding(self._stateful(drafter)):
             request = self.request(prompt, **options)
             generator = None
