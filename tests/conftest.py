@@ -21,14 +21,15 @@ CORPUS = [
 VOCAB = 320
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def tiny_tokenizer(vocab_size: int = VOCAB, eos: str = "<eos>", corpus: list[str] = CORPUS) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on `corpus` (another vocab_size / eos: a tokenizer of another model family)."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
 
 
 def tiny_model(arch: str, seed: int, vocab_size: int = VOCAB, num_layers: int = 2) -> torch.nn.Module:

@@ -228,18 +228,7 @@ def test_bench_run_writes_rows_report_and_plots(data, tokenizer, tmp_path, one_t
 
 def other_tokenizer(vocab_size: int = 288):
     """A byte-level BPE like conftest's, with another vocabulary size (a draft from another model family)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from conftest import CORPUS
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    return tiny_tokenizer(vocab_size, eos="</s>")
 
 
 @pytest.fixture

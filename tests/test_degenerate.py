@@ -14,11 +14,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
-from conftest import CORPUS, VOCAB, perturbed, tiny_gemma3, tiny_model
+from conftest import CORPUS, VOCAB, perturbed, tiny_gemma3, tiny_model, tiny_tokenizer
 from sparrow import attention_capture
 from sparrow.cached_model import CachedModel
 from sparrow.cli import app
@@ -167,13 +166,7 @@ def test_sparse_defaults_on_prompts_shorter_than_the_sinks(pair, prompt):
 
 def hello_tokenizer() -> PreTrainedTokenizerFast:
     """conftest's tiny tokenizer, trained so that "Hello" is one token (as in smollm2-135m's)."""
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([*CORPUS, *["Hello"] * 8], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    return tiny_tokenizer(corpus=[*CORPUS, *["Hello"] * 8])
 
 
 def test_cli_compare_with_sparse_on_a_one_token_prompt(tmp_path, monkeypatch):
