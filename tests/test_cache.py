@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import mmap
 import os
 import signal
@@ -25,7 +26,7 @@ import torch
 
 from conftest import tiny_model, tiny_tokenizer
 from sparrow import quantization as Q
-from sparrow.models import cache, list_presets, loading
+from sparrow.models import cache, list_presets, loading, presets
 from sparrow.models.presets import PRESETS
 
 PRESET = PRESETS["smollm2-135m"]  # only its name is used: the GGUF step is fake
@@ -46,7 +47,7 @@ def fake_gguf(log: Path, build_seconds: float = 0.0):
 
 def patch_preset_loading(patch, log: Path, build_seconds: float = 0.0) -> None:
     """`patch(obj, name, value)`: monkeypatch.setattr in a test, setattr in the worker."""
-    patch(loading, "gguf_path", lambda preset, cache_dir, report=None: Path("fake.gguf"))
+    patch(loading, "open_gguf", lambda preset, cache_dir, report=None: contextlib.nullcontext(Path("fake.gguf")))
     patch(loading, "_from_gguf", fake_gguf(log, build_seconds))
 
 
@@ -243,23 +244,99 @@ def test_an_unwritable_cache_falls_back_to_memory(preset_cache, expected, monkey
     assert builds(log) == 2
 
 
-def test_an_unwritable_cache_assembles_the_gguf_in_a_temporary_directory(preset_cache, expected, monkeypatch):
+@pytest.fixture
+def two_parts(tmp_path, monkeypatch) -> presets.Preset:
+    """A preset in two parts whose 'packages' are directories on sys.path."""
+    chunks = [b"GGUF" + bytes(range(256)) * 3, b"tail" * 100]
+    for i, chunk in enumerate(chunks, start=1):
+        data = tmp_path / "site" / f"sparrow_gguftest{i}" / "data"
+        data.mkdir(parents=True)
+        (data.parent / "__init__.py").write_text("")
+        (data / "part.bin").write_bytes(chunk)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return presets.Preset(name="twoparts", description="test", packages=(),
+                          parts=(("sparrow_gguftest1", "data/part.bin"), ("sparrow_gguftest2", "data/part.bin")),
+                          gguf_file="twoparts.gguf", sha256=hashlib.sha256(b"".join(chunks)).hexdigest(),
+                          size=sum(map(len, chunks)))
+
+
+def test_the_assembled_gguf_is_trusted_only_while_its_verified_identity_holds(two_parts, tmp_path):
+    messages: list[str] = []
+    path = presets.gguf_path(two_parts, tmp_path, report=messages.append)
+    marker = json.loads((path.parent / "twoparts.gguf.ok").read_text())
+    assert marker["sha256"] == two_parts.sha256 and marker["identity"] == cache.file_identity(path)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["twoparts.gguf", "twoparts.gguf.ok"]  # no temporaries
+
+    good = path.read_bytes()
+    with path.open("r+b") as f:  # same size, other bytes: the old marker trusted the size alone
+        f.write(b"XXXX")
+    messages.clear()
+    assert presets.gguf_path(two_parts, tmp_path, report=messages.append) == path and path.read_bytes() == good
+    assert any("damaged" in m and "assembling it again" in m for m in messages), messages
+
+    (path.parent / "twoparts.gguf.ok").write_text('{"sha256": "')  # torn (a writer without fsync + rename)
+    messages.clear()
+    assert presets.gguf_path(two_parts, tmp_path, report=messages.append) == path
+    assert any("verifying" in m for m in messages) and not any("assembling" in m for m in messages), messages
+
+
+def test_temporaries_of_a_dead_gguf_writer_are_swept(two_parts, tmp_path):
+    dead = subprocess.Popen(["true"])  # a pid that no longer runs
+    dead.wait()
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    for name in ("twoparts.gguf", "twoparts.gguf.ok"):
+        (gguf / f".{name}.{dead.pid}.tmp").write_bytes(b"half")
+    presets.gguf_path(two_parts, tmp_path)
+    assert sorted(p.name for p in gguf.iterdir()) == ["twoparts.gguf", "twoparts.gguf.ok"]
+
+
+def writable(directory: Path) -> bool:
+    try:
+        (directory / ".probe").touch()
+    except OSError:
+        return False
+    (directory / ".probe").unlink()
+    return True
+
+
+def test_an_unwritable_cache_assembles_the_gguf_in_a_temporary_directory(preset_cache, expected, two_parts,
+                                                                         monkeypatch):
     root, _ = preset_cache
-    asked: list[Path] = []
+    seen: list[tuple[Path, bool]] = []
 
-    def gguf_path(preset, cache_dir, report=None):  # as presets.gguf_path does on a read-only cache
-        asked.append(Path(cache_dir))
-        if Path(cache_dir) == root:
-            raise OSError(errno.EROFS, "Read-only file system", str(root / "gguf"))
-        assert Path(cache_dir).is_dir()
-        return Path("fake.gguf")
+    def from_gguf(path, dtype, device):
+        seen.append((path, hashlib.sha256(path.read_bytes()).hexdigest() == two_parts.sha256))
+        return tiny_model("llama", seed=0).to(dtype), tiny_tokenizer()
 
-    monkeypatch.setattr(loading, "gguf_path", gguf_path)
+    monkeypatch.setattr(loading, "open_gguf", presets.open_gguf)
+    monkeypatch.setattr(loading, "_from_gguf", from_gguf)
     messages: list[str] = []
     with read_only(root, monkeypatch):
-        assert digest(load(root, messages)) == expected
-    assert asked[0] == root and asked[1] != root and not asked[1].exists()  # the temporary one is gone
+        if writable(root):
+            pytest.skip("cannot make a directory unwritable here (root without chattr)")
+        model, _ = loading._load_preset(two_parts, torch.float32, torch.device("cpu"), root, messages.append)
+    assert digest(model) == expected
+    (path, verified), = seen
+    assert verified and not path.is_relative_to(root) and not path.exists()  # the temporary one is gone
     assert any("assembling it in" in m for m in messages), messages
+
+
+def test_a_read_only_cache_uses_a_verified_gguf_and_checks_a_single_part_in_place(two_parts, tmp_path,
+                                                                                  monkeypatch):
+    path = presets.gguf_path(two_parts, tmp_path)
+    one = presets.Preset(**{**two_parts.__dict__, "name": "onepart", "gguf_file": "part.bin",
+                            "parts": two_parts.parts[:1], "size": path.stat().st_size - 400,
+                            "sha256": hashlib.sha256(path.read_bytes()[:-400]).hexdigest()})
+    messages: list[str] = []
+    with read_only(tmp_path / "gguf", monkeypatch):
+        if writable(tmp_path / "gguf"):
+            pytest.skip("cannot make a directory unwritable here (root without chattr)")
+        assert presets.gguf_path(two_parts, tmp_path, report=messages.append) == path  # no write needed
+        assert messages == []
+        for _ in range(2):  # no marker can be recorded: checked on every call, and used
+            assert presets.gguf_path(one, tmp_path, report=messages.append).name == "part.bin"
+        assert sum("verifying" in m for m in messages) == 2 and any("could not record" in m for m in messages)
 
 
 def test_a_full_disk_keeps_the_model_built_in_memory(preset_cache, expected, monkeypatch):

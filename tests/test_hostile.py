@@ -211,6 +211,21 @@ def test_internal_errors_exit_1_with_traceback_and_a_bug_line(model_dir, error, 
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("rate", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_json_stays_strict_when_a_timer_gives_a_non_finite_figure(model_dir, rate, monkeypatch):
+    """A clock that reads 0 (or a rate gone wrong) must not print `Infinity`/`NaN`: those figures are null."""
+    from sparrow.types import GenerationResult, GenerationStats
+
+    monkeypatch.setattr(GenerationResult, "tokens_per_second", property(lambda self: rate))
+    monkeypatch.setattr(GenerationStats, "acceptance_rate", property(lambda self: rate))
+    result = invoke(gen("hi", "--json", "--compare"), model_dir)
+    assert result.exit_code == 0, result.output
+    record = strict_json(result.stdout)
+    assert record["tokens_per_second"] is None and record["baseline"]["tokens_per_second"] is None
+    assert record["speedup"] is None and record["acceptance_rate"] is None
+    assert record["identical"] is True and record["new_tokens"] == 4
+
+
 def test_debug_shows_the_traceback_of_a_user_error_and_keeps_exit_2(model_dir):
     result = invoke(("--debug", *gen("hi", "--temperature", "inf")), model_dir)
     assert result.exit_code == 2, result.output

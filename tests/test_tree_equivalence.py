@@ -126,3 +126,30 @@ def test_tree_drafter_backs_off_when_trees_do_not_pay(loaded_target, close_draft
     fixed = build_drafter("draft-model", loaded_target, close_draft, 8, adaptive=False, tree_budget=8)
     assert fixed.tree_policy is None  # --fixed: a tree every round
     run_all(Pipeline(loaded_target, fixed), Pipeline(loaded_target, None))
+
+
+@pytest.mark.parametrize("name,options", [
+    ("draft-model", {}), ("prompt-lookup", {}), ("layer-skip", {"skip_set": "mlp=1", "backoff": False}),
+    ("quantized-self", {"bits": "int8"}),
+], ids=["draft-model", "prompt-lookup", "layer-skip", "quantized-self"])
+def test_a_tree_budget_beyond_the_tokens_left_is_cut_to_them(loaded_target, close_draft, name, options):
+    """Near max_new_tokens the engine allows fewer draft tokens than the tree budget: every tree keeps at most
+    that many nodes (the best ones, still a tree), and the output is still plain greedy's."""
+    draft = close_draft if name == "draft-model" else None
+    drafter = build_drafter(name, loaded_target, draft, 8, tree_budget=24, tree_topk=4, tree_depth=8, **options)
+    sizes: list[tuple[int, int]] = []  # (nodes drafted, max_tokens allowed)
+    propose = drafter.propose
+
+    def recording(committed, max_tokens, *args):
+        result = propose(committed, max_tokens, *args)
+        sizes.append((result.tokens.numel(), max_tokens))
+        return result
+
+    drafter.propose = recording
+    pipe, plain = Pipeline(loaded_target, drafter), Pipeline(loaded_target, None)
+    for prompt in ("a b a c a b a d a b a c a b", "Paris is the capital of France. Paris is"):
+        for new in (1, 2, 3, 5, 8, 12):
+            expected = plain.generate_plain(prompt, max_new_tokens=new).token_ids
+            assert pipe.generate(prompt, max_new_tokens=new).token_ids == expected, (prompt, new)
+    assert all(nodes <= allowed for nodes, allowed in sizes), sizes
+    assert any(0 < nodes == allowed < 24 for nodes, allowed in sizes), sizes  # the cut was needed and made

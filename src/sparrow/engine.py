@@ -53,7 +53,9 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
         t0 = now(device, sync_timing)
         # 1. Draft a chain or a tree; never more nodes than the budget allows, since each round adds a target token.
         noise = at(generator, committed.numel())  # positional noise: offset 0 is the first draft position
-        draft = drafter.propose(committed, stopper.remaining - 1, sampling, noise)
+        max_tokens = stopper.remaining - 1
+        draft = drafter.propose(committed, max_tokens, sampling, noise)
+        assert draft.tokens.numel() <= max_tokens, (drafter.name, draft.tokens.numel(), max_tokens)
         t1 = now(device, sync_timing)
         # 2. Score: one target forward over [last committed token, *draft] -> [n + 1] rows.
         base = target.length

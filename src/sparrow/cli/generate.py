@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Annotated, Any, Optional
 
@@ -94,10 +95,21 @@ def generate(
         record["speedup"] = (result.tokens_per_second / baseline.tokens_per_second
                              if baseline.tokens_per_second > 0 else None)  # None: a run too short for the clock
     if as_json:
-        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.write(json.dumps(finite(record), allow_nan=False) + "\n")
         return
     typer.echo(result.text)
     err.print(summary(record, verify))
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (a rate whose timer read 0) replaced by None, so it is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(item) for item in value]
+    return value
 
 
 def check_numbers(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,

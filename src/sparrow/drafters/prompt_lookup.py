@@ -59,7 +59,7 @@ class PromptLookupDrafter:
         long copies get long drafts while spurious matches (code, free text) stop costing verify width.
         tree: merge the continuations of up to `tree.topk` different matches into one trie: the best match
         keeps the chain's length (the round cap), the others at most `tree.depth` tokens; at most
-        `tree.budget` nodes beyond the best match's."""
+        `tree.budget` nodes beyond the best match's, and never more than `propose`'s `max_tokens`."""
         if min_n < 1 or max_n < min_n:
             raise UserError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive)  # nearly free to draft: no back-off
@@ -82,7 +82,8 @@ class PromptLookupDrafter:
         depth = min(self.tree.depth, max_tokens)
         tokens, parents = merge_paths([found[0].tolist(), *(c[:depth].tolist() for c in found[1:])])
         self._first = found[0].numel()
-        size = max(self._first, min(tokens.numel(), self.tree.budget))  # creation order keeps it a tree
+        # Creation order keeps it a tree (a node after its parent); the best match (<= k <= max_tokens) stays whole.
+        size = min(max_tokens, max(self._first, min(tokens.numel(), self.tree.budget)))
         return Draft(tokens=tokens[:size].to(committed.device), parents=parents[:size].to(committed.device))
 
     def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,

@@ -7,7 +7,8 @@ draft probabilities along a path approximates the chance the target accepts the 
    a tree mask (each node sees the committed prefix and its own ancestors, at position = depth); every
    frontier node gets its top-k children, scored by cumulative log-probability; the best k of the k^2
    children are the next frontier. All children join the candidate pool.
-3. Reranking: the `budget` best candidates by cumulative score form the tree the target verifies.
+3. Reranking: the `budget` best candidates by cumulative score form the tree the target verifies (fewer
+   where the engine allows fewer draft tokens: near max_new_tokens).
    Scores never increase from parent to child, and ties go to the earlier (parent-first) node, so the
    best `budget` nodes are always a tree.
 Expansion stops early when no frontier node can beat the budget-th best candidate any more: its
@@ -57,17 +58,18 @@ def _log_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return S.probs(logits, sampling).log()
 
 
-def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sampling: SamplingConfig,
+def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_tokens: int, sampling: SamplingConfig,
                  min_prob: float = 0.0) -> tuple[Draft, int]:
     """An EAGLE-2 tree continuing `committed` ([c] int64), drafted by `draft` (a CachedModel-like object whose
     cache holds a proper prefix of `committed`). Leaves the draft cache holding all of `committed`.
-    Returns (a Draft with parents, at most `shape.budget` nodes, no deeper than `max_depth`; the number of
+    Returns (a Draft with parents, at most min(`shape.budget`, `max_tokens`) nodes, so no deeper than
+    `max_tokens` either (the engine's budget: tokens left before max_new_tokens); the number of
     draft forwards run). Expansion also stops once the best frontier path's draft probability is below
     `min_prob` (another level would cost a draft forward for too little expected gain; see policy.TreePolicy).
     """
     c = committed.numel()
     assert draft.length < c, (draft.length, c)
-    depth_cap = min(shape.depth, max_depth)
+    budget, depth_cap = min(shape.budget, max_tokens), min(shape.depth, max_tokens)
     logp = _log_probs(draft.forward(committed[draft.length:]).logits[-1], sampling)  # [vocab]
     tokens: list[Tensor] = []  # per level: [m] candidate tokens
     scores: list[Tensor] = []  # per level: [m] cumulative log-probs
@@ -85,8 +87,8 @@ def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sam
         flat_scores = torch.cat(scores)
         if min_prob > 0 and float(flat_scores[frontier].max()) < math.log(min_prob):
             break
-        if flat_scores.numel() >= shape.budget:  # can any frontier child still make the cut?
-            cut = flat_scores.topk(shape.budget).values[-1]
+        if flat_scores.numel() >= budget:  # can any frontier child still make the cut?
+            cut = flat_scores.topk(budget).values[-1]
             frontier = frontier[flat_scores[frontier] > cut]
         frontier = frontier[torch.isfinite(flat_scores[frontier])]
         if frontier.numel() == 0:
@@ -123,7 +125,7 @@ def dynamic_tree(draft, committed: Tensor, shape: TreeShape, max_depth: int, sam
     flat_scores, flat_tokens, flat_parents = torch.cat(scores), torch.cat(tokens), torch.cat(parents)
     finite = torch.isfinite(flat_scores).nonzero().flatten()
     order = torch.sort(-flat_scores[finite], stable=True).indices  # best first; ties: parent first
-    keep = finite[order[: shape.budget]].sort().values  # creation order: parents before children
+    keep = finite[order[:budget]].sort().values  # creation order: parents before children
     remap = torch.full((flat_scores.numel() + 1,), -1, dtype=torch.long, device=keep.device)
     remap[keep + 1] = torch.arange(keep.numel(), device=keep.device)  # global index + 1 -> kept index
     kept_parents = flat_parents[keep]

