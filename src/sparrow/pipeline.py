@@ -37,7 +37,7 @@ from sparrow.noise import PositionalNoise
 from sparrow.policy import follow_cost_curve
 from sparrow.quantization import check_quant_args, quantized_copy
 from sparrow.runner import runner_for
-from sparrow.stopping import Stopper
+from sparrow.stopping import OnText, Stopper
 from sparrow.text import clean_text
 from sparrow.types import GenerationResult, GenerationStats, Prompt
 from sparrow.verifiers import VERIFIERS, build_verifier
@@ -129,17 +129,21 @@ class Pipeline:
                              f"context of {context} tokens (at most {context - n} new tokens)")
         return Request(encoded, sampling, stopping, seed)
 
-    def generate(self, prompt: PromptInput, **options) -> GenerationResult:
-        """Speculative generation (plain decoding when the pipeline has no drafter)."""
-        return self._run(prompt, options, self.drafter)
+    def generate(self, prompt: PromptInput, *, on_text: OnText | None = None, **options) -> GenerationResult:
+        """Speculative generation (plain decoding when the pipeline has no drafter).
+
+        on_text: streaming; called after each round with the new final text (`sparrow.stopping`); the pieces
+        concatenated equal the result's text. Returning a finish reason from it ends the generation."""
+        return self._run(prompt, options, self.drafter, on_text)
 
     OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "chat", "video", "frames", "image")
 
-    def generate_plain(self, prompt: PromptInput, **options) -> GenerationResult:
+    def generate_plain(self, prompt: PromptInput, *, on_text: OnText | None = None, **options) -> GenerationResult:
         """Plain autoregressive decoding of the same target: the oracle and the baseline."""
-        return self._run(prompt, options, None)
+        return self._run(prompt, options, None, on_text)
 
-    def _run(self, prompt: PromptInput, options: dict[str, Any], drafter: Drafter | None) -> GenerationResult:
+    def _run(self, prompt: PromptInput, options: dict[str, Any], drafter: Drafter | None,
+             on_text: OnText | None = None) -> GenerationResult:
         # The locks cover tokenizing and detokenizing too: the tokenizer is shared with every pipeline on the model.
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
@@ -149,7 +153,7 @@ class Pipeline:
             generator = None
             if request.seed is not None:
                 generator = PositionalNoise(request.seed, self.runner.device)  # repeats however rounds are chunked
-            stopper = Stopper(request.stopping, self.tokenizer)
+            stopper = Stopper(request.stopping, self.tokenizer, on_text)
             start = time.perf_counter()
             try:
                 if drafter is not None:

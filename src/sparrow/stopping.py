@@ -16,11 +16,16 @@ make the unsettled tail, and with it the work per token, grow with the output:
   and every text token stands for at least one, so nothing before those can still change;
 * stop strings are searched only in the new text and the `longest - 1` settled characters before it,
   the only places where a match that was not there before can lie.
+
+Streaming (`on_text`): after each `push` (one round of the engine) the callback gets the text that is final:
+settled text, less a trailing part that could still grow into a stop string; when the generation ends, the
+rest of `text()`. The pieces concatenated equal `text()`: never a partial character, never (part of) a stop
+string. The callback may end the generation by returning a finish reason (a client gone, a timeout).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from transformers import PreTrainedTokenizerBase
 
@@ -32,12 +37,22 @@ KEEP_UNSETTLED = 4  # tokens kept unsettled when that limit forces a settlement 
 REPLACEMENT = "\ufffd"
 
 
+OnText = Callable[[str], "str | None"]
+"""Streaming callback: called once per push with the newly final text (possibly ""); returning a finish reason
+(e.g. "length") ends the generation after this push, None goes on."""
+
+
 class Stopper:
-    def __init__(self, config: StoppingConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-        if config.stop_strings and tokenizer is None:
-            raise UserError("stop strings need a tokenizer to decode the generated text")
+    def __init__(self, config: StoppingConfig, tokenizer: PreTrainedTokenizerBase | None = None,
+                 on_text: OnText | None = None) -> None:
+        if (config.stop_strings or on_text is not None) and tokenizer is None:
+            raise UserError("stop strings and streaming need a tokenizer to decode the generated text")
         self.config = config
         self.tokenizer = tokenizer
+        self.on_text = on_text
+        self._decoding = bool(config.stop_strings) or on_text is not None
+        self._pending = ""  # streaming: settled text not handed to on_text yet (it may start a stop string)
+        self._streamed = 0  # streaming: characters handed to on_text so far
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self._lookback = max((len(s) for s in config.stop_strings), default=1) - 1
@@ -67,11 +82,35 @@ class Stopper:
             token = int(token)
             self.tokens.append(token)
             kept.append(token)
-            if token in self.config.eos_token_ids or (self.config.stop_strings and self._stop_string_added(token)):
+            if token in self.config.eos_token_ids or (self._decoding and self._stop_string_added(token)):
                 self.finish_reason = "stop"
             elif self.remaining == 0:
                 self.finish_reason = "length"
+        if self.on_text is not None:
+            self._stream()
         return kept
+
+    def _stream(self) -> None:
+        """Hand on_text the text that is final now; at the end, the rest of text()."""
+        if not self.done:
+            cut = len(self._pending) - self._stop_prefix_length(self._pending)
+            new, self._pending = self._pending[:cut], self._pending[cut:]
+            self._streamed += len(new)
+            reason = self.on_text(new)
+            if reason is None:
+                return
+            self.finish_reason = reason
+        rest = self.text()[self._streamed:]  # the held and unsettled text (cut before a stop string)
+        self._streamed += len(rest)
+        self._pending = ""
+        self.on_text(rest)
+
+    def _stop_prefix_length(self, text: str) -> int:
+        """The length of the longest end of `text` that is the start of a stop string (it may still grow into one)."""
+        for n in range(min(len(text), self._lookback), 0, -1):
+            if any(s.startswith(text[-n:]) for s in self.config.stop_strings):
+                return n
+        return 0
 
     def text(self) -> str:
         """Decoded new text, cut before a stop string that ended the generation."""
@@ -82,11 +121,14 @@ class Stopper:
         return text if cut is None else text[:cut]
 
     def _stop_string_added(self, token: int) -> bool:
-        """Whether the output, now ending in `token`, contains a stop string (it did not before)."""
+        """Whether the output, now ending in `token`, contains a stop string (it did not before). Streaming keeps
+        the text this token settled, for on_text."""
         settled, unsettled = self._decode_next(token)
         found = self._find_stop(self._tail + settled + unsettled) is not None
         if settled and self._lookback:
             self._tail = (self._tail + settled)[-self._lookback:]
+        if self.on_text is not None:
+            self._pending += settled
         return found
 
     def _decode_next(self, token: int) -> tuple[str, str]:

@@ -9,6 +9,7 @@ import typer
 from sparrow.cli.bench import bench
 from sparrow.cli.generate import generate
 from sparrow.cli.models import models_app
+from sparrow.cli.serve import serve
 from sparrow.cli.tune import tune_app
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -22,6 +23,7 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Also print the tra
 
 app.command()(generate)
 app.command()(bench)
+app.command()(serve)
 app.add_typer(models_app, name="models")
 app.add_typer(tune_app, name="tune")
 

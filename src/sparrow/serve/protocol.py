@@ -1,0 +1,149 @@
+"""The OpenAI request bodies sparrow serves (pydantic), checked field by field with sparrow's own checks.
+
+Unknown fields are refused (HTTP 400 naming the field). OpenAI fields sparrow does not implement are accepted
+only at their neutral value (`presence_penalty: 0`, `logprobs: null`, ...), so a client that sends them by
+default still works. `top_k` is an extension (0 or -1: off, as in vLLM).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from sparrow.config import check_max_new_tokens, check_seed, check_temperature, check_top_k, check_top_p
+from sparrow.pipeline import stop_strings
+from sparrow.serve.scheduler import Work
+
+# Accepted only at these values (None always); anything else is "not supported".
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False,), "top_logprobs": (0,),
+    "logit_bias": ({},), "echo": (False,), "suffix": ("",), "best_of": (1,), "parallel_tool_calls": (False, True),
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class Sampling(Strict):
+    """The fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0  # OpenAI's default; 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # ignored
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return None if value is None else check_max_new_tokens(value, info.field_name)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        return check_temperature(value, "temperature")
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value: float) -> float:
+        return check_top_p(value, "top_p")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        return 0 if value == -1 else check_top_k(value, "top_k")
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int | None) -> int | None:
+        return check_seed(value, "seed")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stop_strings(value)  # non-empty strings
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"n must be 1 (one choice per request), got {value}")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "echo",
+                     "suffix", "best_of", "parallel_tool_calls", check_fields=False)
+    @classmethod
+    def _neutral(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value not in NEUTRAL[info.field_name]:
+            raise ValueError(f"{info.field_name} is not supported by sparrow serve (only "
+                             f"{' or '.join(map(repr, NEUTRAL[info.field_name]))}), got {value!r}")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def work(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
+             max_tokens: int | None) -> Work:
+        return Work(prompt=prompt, messages=messages, max_tokens=max_tokens, temperature=self.temperature,
+                    top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop_strings(self.stop))
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return None if value is None else check_max_new_tokens(value, info.field_name)
+
+    def to_work(self) -> Work:
+        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
+        return self.work(None, messages, self.max_completion_tokens or self.max_tokens)
+
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_work(self) -> Work:
+        return self.work(self.prompt, None, self.max_tokens or DEFAULT_COMPLETION_TOKENS)

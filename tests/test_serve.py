@@ -1,0 +1,400 @@
+"""`sparrow serve`: the OpenAI-compatible server around a tiny float32 model with a draft-model drafter.
+
+a) Streaming: the pieces the Stopper hands `on_text` concatenate to its text() for random token streams (broken
+   UTF-8, special tokens, stop strings), and no piece boundary ever exposes part of a stop string.
+b) The official `openai` client against a live uvicorn server on 127.0.0.1: chat and completion, streamed and
+   not (streamed == non-streamed), greedy output == `generate_plain` token for token, stop strings, seeds, usage
+   with speculative stats, errors (400 naming the field, 401, 404, 429) after which the server keeps serving.
+c) FastAPI's TestClient: /health is 503 until the model is loaded, /metrics, malformed bodies, a client that
+   disconnects mid-stream (its job ends at the next round), --timeout (finish_reason "length").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from conftest import perturbed, tiny_model, tiny_tokenizer
+from sparrow.cli import app as cli
+from sparrow.config import StoppingConfig
+from sparrow.drafters import build_drafter
+from sparrow.models import LoadedModel
+from sparrow.pipeline import Pipeline
+from sparrow.serve import Scheduler, create_app
+from sparrow.stopping import Stopper
+
+PROMPT = "def add(a, b):"
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "The quick brown fox"}]
+KEY = "sk-test"
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only cost time on a shared CPU
+
+
+class SpyPipeline(Pipeline):
+    """Records every result; `gate` (an Event) holds generations back, `round_delay` slows every round."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.results: list = []
+        self.gate: threading.Event | None = None
+        self.round_delay = 0.0
+        self.fail_next: BaseException | None = None  # raised by the next generation (a bug inside sparrow)
+
+    def generate(self, prompt, *, on_text=None, **options):
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+        if self.gate is not None:
+            assert self.gate.wait(30), "the test never opened the gate"
+
+        def slow(text: str):
+            time.sleep(self.round_delay)
+            return on_text(text)
+
+        result = super().generate(prompt, on_text=slow if on_text and self.round_delay else on_text, **options)
+        self.results.append(result)
+        return result
+
+
+@pytest.fixture(scope="module")
+def pipe(one_thread) -> SpyPipeline:
+    """Draft-model drafter on a perturbed copy: partial acceptance, so both accepted and rejected drafts."""
+    target = LoadedModel(model=tiny_model("llama", seed=0), tokenizer=tiny_tokenizer(), name="tiny")
+    draft = LoadedModel(model=perturbed(target.model, 0.3, seed=1), tokenizer=target.tokenizer, name="draft")
+    return SpyPipeline(target, build_drafter("draft-model", target, draft, 4))
+
+
+@pytest.fixture(autouse=True)
+def reset(pipe):
+    pipe.gate, pipe.round_delay, pipe.fail_next = None, 0.0, None
+    yield
+    pipe.gate, pipe.round_delay, pipe.fail_next = None, 0.0, None
+
+
+@contextlib.contextmanager
+def live_server(pipe: Pipeline, **options):
+    """uvicorn on 127.0.0.1 (a free port) in a thread; yields (base_url, scheduler) once /health is 200."""
+    api_key = options.pop("api_key", None)
+    scheduler = Scheduler(lambda: pipe, **options)
+    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, model_name="tiny", api_key=api_key),
+                                           log_level="warning"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.05)
+        yield url, scheduler
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(pipe):
+    with live_server(pipe, api_key=KEY, max_queue=4) as (url, _):
+        yield url
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+def metric(url: str, name: str) -> float:
+    """One sample's value from /metrics (0 if absent)."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split(" ")[1])
+    return 0.0
+
+
+def wait_for(condition, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def streamed(chunks, chat: bool) -> tuple[list[str], str | None, object]:
+    """(the non-empty text pieces, the finish reason, the usage) of a stream."""
+    pieces, finish, usage = [], None, None
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text = choice.delta.content if chat else choice.text
+            if text:
+                pieces.append(text)
+            finish = choice.finish_reason or finish
+    return pieces, finish, usage
+
+
+# --- a) the streaming hook ----------------------------------------------------------------------------------
+
+
+def test_streamed_pieces_concatenate_to_text_and_never_show_a_stop_string():
+    tokenizer = tiny_tokenizer()
+    rng = random.Random(0)
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n")["input_ids"]
+    special = tokenizer.convert_tokens_to_ids("<eos>")
+    for case in range(300):
+        tokens = [rng.choice(ids) if rng.random() < 0.6 else rng.randrange(320) for _ in range(rng.randrange(1, 40))]
+        tokens = [t for t in tokens if t != special or rng.random() < 0.5]
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        stop = ()
+        if case % 2 and len(text) > 3:  # a stop string cut from the text itself (so it fires), or one that never does
+            start = rng.randrange(len(text) - 2)
+            stop = (text[start:start + rng.randrange(1, 4)],) if case % 4 == 1 else ("never there",)
+        pieces: list[str] = []
+        stopper = Stopper(StoppingConfig(max_new_tokens=len(tokens), stop_strings=stop), tokenizer, pieces.append)
+        shown = []  # the text streamed so far, after each push
+        while not stopper.done:
+            stopper.push(tokens[len(stopper.tokens):len(stopper.tokens) + rng.randrange(1, 6)])
+            shown.append("".join(pieces))
+        final = stopper.text()
+        assert shown[-1] == final, (case, tokens, stop)
+        assert all(final.startswith(text) for text in shown)  # nothing streamed is ever taken back
+        assert not any(s in final for s in stop)
+
+
+def test_on_text_can_end_a_generation_with_its_finish_reason(pipe):
+    pieces: list[str] = []
+
+    def on_text(text: str):
+        pieces.append(text)
+        return "length" if len(pieces) == 3 else None
+
+    result = pipe.generate_plain(PROMPT, max_new_tokens=40, on_text=on_text)
+    assert result.finish_reason == "length" and len(result.token_ids) == 3  # plain decoding: one token per push
+    assert "".join(pieces) == result.text
+
+
+# --- b) the openai client against a live server ------------------------------------------------------------
+
+
+def test_greedy_completion_streamed_equals_non_streamed_equals_plain_decoding(client, pipe):
+    plain = pipe.generate_plain(PROMPT, max_new_tokens=40)
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0)
+    assert pipe.results[-1].token_ids == plain.token_ids  # token for token
+    assert full.choices[0].text == plain.text and full.choices[0].finish_reason == "length"
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True)
+    pieces, finish, _ = streamed(stream, chat=False)
+    assert pipe.results[-1].token_ids == plain.token_ids
+    assert "".join(pieces) == plain.text and finish == "length" and len(pieces) > 1
+    assert full.usage.prompt_tokens == len(pipe.tokenizer(PROMPT)["input_ids"])
+    assert full.usage.completion_tokens == 40 and full.usage.total_tokens == full.usage.prompt_tokens + 40
+
+
+def test_greedy_chat_streamed_equals_non_streamed_with_usage_and_speculative_stats(client, pipe):
+    full = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=48, temperature=0)
+    tokens = pipe.results[-1].token_ids
+    prompt = "system: You write Python.\nuser: The quick brown fox\nassistant:"  # no chat template: role lines
+    assert tokens == pipe.generate_plain(prompt, max_new_tokens=48).token_ids
+    message = full.choices[0].message
+    assert message.role == "assistant" and message.content == pipe.results[-1].text
+    spec = full.usage.speculative
+    assert spec["num_draft_tokens"] > 0 and spec["num_accepted_tokens"] > 0 and spec["num_drafts"] > 0
+    assert spec["mean_accepted_tokens"] > 1
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=48, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    pieces, finish, usage = streamed(stream, chat=True)
+    assert "".join(pieces) == message.content and finish == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens == 48
+    assert usage.speculative["num_accepted_tokens"] == spec["num_accepted_tokens"]
+
+
+def test_stop_strings_end_the_text_and_never_leak_into_chunks(client, pipe):
+    plain = pipe.generate_plain(PROMPT, max_new_tokens=40).text
+    stop = plain[12:15]
+    assert stop.strip() and plain.index(stop) >= 1
+    expected = plain[:plain.index(stop)]
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop, "zzz"])
+    assert full.choices[0].text == expected and full.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stop=stop,
+                                       stream=True)
+    pieces, finish, _ = streamed(stream, chat=False)
+    assert "".join(pieces) == expected and finish == "stop"
+    assert not any(stop in piece for piece in pieces)
+
+
+def test_seeded_sampling_repeats_and_equals_seeded_plain_decoding(client, pipe):
+    def sample(seed: int) -> str:
+        return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0.8, seed=seed,
+                                         top_p=0.95, extra_body={"top_k": 50}).choices[0].text
+
+    first, again, other = sample(3), sample(3), sample(4)
+    assert first == again != other
+    assert first == pipe.generate_plain(PROMPT, max_new_tokens=30, temperature=0.8, seed=3, top_p=0.95,
+                                        top_k=50).text
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0.8, seed=3,
+                                       top_p=0.95, extra_body={"top_k": 50}, stream=True)
+    assert "".join(streamed(stream, chat=False)[0]) == first
+
+
+def test_errors_have_openai_shape_and_the_server_keeps_serving(client, server):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=-1)
+    assert bad.value.body["param"] == "temperature" and "temperature" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, n=2)
+    assert bad.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as bad:  # over the context: found by the pipeline, still a 400
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5000)
+    assert bad.value.body["param"] == "max_tokens" and "context" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", messages=[])
+    assert bad.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=5)
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+    wrong = openai.OpenAI(base_url=f"{server}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="tiny", prompt=PROMPT, max_tokens=5)
+    assert httpx.get(f"{server}/v1/models").status_code == 401  # no key at all
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0).choices[0].text
+
+
+def test_a_bug_answers_500_and_the_server_keeps_serving(client, server, pipe):
+    pipe.fail_next = RuntimeError("boom")
+    with pytest.raises(openai.InternalServerError) as bug:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5)
+    assert bug.value.body["type"] == "internal_error" and "RuntimeError: boom" in bug.value.body["message"]
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5).usage.completion_tokens == 5
+
+
+def test_a_full_queue_answers_429(pipe):
+    pipe.gate = threading.Event()  # the worker holds the first request; one more may wait
+    with live_server(pipe, max_queue=1) as (url, _):
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+        answers: list[int] = []
+        waiting = [threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                             timeout=30).status_code))
+                   for _ in range(2)]
+        for thread, gauge in zip(waiting, ("sparrow:num_requests_running", "sparrow:num_requests_waiting")):
+            thread.start()  # the first one reaches the worker, the second one the queue
+            wait_for(lambda: metric(url, gauge) == 1)
+        full = httpx.post(f"{url}/v1/completions", json=body)
+        assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+        pipe.gate.set()
+        for thread in waiting:
+            thread.join(30)
+        assert answers == [200, 200]
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+
+
+# --- c) TestClient: loading, metrics, bodies, disconnects, timeouts ---------------------------------------
+
+
+def test_health_is_503_until_the_model_is_loaded(pipe):
+    loaded = threading.Event()
+
+    def load():
+        assert loaded.wait(30)
+        return pipe
+
+    with TestClient(create_app(Scheduler(load), model_name="tiny")) as http:
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "model_loading"
+        early = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert early.status_code == 503
+        loaded.set()
+        deadline = time.monotonic() + 10
+        while http.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_bad_bodies_are_400_naming_the_field(pipe):
+    with TestClient(create_app(Scheduler(lambda: pipe), model_name="tiny")) as http:
+        while http.get("/health").status_code != 200:
+            time.sleep(0.02)
+        cases = [({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"), ({"prompt": PROMPT, "max_tokens": "5"}, "max_tokens"),
+                 ({"prompt": PROMPT, "top_p": 0}, "top_p"), ({"prompt": PROMPT, "seed": -1}, "seed"),
+                 ({"prompt": PROMPT, "stop": [""]}, "stop"), ({"prompt": PROMPT, "bogus": 1}, "bogus"),
+                 ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"), ({"max_tokens": 3}, "prompt"),
+                 ({"prompt": ""}, "prompt"), ({"prompt": [1, 99999]}, "prompt"),
+                 ({"prompt": 5}, "prompt"), ({"prompt": PROMPT, "temperature": True}, "temperature"),
+                 ({"prompt": PROMPT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+                 ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+                 ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role")]
+        for body, param in cases:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            answer = http.post(path, json=body)
+            error = answer.json()["error"]
+            assert answer.status_code == 400 and error["param"] == param, (body, error)
+            assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        broken = http.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+        assert broken.status_code == 400 and broken.json()["error"]["code"] == "invalid_json"
+        assert http.get("/v1/nothing").status_code == 404
+        assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_metrics_count_requests_and_speculative_tokens(client, server):
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0)
+    text = httpx.get(f"{server}/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    for name in ("sparrow:spec_decode_num_drafts_total", "sparrow:spec_decode_num_draft_tokens_total",
+                 "sparrow:spec_decode_num_accepted_tokens_total", "sparrow:e2e_request_latency_seconds_count",
+                 "sparrow:time_to_first_token_seconds_count", "sparrow:generation_tokens_total"):
+        assert values[name] > 0, name
+    assert values["sparrow:num_requests_waiting"] == 0
+    assert values['sparrow:requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+
+
+def test_a_client_that_disconnects_mid_stream_ends_its_job_at_the_next_round(pipe):
+    pipe.round_delay = 0.02  # 1000 tokens would take seconds
+    with live_server(pipe) as (url, scheduler):
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as answer:
+            assert answer.status_code == 200
+            next(answer.iter_lines())
+        deadline = time.monotonic() + 10
+        while not pipe.results or pipe.results[-1].finish_reason != "cancelled":
+            assert time.monotonic() < deadline, "the job did not end"
+            time.sleep(0.02)
+        assert len(pipe.results[-1].token_ids) < 1000
+        pipe.round_delay = 0.0
+        after = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 3})
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+        failures = httpx.get(f"{url}/metrics").text
+        assert 'sparrow:request_failure_total{reason="cancelled"} 1.0' in failures
+
+
+def test_timeout_ends_a_request_with_finish_reason_length(pipe):
+    pipe.round_delay = 0.02
+    with TestClient(create_app(Scheduler(lambda: pipe, timeout=0.2), model_name="tiny")) as http:
+        while http.get("/health").status_code != 200:
+            time.sleep(0.02)
+        answer = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000, "temperature": 0}).json()
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert 0 < answer["usage"]["completion_tokens"] < 1000
+        assert answer["choices"][0]["text"] == pipe.results[-1].text
+
+
+def test_cli_serve_checks_its_flags_before_loading():
+    runner = CliRunner()
+    assert "--max-queue" in runner.invoke(cli, ["serve", "--help"]).output
+    for flags, needle in [(["--max-queue", "0"], "--max-queue"), (["--timeout", "0"], "--timeout"),
+                          (["--port", "70000"], "--port"), (["-k", "0"], "-k")]:
+        result = runner.invoke(cli, ["serve", *flags])
+        assert result.exit_code == 2 and needle in result.output, (flags, result.output)
