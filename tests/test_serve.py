@@ -398,3 +398,20 @@ def test_cli_serve_checks_its_flags_before_loading():
                           (["--port", "70000"], "--port"), (["-k", "0"], "-k")]:
         result = runner.invoke(cli, ["serve", *flags])
         assert result.exit_code == 2 and needle in result.output, (flags, result.output)
+
+
+def test_invalid_utf8_in_prompts_and_messages_is_replaced_as_in_the_cli():
+    """JSON may carry lone surrogates (\\udcff): decoded with U+FFFD, as sparrow.text does for every prompt, also
+    through a chat template (whose tokenizer call would otherwise fail with a TypeError: a 500)."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    chat_pipe = Pipeline(LoadedModel(tiny_model("llama", seed=0), tokenizer, "tiny-chat"), None)
+    with TestClient(create_app(Scheduler(lambda: chat_pipe), model_name="tiny")) as http:
+        while http.get("/health").status_code != 200:
+            time.sleep(0.02)
+        raw = b'"x\\udcffy"'  # a JSON string holding a lone surrogate (what argv gives for the byte 0xff)
+        for path, body in [("/v1/completions", b'{"prompt": %s, "max_tokens": 3, "temperature": 0}' % raw),
+                           ("/v1/chat/completions",
+                            b'{"messages": [{"role": "user", "content": %s}], "max_tokens": 3, "temperature": 0}' % raw)]:
+            answer = http.post(path, content=body, headers={"content-type": "application/json"})
+            assert answer.status_code == 200, answer.text

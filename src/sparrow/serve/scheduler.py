@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from sparrow.errors import UserError
 from sparrow.pipeline import Pipeline
 from sparrow.serve.metrics import Metrics
+from sparrow.text import clean_text
 from sparrow.types import GenerationResult
 
 log = logging.getLogger("sparrow.serve")
@@ -227,8 +228,9 @@ def prompt_ids(pipe: Pipeline, work: Work) -> list[int]:
         assert work.prompt is not None
         return pipe.encode(work.prompt).input_ids.tolist()
     tokenizer = pipe.tokenizer
+    messages = [{**m, "content": clean_text(m["content"], "messages.content")} for m in work.messages]  # as prompts
     if tokenizer.chat_template:
-        return list(tokenizer.apply_chat_template(work.messages, add_generation_prompt=True, tokenize=True,
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in work.messages) + "assistant:"
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return pipe.encode(text).input_ids.tolist()
