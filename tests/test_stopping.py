@@ -110,20 +110,26 @@ def test_stop_strings_decode_a_bounded_tail_per_token(tokenizer):
     assert max(counting.decoded) <= 4 and sum(counting.decoded) <= 4 * len(ids)
 
 
+def assert_stops_where_full_decoding_would(tokenizer, ids: list[int], data, longest_stop: int) -> None:
+    """Draw a stop string from the decoded `ids` (up to `longest_stop` characters); pushing `ids` one by one, the
+    Stopper must stop at the first token whose full decode contains it (or not at all)."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    start = data.draw(st.integers(0, max(0, len(text) - 1)))
+    stop = text[start : start + data.draw(st.integers(1, longest_stop))] or "x"
+    expected = next((i for i in range(1, len(ids) + 1)
+                     if stop in tokenizer.decode(ids[:i], skip_special_tokens=True)), None)
+    stopper = Stopper(StoppingConfig(max_new_tokens=len(ids) + 1, stop_strings=(stop,)), tokenizer)
+    for token in ids:
+        stopper.push([token])
+    assert (len(stopper.tokens) if stopper.finish_reason == "stop" else None) == expected
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), st.data())
 def test_stop_strings_stop_where_decoding_everything_would(tokenizer, ids, data):
     """Random tokens (incomplete UTF-8 characters and special tokens included): the stop fires at the first
     token whose full decode contains a stop string, as if the whole output were decoded at every token."""
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    start = data.draw(st.integers(0, max(0, len(text) - 1)))
-    stop = text[start : start + data.draw(st.integers(1, 4))] or "x"
-    expected = next((i for i in range(1, len(ids) + 1)
-                     if stop in tokenizer.decode(ids[:i], skip_special_tokens=True)), None)
-    stopper = Stopper(StoppingConfig(max_new_tokens=100, stop_strings=(stop,)), tokenizer)
-    for token in ids:
-        stopper.push([token])
-    assert (len(stopper.tokens) if stopper.finish_reason == "stop" else None) == expected
+    assert_stops_where_full_decoding_would(tokenizer, ids, data, longest_stop=4)
 
 
 def byte_tokens(tokenizer) -> list[int]:
@@ -190,12 +196,4 @@ def test_stop_strings_exact_over_long_runs_of_broken_bytes(tokenizer, data):
     settled early: the stop still fires where decoding the whole output after every token would."""
     pool = byte_tokens(tokenizer) + [tokenizer.eos_token_id] * 20 + list(range(VOCAB - 40, VOCAB))
     ids = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=120))
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    start = data.draw(st.integers(0, max(0, len(text) - 1)))
-    stop = text[start : start + data.draw(st.integers(1, 5))] or "x"
-    expected = next((i for i in range(1, len(ids) + 1)
-                     if stop in tokenizer.decode(ids[:i], skip_special_tokens=True)), None)
-    stopper = Stopper(StoppingConfig(max_new_tokens=200, stop_strings=(stop,)), tokenizer)
-    for token in ids:
-        stopper.push([token])
-    assert (len(stopper.tokens) if stopper.finish_reason == "stop" else None) == expected
+    assert_stops_where_full_decoding_would(tokenizer, ids, data, longest_stop=5)
