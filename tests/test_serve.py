@@ -165,10 +165,15 @@ def test_streamed_pieces_concatenate_to_text_and_never_show_a_stop_string():
         pieces: list[str] = []
         stopper = Stopper(StoppingConfig(max_new_tokens=len(tokens), stop_strings=stop), tokenizer, pieces.append)
         shown = []  # the text streamed so far, after each push
+        mode = case % 3  # the rounds' tokens: all drafted, none drafted, or a random prefix of each round
         while not stopper.done:
-            stopper.push(tokens[len(stopper.tokens):len(stopper.tokens) + rng.randrange(1, 6)])
+            block = tokens[len(stopper.tokens):len(stopper.tokens) + rng.randrange(1, 6)]
+            stopper.push(block, drafted=[len(block), 0, rng.randrange(len(block) + 1)][mode])
             shown.append("".join(pieces))
         final = stopper.text()
+        for piece in pieces:  # provenance runs cover each piece exactly
+            assert "".join(text for text, _ in piece.spans) == piece
+            assert mode == 2 or all(drafted == (mode == 0) for _, drafted in piece.spans), (case, piece.spans)
         assert shown[-1] == final, (case, tokens, stop)
         assert all(final.startswith(text) for text in shown)  # nothing streamed is ever taken back
         assert not any(s in final for s in stop)

@@ -71,6 +71,6 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
         steps.append(step)
         # 5. Feedback: the target's outputs for the committed rows [root, *path] and the round's timings.
         drafter.observe(draft, verdict, out.rows(torch.cat([nodes.new_zeros(1), nodes + 1])), step)
-        stopper.push(verdict.tokens.tolist())  # EOS / stop string / length cut inside the block
+        stopper.push(verdict.tokens.tolist(), verdict.num_accepted)  # EOS / stop string / length cut inside the block
     return Decoded(list(stopper.tokens), stopper.finish_reason or "length",
                    GenerationStats.from_steps(steps, prefill_seconds))

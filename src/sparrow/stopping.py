@@ -21,6 +21,9 @@ Streaming (`on_text`): after each `push` (one round of the engine) the callback 
 settled text, less a trailing part that could still grow into a stop string; when the generation ends, the
 rest of `text()`. The pieces concatenated equal `text()`: never a partial character, never (part of) a stop
 string. The callback may end the generation by returning a finish reason (a client gone, a timeout).
+Each piece is a `Streamed` str that also says which of its characters came from accepted draft tokens
+(`push(tokens, drafted=n)`: the first n tokens of the round were drafted; the rest the target produced).
+A token's characters are those its decoding settled, so a character split over tokens counts for the last.
 """
 
 from __future__ import annotations
@@ -35,6 +38,19 @@ from sparrow.errors import UserError
 MAX_UNSETTLED = 8  # tokens decoded again and again while their text may still change
 KEEP_UNSETTLED = 4  # tokens kept unsettled when that limit forces a settlement (>= the bytes of one character)
 REPLACEMENT = "\ufffd"
+
+
+class Streamed(str):
+    """A piece of streamed text, and its runs by provenance: `spans` are (text, drafted) pairs that concatenate
+    to the piece; drafted = the characters came from draft tokens the target accepted."""
+
+    spans: tuple[tuple[str, bool], ...]
+
+    def __new__(cls, text: str, spans: tuple[tuple[str, bool], ...] = ()) -> Streamed:
+        piece = super().__new__(cls, text)
+        piece.spans = spans if spans or not text else ((text, False),)
+        assert "".join(t for t, _ in piece.spans) == text, (text, piece.spans)
+        return piece
 
 
 OnText = Callable[[str], "str | None"]
@@ -53,6 +69,8 @@ class Stopper:
         self._decoding = bool(config.stop_strings) or on_text is not None
         self._pending = ""  # streaming: settled text not handed to on_text yet (it may start a stop string)
         self._streamed = 0  # streaming: characters handed to on_text so far
+        self._marks: list[list] = []  # streaming: [characters, drafted] runs covering _pending
+        self._last_drafted = False  # streaming: whether the last pushed token was drafted
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self._lookback = max((len(s) for s in config.stop_strings), default=1) - 1
@@ -73,15 +91,18 @@ class Stopper:
     def remaining(self) -> int:
         return self.config.max_new_tokens - len(self.tokens)
 
-    def push(self, tokens: Iterable[int]) -> list[int]:
-        """Append tokens one at a time until a rule fires. Returns the tokens actually kept."""
+    def push(self, tokens: Iterable[int], drafted: int = 0) -> list[int]:
+        """Append tokens one at a time until a rule fires. Returns the tokens actually kept.
+
+        drafted: how many of `tokens` (the first ones) were accepted draft tokens, for the streamed spans."""
         kept: list[int] = []
-        for token in tokens:
+        for i, token in enumerate(tokens):
             if self.done:
                 break
             token = int(token)
             self.tokens.append(token)
             kept.append(token)
+            self._last_drafted = i < drafted
             if token in self.config.eos_token_ids or (self._decoding and self._stop_string_added(token)):
                 self.finish_reason = "stop"
             elif self.remaining == 0:
@@ -96,14 +117,33 @@ class Stopper:
             cut = len(self._pending) - self._stop_prefix_length(self._pending)
             new, self._pending = self._pending[:cut], self._pending[cut:]
             self._streamed += len(new)
-            reason = self.on_text(new)
+            reason = self.on_text(Streamed(new, self._take_spans(new)))
             if reason is None:
                 return
             self.finish_reason = reason
         rest = self.text()[self._streamed:]  # the held and unsettled text (cut before a stop string)
         self._streamed += len(rest)
         self._pending = ""
-        self.on_text(rest)
+        unsettled = len(rest) - sum(n for n, _ in self._marks)
+        if unsettled > 0:  # text no token settled yet: the last token's
+            self._marks.append([unsettled, self._last_drafted])
+        self.on_text(Streamed(rest, self._take_spans(rest)))
+
+    def _take_spans(self, text: str) -> tuple[tuple[str, bool], ...]:
+        """The (text, drafted) runs of `text`, the start of what the marks cover; those marks are consumed."""
+        spans, at = [], 0
+        while at < len(text) and self._marks:
+            n, drafted = self._marks[0]
+            take = min(n, len(text) - at)
+            spans.append((text[at:at + take], drafted))
+            at += take
+            if take == n:
+                self._marks.pop(0)
+            else:
+                self._marks[0][0] -= take
+        if at < len(text):
+            spans.append((text[at:], self._last_drafted))
+        return tuple(spans)
 
     def _stop_prefix_length(self, text: str) -> int:
         """The length of the longest end of `text` that is the start of a stop string (it may still grow into one)."""
@@ -127,8 +167,12 @@ class Stopper:
         found = self._find_stop(self._tail + settled + unsettled) is not None
         if settled and self._lookback:
             self._tail = (self._tail + settled)[-self._lookback:]
-        if self.on_text is not None:
+        if self.on_text is not None and settled:
             self._pending += settled
+            if self._marks and self._marks[-1][1] == self._last_drafted:
+                self._marks[-1][0] += len(settled)
+            else:
+                self._marks.append([len(settled), self._last_drafted])
         return found
 
     def _decode_next(self, token: int) -> tuple[str, str]:

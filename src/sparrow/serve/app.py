@@ -135,7 +135,8 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
             raise failure(first)
         shape = Shape(model_name, chat)
         if body.stream:
-            return StreamingResponse(stream(job, first, shape, body.include_usage), media_type="text/event-stream")
+            return StreamingResponse(stream(job, first, shape, body.include_usage, body.spans),
+                                     media_type="text/event-stream")
         event = first
         try:
             while not isinstance(event, Finished):
@@ -160,16 +161,25 @@ async def next_event(job: Job, request: Request):
                 raise ClientGone() from None
 
 
-async def stream(job: Job, first: Text | Finished, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+async def stream(job: Job, first: Text | Finished, shape: Shape, include_usage: bool,
+                 spans: bool = False) -> AsyncIterator[str]:
     """Server-sent events: a role chunk (chat), one chunk per non-empty Text, a last chunk with the finish reason,
-    a usage chunk (with stream_options.include_usage), then `[DONE]`. A client that goes away cancels the job."""
+    a usage chunk (with stream_options.include_usage), then `[DONE]`. A client that goes away cancels the job.
+    spans: each text chunk also carries `sparrow`: {"spans": [[text, drafted], ...], "completion_tokens",
+    "num_draft_tokens", "num_accepted_tokens"} (the request's totals so far)."""
     try:
         if shape.chat:
             yield shape.sse(shape.chunk({"role": "assistant", "content": ""}, None, include_usage))
         event: Any = first
         while True:
             if isinstance(event, Text) and event.text:
-                yield shape.sse(shape.chunk(event.text, None, include_usage))
+                chunk = shape.chunk(event.text, None, include_usage)
+                if spans:
+                    chunk["sparrow"] = {"spans": [list(s) for s in event.spans],
+                                        "completion_tokens": event.completion_tokens,
+                                        "num_draft_tokens": event.num_draft_tokens,
+                                        "num_accepted_tokens": event.num_accepted_tokens}
+                yield shape.sse(chunk)
             elif isinstance(event, Finished):
                 yield shape.sse(shape.chunk("", event.result.finish_reason, include_usage))
                 if include_usage:

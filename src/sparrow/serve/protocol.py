@@ -2,7 +2,8 @@
 
 Unknown fields are refused (HTTP 400 naming the field). OpenAI fields sparrow does not implement are accepted
 only at their neutral value (`presence_penalty: 0`, `logprobs: null`, ...), so a client that sends them by
-default still works. `top_k` is an extension (0 or -1: off, as in vLLM).
+default still works. Extensions: `top_k` (0 or -1: off, as in vLLM); `spans` (streamed chunks carry a
+`sparrow` object: the chunk's text as (text, drafted) runs and the request's token counts so far).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # ignored
+    spans: bool = False  # sparrow's extension: provenance of streamed text (see the module doc)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -118,7 +120,8 @@ class Sampling(Strict):
     def work(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
              max_tokens: int | None) -> Work:
         return Work(prompt=prompt, messages=messages, max_tokens=max_tokens, temperature=self.temperature,
-                    top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop_strings(self.stop))
+                    top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop_strings(self.stop),
+                    spans=self.spans)
 
 
 class ChatCompletionRequest(Sampling):

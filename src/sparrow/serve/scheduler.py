@@ -46,6 +46,7 @@ class Work:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    spans: bool = False  # stream which characters came from accepted draft tokens (the playground's colours)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class Text:
     """New final text of a running job (possibly empty: the first one also says the job has started)."""
 
     text: str
+    spans: tuple[tuple[str, bool], ...] = ()  # (text, drafted) runs that concatenate to `text`
+    completion_tokens: int = 0  # the job's totals so far
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,7 @@ class Scheduler:
             if first:
                 self.metrics.time_to_first_token.observe(time.perf_counter() - job.received)
                 first = False
-            job.emit(Text(text))
+            job.emit(Text(text, getattr(text, "spans", ())))
             if job.cancelled or self._stopping.is_set():
                 return CANCELLED
             if self.timeout is not None and time.perf_counter() - started > self.timeout:
