@@ -49,7 +49,7 @@ class SpyPipeline(Pipeline):
         self.round_delay = 0.0
         self.fail_next: BaseException | None = None  # raised by the next generation (a bug inside sparrow)
 
-    def generate(self, prompt, *, on_text=None, **options):
+    def sequence(self, prompt, *, on_text=None, **options):  # what the server's batches run
         if self.fail_next is not None:
             error, self.fail_next = self.fail_next, None
             raise error
@@ -60,7 +60,10 @@ class SpyPipeline(Pipeline):
             time.sleep(self.round_delay)
             return on_text(text)
 
-        result = super().generate(prompt, on_text=slow if on_text and self.round_delay else on_text, **options)
+        return super().sequence(prompt, on_text=slow if on_text and self.round_delay else on_text, **options)
+
+    def result(self, generation):
+        result = super().result(generation)
         self.results.append(result)
         return result
 
@@ -222,7 +225,8 @@ def test_greedy_chat_streamed_equals_non_streamed_with_usage_and_speculative_sta
     pieces, finish, usage = streamed(stream, chat=True)
     assert "".join(pieces) == message.content and finish == full.choices[0].finish_reason
     assert usage.completion_tokens == full.usage.completion_tokens == 48
-    assert usage.speculative["num_accepted_tokens"] == spec["num_accepted_tokens"]
+    # the draft lengths follow measured costs (they may differ between the two requests), the text does not
+    assert 0 < usage.speculative["num_accepted_tokens"] <= usage.speculative["num_draft_tokens"]
 
 
 def test_stop_strings_end_the_text_and_never_leak_into_chunks(client, pipe):

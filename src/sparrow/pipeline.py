@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from sparrow.baseline import plain_decode
+from sparrow.batch import Generation, fork_drafter
 from sparrow.config import (SamplingConfig, StoppingConfig, check_max_new_tokens, check_seed, check_temperature,
                             check_top_k, check_top_p)
 from sparrow.drafters.base import Drafter
@@ -64,6 +65,7 @@ class Pipeline:
         self.drafter = drafter
         self.verifier = verifier
         self._found: tuple[Drafter, list[object]] | None = None  # the drafter, and what a generation with it changes
+        self._forks: list[Drafter] = []  # idle copies of the drafter for batched sequences (`sequence`)
         self._stateful(drafter)  # now, while no other thread can be changing the drafter
         if verifier not in ("auto", *VERIFIERS):
             raise UserError(f"unknown verifier {verifier!r}; expected one of: auto, {', '.join(VERIFIERS)}")
@@ -171,6 +173,38 @@ class Pipeline:
             seconds = time.perf_counter() - start
             return GenerationResult(token_ids=decoded.token_ids, text=stopper.text(),
                                     finish_reason=decoded.finish_reason, seconds=seconds, stats=decoded.stats)
+
+    def sequence(self, prompt: PromptInput, *, on_text: OnText | None = None, plain: bool = False,
+                 **options) -> Generation:
+        """A generation to run in a `sparrow.batch.Batch` (the same options as `generate`): its own cache over
+        the target, and a copy of the drafter that shares its models (None with plain=True). Give it back with
+        `release` once it finished; `result` turns it into a GenerationResult."""
+        unknown = sorted(set(options) - set(self.OPTIONS))
+        if unknown:
+            raise UserError(f"unknown option {unknown[0]!r}; expected one of: {', '.join(self.OPTIONS)}")
+        with holding(self._stateful(self.drafter)):
+            request = self.request(prompt, **options)
+            drafter = verifier = None
+            if self.drafter is not None and not plain:
+                drafter = self._forks.pop() if self._forks else fork_drafter(self.drafter)
+                verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
+        generator = PositionalNoise(request.seed, self.runner.device) if request.seed is not None else None
+        return Generation(runner_for(self.target.model), drafter, verifier, request.prompt, request.sampling,
+                        Stopper(request.stopping, self.tokenizer, on_text), generator)
+
+    def release(self, seq: Generation) -> None:
+        """Take back a finished (or dropped) sequence's drafter for the next one."""
+        seq.target.cache = None
+        if seq.drafter is not None:
+            self._forks.append(seq.drafter)
+            seq.drafter = None
+
+    def result(self, seq: Generation) -> GenerationResult:
+        decoded = seq.decoded()
+        with holding([self.target.model]):  # the tokenizer is shared with every pipeline on the model
+            text = seq.stopper.text()
+        return GenerationResult(token_ids=decoded.token_ids, text=text, finish_reason=decoded.finish_reason,
+                                seconds=time.perf_counter() - seq.started, stats=decoded.stats)
 
     def _stateful(self, drafter: Drafter | None) -> list[object]:
         """stateful_objects of the target and `drafter`, found once per drafter (drafters get their models

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sparrow.types import GenerationResult
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 
 
@@ -30,6 +31,9 @@ class Metrics:
         self.time_to_first_token = Histogram("sparrow:time_to_first_token_seconds",
                                              "Seconds from receiving a request to its first token",
                                              buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("sparrow:inter_token_latency_seconds",
+                                             "Seconds between a request's tokens (a round's tokens share its time)",
+                                             buckets=ITL_BUCKETS, registry=r)
         self.queue_depth = Gauge("sparrow:num_requests_waiting", "Requests waiting in the queue", registry=r)
         self.running = Gauge("sparrow:num_requests_running", "Requests generating now", registry=r)
         self.prompt_tokens = Counter("sparrow:prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -41,6 +45,9 @@ class Metrics:
                                         registry=r)
         self.num_accepted_tokens = Counter("sparrow:spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                            registry=r)
+        self.accepted_per_position = Counter("sparrow:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft (0 = first)",
+                                             ["position"], registry=r)
 
     def finished(self, result: GenerationResult, prompt_tokens: int, seconds: float) -> None:
         stats = result.stats
@@ -51,6 +58,8 @@ class Metrics:
         self.num_drafts.inc(num_drafts(result))
         self.num_draft_tokens.inc(stats.num_draft_tokens)
         self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        for position, accepted in enumerate(stats.accepted_per_position):
+            self.accepted_per_position.labels(position=str(position)).inc(accepted)
 
 
 def num_drafts(result: GenerationResult) -> int:

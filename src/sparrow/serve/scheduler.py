@@ -1,9 +1,11 @@
 """Scheduler: the one owner of the pipeline. Requests wait in a bounded queue; one worker thread loads the model,
-then runs them one at a time and reports each request's progress as events.
+then decodes them in batches and reports each request's progress as events.
 
 The HTTP layer (`sparrow.serve.app`) only submits `Job`s and reads their events on its event loop; it never
-touches the pipeline. Batched speculative decoding (issue 13, next slice) replaces `_run_one` with a loop that
-admits several jobs per step; the queue, `Job` and the events stay as they are.
+touches the pipeline. Continuous batching (`sparrow.batch`): between two steps, waiting jobs join the batch (up
+to `max_batch`) and finished ones leave; each step drafts for every running job and verifies all drafts in one
+target forward, and the draft budget shrinks as the batch grows (`BatchPolicy`). Models batching does not
+support (sliding-window layers, M-RoPE VLMs) run one job at a time.
 
 Streaming: the pipeline's `on_text` hook (`sparrow.stopping`) hands the worker the text that is final after each
 round (no partial character, nothing that may still become a stop string); the worker forwards it as `Text`
@@ -22,7 +24,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sparrow.batch import Batch, BatchPolicy, Generation, measure_batch_cost, supports_batching
 from sparrow.errors import UserError
+from sparrow.locks import holding
 from sparrow.pipeline import Pipeline
 from sparrow.serve.metrics import Metrics
 from sparrow.text import clean_text
@@ -120,9 +124,13 @@ class Scheduler:
     """Loads the pipeline on its worker thread, then runs queued jobs one at a time (see the module doc)."""
 
     def __init__(self, load: Callable[[], Pipeline], *, max_queue: int = 32, timeout: float | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, max_batch: int = 8, policy: BatchPolicy | None = None) -> None:
         if max_queue < 1:
             raise UserError(f"max_queue must be >= 1, got {max_queue}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise UserError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.max_batch = max_batch
+        self.policy = policy or BatchPolicy()
         if timeout is not None and not timeout > 0:
             raise UserError(f"timeout must be > 0 seconds, got {timeout}")
         self.metrics = metrics or Metrics()
@@ -169,6 +177,93 @@ class Scheduler:
             if self.on_load_error is not None:
                 self.on_load_error(e)
             return
+        why_not = supports_batching(self.pipeline.target.model)
+        if why_not is not None:
+            log.warning("requests run one at a time: batching does not support this model (%s)", why_not)
+            self._serve_one_at_a_time()
+            return
+        self._serve_batched()
+
+    def _serve_batched(self) -> None:
+        """Continuous batching: between steps, jobs join (up to max_batch) and finished ones leave."""
+        pipe = self.pipeline
+        assert pipe is not None
+        if not self.policy.verify.known:  # the verify line's first points, before any request waits on them
+            with holding(pipe.models()):
+                self.policy.seed(measure_batch_cost(pipe.target.model, vocab=len(pipe.tokenizer)))
+        batch = Batch(pipe.target.model, self.policy)
+        running: dict[int, Running] = {}  # id(generation) -> its job
+        while not self._stopping.is_set():
+            self._admit(batch, running)
+            if not running:
+                continue
+            try:
+                with holding(pipe.models()):
+                    finished = batch.step()
+            except Exception as e:  # a bug: every running job fails, the server goes on
+                log.exception("a batch step failed")
+                for run in running.values():
+                    batch.remove(run.generation)
+                    self._fail(run.job, e)
+                    pipe.release(run.generation)
+                running.clear()
+                continue
+            for generation in finished:  # a job whose client left finished too ("cancelled", at its round)
+                self._finish(running.pop(id(generation)))
+            self.metrics.running.set(len(running))
+        for run in running.values():
+            pipe.release(run.generation)
+
+    def _admit(self, batch: Batch, running: dict[int, Running]) -> None:
+        """Start waiting jobs while the batch has room (waiting for one when nothing runs)."""
+        pipe = self.pipeline
+        assert pipe is not None
+        while len(running) < self.max_batch and not self._stopping.is_set():
+            try:
+                job = self._queue.get(timeout=POLL_SECONDS) if not running else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job.cancelled:
+                continue
+            self.metrics.running.set(len(running) + 1)
+            run = Running(job, self)
+            try:
+                ids = prompt_ids(pipe, job.work)
+                run.prompt_tokens = len(ids)
+                generation = pipe.sequence(ids, on_text=run.on_text, **options(pipe, job.work, len(ids)))
+                run.generation = generation
+                with holding(pipe.models()):
+                    batch.add(generation)  # prefill; the first token may already finish it
+            except Exception as e:
+                self._fail(job, e)
+                if run.generation is not None:
+                    batch.remove(run.generation)
+                    pipe.release(run.generation)
+                continue
+            if generation.done:
+                self._finish(run)
+            else:
+                running[id(generation)] = run
+            self.metrics.running.set(len(running))
+
+    def _finish(self, run: Running) -> None:
+        pipe = self.pipeline
+        assert pipe is not None and run.generation is not None
+        result = pipe.result(run.generation)
+        pipe.release(run.generation)
+        if result.finish_reason == CANCELLED:
+            self.metrics.request_failure.labels(reason="cancelled").inc()
+            return
+        self.metrics.finished(result, run.prompt_tokens, time.perf_counter() - run.job.received)
+        run.job.emit(Finished(result, run.prompt_tokens, run.timed_out))
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        if not isinstance(error, UserError):
+            log.error("request failed", exc_info=error)
+        self.metrics.request_failure.labels(reason="bad_request" if isinstance(error, UserError) else "error").inc()
+        job.emit(Failed(error))
+
+    def _serve_one_at_a_time(self) -> None:
         while not self._stopping.is_set():
             try:
                 job = self._queue.get(timeout=POLL_SECONDS)
@@ -182,45 +277,66 @@ class Scheduler:
                     self.metrics.running.set(0)
 
     def _run_one(self, job: Job) -> None:
-        """Generate one job, emitting Text events each round, then Finished or Failed."""
-        pipe, work = self.pipeline, job.work
+        """Generate one job alone (models batching does not support), emitting the same events."""
+        pipe = self.pipeline
         assert pipe is not None
-        started = time.perf_counter()
-        first = True
-        timed_out = False
-
-        def on_text(text: str) -> str | None:
-            nonlocal first, timed_out
-            if first:
-                self.metrics.time_to_first_token.observe(time.perf_counter() - job.received)
-                first = False
-            job.emit(Text(text, getattr(text, "spans", ())))
-            if job.cancelled or self._stopping.is_set():
-                return CANCELLED
-            if self.timeout is not None and time.perf_counter() - started > self.timeout:
-                timed_out = True
-                return "length"
-            return None
-
+        run = Running(job, self)
         try:
-            ids = prompt_ids(pipe, work)
-            max_tokens = work.max_tokens
-            context = pipe.runner.context_length
-            if max_tokens is None:  # the rest of the context (Pipeline.request refuses a prompt that fills it)
-                max_tokens = max(1, context - len(ids)) if context is not None else DEFAULT_MAX_TOKENS
-            result = pipe.generate(ids, max_new_tokens=max_tokens, temperature=work.temperature, top_k=work.top_k,
-                                   top_p=work.top_p, seed=work.seed, stop=work.stop, on_text=on_text)
+            ids = prompt_ids(pipe, job.work)
+            run.prompt_tokens = len(ids)
+            result = pipe.generate(ids, on_text=run.on_text, **options(pipe, job.work, len(ids)))
         except Exception as e:
-            if not isinstance(e, UserError):
-                log.exception("request failed")
-            self.metrics.request_failure.labels(reason="bad_request" if isinstance(e, UserError) else "error").inc()
-            job.emit(Failed(e))
+            self._fail(job, e)
             return
         if result.finish_reason == CANCELLED:
             self.metrics.request_failure.labels(reason="cancelled").inc()
             return
-        self.metrics.finished(result, len(ids), time.perf_counter() - job.received)
-        job.emit(Finished(result, len(ids), timed_out))
+        self.metrics.finished(result, run.prompt_tokens, time.perf_counter() - job.received)
+        job.emit(Finished(result, run.prompt_tokens, run.timed_out))
+
+
+class Running:
+    """A job being generated: its generation in the batch, and the streaming hook that reports its progress."""
+
+    def __init__(self, job: Job, scheduler: Scheduler) -> None:
+        self.job, self.scheduler = job, scheduler
+        self.generation: Generation | None = None
+        self.prompt_tokens = 0
+        self.timed_out = False
+        self.started = time.perf_counter()
+        self.last = None  # perf_counter of the last round that produced text
+        self.tokens = 0  # tokens reported so far
+
+    def on_text(self, text: str) -> str | None:
+        """After each round: emit the new final text; end the job if its client left or its time is up."""
+        metrics, now_ = self.scheduler.metrics, time.perf_counter()
+        stats = self.generation.steps if self.generation is not None else []
+        tokens = len(self.generation.stopper.tokens) if self.generation is not None else 0
+        if self.last is None:
+            metrics.time_to_first_token.observe(now_ - self.job.received)
+        elif tokens > self.tokens:
+            for _ in range(tokens - self.tokens):  # the round's tokens arrived together: each waited its share
+                metrics.inter_token_latency.observe((now_ - self.last) / (tokens - self.tokens))
+        self.last, self.tokens = now_, tokens
+        self.job.emit(Text(text, getattr(text, "spans", ()), tokens, sum(s.num_draft_tokens for s in stats),
+                           sum(s.num_accepted for s in stats)))
+        if self.job.cancelled or self.scheduler._stopping.is_set():
+            return CANCELLED
+        timeout = self.scheduler.timeout
+        if timeout is not None and now_ - self.started > timeout:
+            self.timed_out = True
+            return "length"
+        return None
+
+
+def options(pipe: Pipeline, work: Work, prompt_tokens: int) -> dict:
+    """The pipeline options of a request (max_tokens None: the rest of the model's context)."""
+    max_tokens = work.max_tokens
+    context = pipe.runner.context_length
+    if max_tokens is None:  # the rest of the context (Pipeline.request refuses a prompt that fills it)
+        max_tokens = max(1, context - prompt_tokens) if context is not None else DEFAULT_MAX_TOKENS
+    return dict(max_new_tokens=max_tokens, temperature=work.temperature, top_k=work.top_k, top_p=work.top_p,
+                seed=work.seed, stop=work.stop)
 
 
 DEFAULT_MAX_TOKENS = 1024  # max_tokens of a chat request to a model whose context length is unknown

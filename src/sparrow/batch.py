@@ -1,0 +1,327 @@
+"""Batched speculative decoding: generations that share each target forward (continuous batching).
+
+    batch = Batch(model, policy)
+    batch.add(sequence)              # prefill now; may join between any two steps
+    finished = batch.step()          # every running sequence: draft -> one shared score -> verify -> commit
+
+Each `Generation` is one generation with its own KV cache (a `CachedModel` over the shared model), its own
+drafter (a fork of the pipeline's that shares its models), verifier, sampling randomness and Stopper, so it
+runs exactly the rounds it would run alone: the engine's loop (`sparrow.engine`) with only the scoring forward
+shared. That forward (`score_batch`) pads the ragged inputs [last token, *draft] of all sequences to one
+[B, Q] batch; a cache view (`BatchedKV`) appends each row's new keys to its own cache and hands attention the
+rows' caches padded to one length, with a 4-D mask in which row b sees its own cached prefix and its draft's
+ancestors (a chain: the tokens before; a tree: the tree mask) and nothing else. Each sequence then keeps its
+own accepted length (`CachedModel.keep`): no sequence waits for another's rollback. Greedy output is that of
+the sequence alone, token for token (float32); sampled output has the same distribution with its own seed.
+
+The draft budget (`BatchPolicy`): a step of B sequences that drafts k tokens each costs
+draft(k) for every sequence plus one verify forward of T = sum(k_b + 1) tokens, and commits
+sum E_b[tokens](k) (`sparrow.policy.expected_tokens`). The step's cap is the k with the most tokens per
+second, from each sequence's acceptance and draft seconds and a verify line c(T) fitted to the measured
+batched forwards: as the batch grows the verify forward stops being memory-bound, so drafts get shorter.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from sparrow import sampling as S
+from sparrow.cached_model import CachedModel, additive_mask
+from sparrow.config import SamplingConfig
+from sparrow.drafters.base import Drafter, watching_prefill
+from sparrow.models import LoadedModel
+from sparrow.noise import Randomness, at
+from sparrow.policy import AcceptanceEstimate, DecayedLine, expected_tokens
+from sparrow.stopping import Stopper
+from sparrow.timing import now
+from sparrow.tree import TreeLayout, on_first_branch
+from sparrow.types import Decoded, Draft, GenerationStats, Prompt, StepStats, TargetOutput, Verdict
+from sparrow.verifiers import Verifier
+
+
+@dataclass
+class Generation:
+    """One generation in a batch: its own cache, drafter, verifier, randomness and stopping rules."""
+
+    target: CachedModel  # its own KV cache over the batch's model
+    drafter: Drafter | None  # None: plain decoding (a draft of 0 tokens every step)
+    verifier: Verifier | None
+    prompt: Prompt
+    sampling: SamplingConfig
+    stopper: Stopper
+    generator: Randomness = None
+    committed: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # prompt + generated
+    steps: list[StepStats] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    started: float = 0.0  # perf_counter at add()
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # for the batch's draft budget
+    draft_cost: DecayedLine = field(default_factory=lambda: DecayedLine(origin=True))  # (draft tokens, seconds)
+
+    @property
+    def done(self) -> bool:
+        return self.stopper.done
+
+    def decoded(self) -> Decoded:
+        return Decoded(list(self.stopper.tokens), self.stopper.finish_reason or "length",
+                       GenerationStats.from_steps(self.steps, self.prefill_seconds))
+
+
+class BatchedKV:
+    """The `past_key_values` of one batched scoring forward: layer i's `update` appends row b's first n_b new
+    keys and values to sequence b's own cache and returns all rows' caches, right-padded to one length."""
+
+    def __init__(self, caches: list, new: list[int]) -> None:
+        self.caches, self.new = caches, new
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given; the mask is 4-D
+
+    def update(self, keys: Tensor, values: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """keys, values: [B, heads, Q, d] -> [B, heads, max_b(length_b + n_b), d]."""
+        rows = [cache.layers[layer_idx].update(keys[b:b + 1, :, :n], values[b:b + 1, :, :n])
+                for b, (cache, n) in enumerate(zip(self.caches, self.new))]
+        length = max(k.shape[-2] for k, _ in rows)
+        shape = (keys.shape[0], keys.shape[1], length, keys.shape[-1])
+        all_keys, all_values = keys.new_zeros(shape), values.new_zeros(shape)
+        for b, (k, v) in enumerate(rows):
+            all_keys[b, :, :k.shape[-2]] = k[0]
+            all_values[b, :, :v.shape[-2]] = v[0]
+        return all_keys, all_values
+
+
+def supports_batching(model: PreTrainedModel) -> str | None:
+    """None when `score_batch` can run `model`, else why not (sliding-window layers keep their own window)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if "sliding_attention" in list(getattr(config, "layer_types", None) or []):
+        return "it has sliding-window attention layers"
+    if getattr(config, "model_type", "") in ("qwen2_5_vl", "qwen2_vl", "llava_onevision"):
+        return "its positions depend on the prompt's media (M-RoPE)"
+    return None
+
+
+@torch.inference_mode()
+def score_batch(model: PreTrainedModel, seqs: list[Generation], drafts: list[Draft],
+                hidden_layers: tuple[int, ...] = ()) -> list[TargetOutput]:
+    """One target forward over every sequence's [last committed token, *draft] -> per sequence [n_b + 1] rows
+    (the same rows `sparrow.engine.score` gives for it alone)."""
+    assert len(seqs) == len(drafts) > 0
+    device = seqs[0].target.device
+    inputs, positions, masks = [], [], []
+    for seq, draft in zip(seqs, drafts):
+        start = seq.target.length
+        tokens = torch.cat([seq.committed[-1:], draft.tokens.to(device)])
+        n = tokens.numel()
+        if draft.is_tree:
+            layout = TreeLayout.of(draft.parents.to(device), start)
+            pos, local = layout.positions, layout.mask[:, start:]
+        else:
+            pos = torch.arange(start, start + n, device=device)
+            local = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        inputs.append(tokens)
+        positions.append(pos)
+        masks.append((start, local))
+    new = [t.numel() for t in inputs]
+    q = max(new)
+    length = max(start + n for (start, _), n in zip(masks, new))
+    ids = torch.zeros(len(seqs), q, dtype=torch.long, device=device)
+    pos = torch.zeros(len(seqs), q, dtype=torch.long, device=device)
+    allowed = torch.zeros(len(seqs), q, length, dtype=torch.bool, device=device)
+    for b, (tokens, p, (start, local)) in enumerate(zip(inputs, positions, masks)):
+        n = tokens.numel()
+        ids[b, :n], pos[b, :n] = tokens, p
+        pos[b, n:] = p[-1]  # padding rows: any position; they see only key 0 and are never read
+        allowed[b, :n, :start] = True
+        allowed[b, :n, start:start + n] = local
+        allowed[b, n:, 0] = True
+    dtype = next(model.parameters()).dtype
+    cache = BatchedKV([seq.target.cache for seq in seqs], new)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=pos,
+                attention_mask=additive_mask(allowed, dtype)[:, None], output_hidden_states=bool(hidden_layers))
+    outputs = []
+    for b, n in enumerate(new):
+        hidden = torch.stack([out.hidden_states[i][b, :n] for i in hidden_layers]) if hidden_layers else None
+        outputs.append(TargetOutput(out.logits[b, :n], hidden))
+    return outputs
+
+
+@dataclass
+class BatchPolicy:
+    """The draft cap of a batch step: the k with the most expected tokens per second (see the module doc)."""
+
+    decay: float = 0.9
+    adaptive: bool = True  # False: every sequence drafts what its own drafter chooses (tests, --fixed)
+
+    def __post_init__(self) -> None:
+        self.verify = DecayedLine(self.decay)  # (tokens in the batched forward, seconds)
+
+    def seed(self, points: list[tuple[int, float]]) -> None:
+        """Measured (tokens, seconds) of forwards before serving (`measure_batch_cost`)."""
+        for tokens, seconds in points:
+            self.verify.add(tokens, seconds)
+
+    def cap(self, seqs: list[Generation], limits: list[int]) -> int:
+        """Tokens each sequence may draft this step (each also at most its own limit). A sequence alone follows
+        its drafter's own policy, which already weighs its draft and verify costs."""
+        top = max(limits, default=0)
+        if top == 0 or len(seqs) < 2 or not self.adaptive or not self.verify.known:
+            return top
+
+        def rate(k: int) -> float:
+            ks = [min(k, limit) for limit in limits]
+            tokens = sum(expected_tokens(seq.acceptance.value, j) for seq, j in zip(seqs, ks))
+            drafting = sum(seq.draft_cost(j) for seq, j in zip(seqs, ks) if j and seq.draft_cost.known)
+            return tokens / max(drafting + self.verify(sum(ks) + len(ks)), 1e-12)
+
+        return max(range(top + 1), key=rate)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.verify.add(tokens, seconds)
+
+
+def measure_batch_cost(model: PreTrainedModel, tokens: tuple[int, ...] = (1, 16, 64), context: int = 32,
+                       vocab: int | None = None) -> list[tuple[int, float]]:
+    """Seconds of one forward of n tokens after a short context, for each n (the verify line's first points)."""
+    runner = CachedModel(model)
+    vocab = vocab or runner.vocab_size
+    limit = runner.context_length or 10 ** 9
+    ids = torch.arange(context + max(tokens)) * 7919 % vocab
+    points = []
+    for n in tokens:
+        if context + n >= limit:
+            continue
+        runner.prefill(Prompt(ids[:context]))
+        runner.forward(ids[context:context + n])  # warm-up
+        runner.rewind(context)
+        start = now(runner.device)
+        runner.forward(ids[context:context + n])
+        points.append((n, now(runner.device) - start))
+    return points
+
+
+class Batch:
+    """Running sequences that share target forwards; they join (`add`) and leave (`step`, `remove`) between steps."""
+
+    def __init__(self, model: PreTrainedModel, policy: BatchPolicy | None = None) -> None:
+        self.model = model
+        self.policy = policy or BatchPolicy()
+        self.running: list[Generation] = []
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    def add(self, seq: Generation) -> None:
+        """Prefill `seq` (its target cache, its drafter) and choose its first token (which may finish it)."""
+        seq.started = time.perf_counter()
+        device = seq.target.device
+        start = now(device)
+        layers = seq.drafter.hidden_layers if seq.drafter is not None else ()
+        with watching_prefill(seq.drafter, seq.target) if seq.drafter is not None else nullcontext():
+            out = seq.target.prefill(seq.prompt, layers)
+        if seq.drafter is not None:
+            seq.drafter.prefill(seq.prompt, seq.target, out)
+        n = seq.prompt.input_ids.numel()
+        first = S.choose(out.logits[-1], seq.sampling, at(seq.generator, n))
+        seq.committed = torch.cat([seq.prompt.input_ids.to(device), first.reshape(1)])
+        seq.stopper.push([int(first)])
+        seq.prefill_seconds = now(device) - start
+        if not seq.done:
+            self.running.append(seq)
+        else:
+            seq.target.cache = None
+
+    def remove(self, seq: Generation) -> None:
+        """Drop a running sequence (its client went away); its cache goes with it."""
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.target.cache = None
+
+    def step(self) -> list[Generation]:
+        """One round for every running sequence; returns those that finished (and left the batch)."""
+        seqs = self.running
+        if not seqs:
+            return []
+        device = seqs[0].target.device
+        limits = [seq.stopper.remaining - 1 if seq.drafter is not None else 0 for seq in seqs]
+        cap = self.policy.cap(seqs, limits)
+        drafts, draft_seconds = [], []
+        for seq, limit in zip(seqs, limits):  # 1. each sequence drafts on its own (its own draft cache)
+            start = now(device)
+            budget = min(cap, limit)
+            if seq.drafter is None or budget == 0:
+                draft = Draft.empty(device)
+            else:
+                draft = seq.drafter.propose(seq.committed, budget, seq.sampling, at(seq.generator, seq.committed.numel()))
+            assert draft.tokens.numel() <= budget, (getattr(seq.drafter, "name", None), draft.tokens.numel(), budget)
+            drafts.append(draft)
+            draft_seconds.append(now(device) - start)
+        t1 = now(device)
+        layers = tuple(sorted({i for seq in seqs if seq.drafter is not None for i in seq.drafter.hidden_layers}))
+        bases = [seq.target.length for seq in seqs]
+        outs = score_batch(self.model, seqs, drafts, layers)  # 2. one shared target forward
+        verify_seconds = now(device) - t1
+        self.policy.observe(sum(len(d) + 1 for d in drafts), verify_seconds)
+        finished = []
+        for seq, draft, out, base, seconds in zip(seqs, drafts, outs, bases, draft_seconds):
+            noise = at(seq.generator, seq.committed.numel())
+            if seq.verifier is not None and len(draft):  # 3. verify: this sequence's own rule and randomness
+                verdict = seq.verifier.verify(draft, out.logits, seq.sampling, noise)
+            else:
+                verdict = Verdict(S.choose(out.logits[-1], seq.sampling, noise).reshape(1), 0)
+            nodes = verdict.accepted_nodes
+            seq.target.keep(base, nodes)  # 4. commit: its own accepted length
+            seq.committed = torch.cat([seq.committed, verdict.tokens.to(device)])
+            step = StepStats(len(draft), verdict.num_accepted, seconds, verify_seconds, tree=draft.is_tree,
+                             first_branch=not draft.is_tree or on_first_branch(draft.parents, nodes))
+            seq.steps.append(step)
+            if len(draft):
+                seq.acceptance.observe(len(draft), verdict.num_accepted)
+                seq.draft_cost.add(len(draft), seconds)
+            if seq.drafter is not None:  # 5. feedback, as in the engine
+                layers_out = out if not layers or layers == seq.drafter.hidden_layers else _select(out, layers, seq.drafter.hidden_layers)
+                seq.drafter.observe(draft, verdict, layers_out.rows(torch.cat([nodes.new_zeros(1), nodes + 1])), step)
+            seq.stopper.push(verdict.tokens.tolist(), verdict.num_accepted)
+            if seq.done:
+                finished.append(seq)
+        for seq in finished:
+            self.remove(seq)
+        return finished
+
+
+def _select(out: TargetOutput, have: tuple[int, ...], want: tuple[int, ...]) -> TargetOutput:
+    hidden = None if out.hidden is None or not want else out.hidden[[have.index(i) for i in want]]
+    return TargetOutput(out.logits, hidden)
+
+
+def fork_drafter(drafter: Drafter) -> Drafter:
+    """A drafter with its own state (caches, policies) that shares `drafter`'s models and tokenizers."""
+    memo: dict[int, object] = {}
+    seen: set[int] = set()
+    stack: list[tuple[object, int]] = [(drafter, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if id(obj) in seen or depth > 8:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (torch.nn.Module, PreTrainedTokenizerBase, LoadedModel, PreTrainedModel)):
+            memo[id(obj)] = obj
+            if isinstance(obj, LoadedModel):
+                memo[id(obj.model)] = obj.model
+                memo[id(obj.tokenizer)] = obj.tokenizer
+            continue
+        if isinstance(obj, dict):
+            children = list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = list(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            children = list(vars(obj).values())
+        else:
+            continue
+        stack.extend((child, depth + 1) for child in children)
+    return copy.deepcopy(drafter, memo)
