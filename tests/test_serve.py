@@ -309,6 +309,32 @@ def test_a_full_queue_answers_429(pipe):
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
 
 
+def test_concurrent_requests_share_batches_and_each_equals_its_single_output(pipe):
+    """Different prompts and lengths at once, some arriving while others run: each answer equals plain greedy
+    decoding of its prompt alone, and batch steps really held several requests."""
+    prompts = [PROMPT, "The quick brown fox", "Paris is the capital of France. Paris is", "a", "def f(x):"]
+    budgets = [40, 12, 33, 25, 18]
+    expected = [pipe.generate_plain(p, max_new_tokens=n).text for p, n in zip(prompts, budgets)]
+    pipe.round_delay = 0.005  # rounds long enough that late requests join running ones
+    with live_server(pipe, max_batch=4) as (url, _):
+        answers: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            time.sleep(0.03 * i)
+            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": budgets[i], "temperature": 0}
+            answers[i] = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert [answers.get(i) for i in range(len(prompts))] == expected
+        steps = metric(url, "sparrow:batch_size_count")
+        assert metric(url, "sparrow:batch_size_sum") / steps > 1.2, "requests never shared a step"
+        assert metric(url, 'sparrow:spec_decode_num_accepted_tokens_per_pos_total{position="0"}') > 0
+
+
 # --- c) TestClient: loading, metrics, bodies, disconnects, timeouts ---------------------------------------
 
 

@@ -17,8 +17,8 @@ the sequence alone, token for token (float32); sampled output has the same distr
 The draft budget (`BatchPolicy`): a step of B sequences that drafts k tokens each costs
 draft(k) for every sequence plus one verify forward of T = sum(k_b + 1) tokens, and commits
 sum E_b[tokens](k) (`sparrow.policy.expected_tokens`). The step's cap is the k with the most tokens per
-second, from each sequence's acceptance and draft seconds and a verify line c(T) fitted to the measured
-batched forwards: as the batch grows the verify forward stops being memory-bound, so drafts get shorter.
+second, from each sequence's acceptance and draft seconds and a verify cost c(T) interpolated between the
+measured batched forwards (`CostTable`): as the batch grows the verify forward stops being memory-bound, so drafts get shorter.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, PretrainedConfig
 
 from sparrow import sampling as S
 from sparrow.cached_model import CachedModel, additive_mask
@@ -152,6 +152,38 @@ def score_batch(model: PreTrainedModel, seqs: list[Generation], drafts: list[Dra
 
 
 @dataclass
+class CostTable:
+    """Seconds of one forward of T tokens: decayed means per power-of-two bin of T, linear between the bins
+    (flat below the first, the last segment's slope beyond the last). A CPU's forward costs about the same
+    for 1 or 16 tokens (it reads the weights either way), then grows with T; one straight line fits neither."""
+
+    decay: float = 0.9  # per observation, within its bin
+
+    def __post_init__(self) -> None:
+        self.bins: dict[int, list[float]] = {}  # bit length of T -> [weight, weighted T, weighted seconds]
+
+    @property
+    def known(self) -> bool:
+        return bool(self.bins)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        w, x, y = self.bins.get(tokens.bit_length(), (0.0, 0.0, 0.0))
+        self.bins[tokens.bit_length()] = [self.decay * w + 1, self.decay * x + tokens, self.decay * y + seconds]
+
+    def __call__(self, tokens: float) -> float:
+        points = sorted((x / w, y / w) for w, x, y in self.bins.values())
+        assert points, "no observation yet"
+        if len(points) == 1:
+            x, y = points[0]
+            return y * max(1.0, tokens / x)
+        if tokens <= points[0][0]:
+            return points[0][1]
+        segment = next((pair for pair in zip(points, points[1:]) if tokens <= pair[1][0]), (points[-2], points[-1]))
+        (x0, y0), (x1, y1) = segment
+        return y0 + max(0.0, (y1 - y0) / (x1 - x0)) * (tokens - x0)
+
+
+@dataclass
 class BatchPolicy:
     """The draft cap of a batch step: the k with the most expected tokens per second (see the module doc)."""
 
@@ -159,7 +191,7 @@ class BatchPolicy:
     adaptive: bool = True  # False: every sequence drafts what its own drafter chooses (tests, --fixed)
 
     def __post_init__(self) -> None:
-        self.verify = DecayedLine(self.decay)  # (tokens in the batched forward, seconds)
+        self.verify = CostTable(self.decay)  # (tokens in the batched forward, seconds)
 
     def seed(self, points: list[tuple[int, float]]) -> None:
         """Measured (tokens, seconds) of forwards before serving (`measure_batch_cost`)."""
@@ -299,6 +331,11 @@ def _select(out: TargetOutput, have: tuple[int, ...], want: tuple[int, ...]) -> 
     return TargetOutput(out.logits, hidden)
 
 
+SHARED = (torch.nn.Module, PreTrainedTokenizerBase, LoadedModel, PretrainedConfig, GenerationConfig)
+"""What a forked drafter shares with the original: models, their configs (a capture switches the model's own
+attention implementation), tokenizers."""
+
+
 def fork_drafter(drafter: Drafter) -> Drafter:
     """A drafter with its own state (caches, policies) that shares `drafter`'s models and tokenizers."""
     memo: dict[int, object] = {}
@@ -309,7 +346,7 @@ def fork_drafter(drafter: Drafter) -> Drafter:
         if id(obj) in seen or depth > 8:
             continue
         seen.add(id(obj))
-        if isinstance(obj, (torch.nn.Module, PreTrainedTokenizerBase, LoadedModel, PreTrainedModel)):
+        if isinstance(obj, SHARED):
             memo[id(obj)] = obj
             if isinstance(obj, LoadedModel):
                 memo[id(obj.model)] = obj.model

@@ -34,6 +34,8 @@ class Metrics:
         self.inter_token_latency = Histogram("sparrow:inter_token_latency_seconds",
                                              "Seconds between a request's tokens (a round's tokens share its time)",
                                              buckets=ITL_BUCKETS, registry=r)
+        self.batch_size = Histogram("sparrow:batch_size", "Requests decoded together, per batch step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.queue_depth = Gauge("sparrow:num_requests_waiting", "Requests waiting in the queue", registry=r)
         self.running = Gauge("sparrow:num_requests_running", "Requests generating now", registry=r)
         self.prompt_tokens = Counter("sparrow:prompt_tokens", "Prompt tokens of finished requests", registry=r)

@@ -197,6 +197,7 @@ class Scheduler:
             self._admit(batch, running)
             if not running:
                 continue
+            self.metrics.batch_size.observe(len(running))
             try:
                 with holding(pipe.models()):
                     finished = batch.step()

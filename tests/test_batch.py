@@ -1,0 +1,268 @@
+"""Batched speculative decoding (sparrow.batch): each generation in a batch is exactly what it would be alone.
+
+a) Greedy, float32, tiny Llama: every drafter (chains, and trees where it drafts them) x verifier runs five
+   prompts of different lengths and budgets in one batch, two of them joining after two steps; each output
+   equals plain greedy decoding token for token, and drafts were accepted. The same with plain decoding in
+   a batch, with the draft cap of the batch policy, and with sequences leaving early (removed).
+b) Sampling: seeded requests in a batch give the tokens they give alone; unseeded requests (rejection
+   sampling) in a mixed batch follow the target's joint distribution of two tokens, checked against the
+   exact table of a tiny 8-token model; accepting every draft (a known-wrong rule) fails the same check.
+c) The batch policy: as the batch grows and verification becomes compute-bound, the draft cap shrinks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import perturbed, tiny_model, tiny_tokenizer
+from sparrow import sampling as S
+from sparrow.batch import Batch, BatchPolicy, Generation, fork_drafter, score_batch, supports_batching
+from sparrow.config import SamplingConfig
+from sparrow.drafters import build_drafter
+from sparrow.models import LoadedModel
+from sparrow.pipeline import Pipeline
+from sparrow.policy import DecayedLine
+from sparrow.types import Verdict
+from test_degenerate import SPECS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is", "a",
+           "def add(a, b):\n    return a + b\n\ndef"]
+BUDGETS = [30, 7, 41, 19, 25]
+TREE = dict(tree_budget=8, tree_topk=2, tree_depth=3)
+
+
+def run_batch(pipe: Pipeline, policy: BatchPolicy | None = None, join_after: int = 2, plain: bool = False,
+              **options) -> list:
+    """The PROMPTS in one batch (the last two join after `join_after` steps); the results in PROMPTS order."""
+    batch = Batch(pipe.target.model, policy or BatchPolicy(adaptive=False))
+    gens: list[Generation] = []
+
+    def start(i: int) -> None:
+        gen = pipe.sequence(PROMPTS[i], max_new_tokens=BUDGETS[i], plain=plain, **options)
+        batch.add(gen)
+        gens.append(gen)
+
+    for i in range(3):
+        start(i)
+    steps = 0
+    while len(batch) or len(gens) < len(PROMPTS):
+        batch.step()
+        steps += 1
+        if steps == join_after:
+            for i in range(3, len(PROMPTS)):
+                start(i)
+    results = [pipe.result(gen) for gen in gens]
+    for gen in gens:
+        pipe.release(gen)
+    return results
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LoadedModel, LoadedModel]:
+    """(target, a perturbed copy as the draft): what test_degenerate's SPECS build drafters from."""
+    tokenizer = tiny_tokenizer()
+    target = LoadedModel(tiny_model("llama", seed=0), tokenizer, "tiny")
+    return target, LoadedModel(perturbed(target.model, 0.05, seed=1), tokenizer, "close")
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(pair) -> list[list[int]]:
+    pipe = Pipeline(pair[0], None)
+    return [pipe.generate_plain(p, max_new_tokens=n).token_ids for p, n in zip(PROMPTS, BUDGETS)]
+
+
+CASES = [(label, tree) for label, spec in SPECS.items() for tree in ([False, True] if spec.trees else [False])]
+
+
+@pytest.mark.parametrize("verifier", ["auto", "rejection"])
+@pytest.mark.parametrize("label,tree", CASES, ids=[f"{label}{'-tree' if tree else ''}" for label, tree in CASES])
+def test_batched_greedy_equals_plain_for_every_drafter(pair, plain_outputs, label, tree, verifier):
+    drafter = SPECS[label].build(pair, 4, label != "cross-vocab", TREE if tree else {})  # adaptive cross-vocab: few drafts here
+    pipe = Pipeline(pair[0], drafter, verifier)
+    results = run_batch(pipe)
+    for prompt, result, expected in zip(PROMPTS, results, plain_outputs):
+        assert result.token_ids == expected, (label, tree, prompt)
+    assert sum(r.stats.num_accepted_tokens for r in results) > 0, "no draft was accepted: nothing was tested"
+    if tree and label != "auto":
+        assert sum(r.stats.tree_steps for r in results) > 0
+
+
+def test_plain_decoding_in_a_batch_equals_plain(pair, plain_outputs):
+    pipe = Pipeline(pair[0], SPECS["draft-model"].build(pair, 4, True, {}))
+    results = run_batch(pipe, plain=True)
+    assert [r.token_ids for r in results] == plain_outputs
+    assert all(r.stats.num_draft_tokens == 0 for r in results)
+
+
+def test_the_batch_policy_cap_changes_lengths_not_tokens(pair, plain_outputs):
+    """A cost line that makes long drafts expensive: the cap shortens drafts, the output stays the same."""
+    policy = BatchPolicy()
+    policy.seed([(1, 0.010), (8, 0.030), (64, 0.200)])
+    pipe = Pipeline(pair[0], SPECS["prompt-lookup"].build(pair, 8, False, {}))
+    results = run_batch(pipe, policy)
+    assert [r.token_ids for r in results] == plain_outputs
+    assert sum(r.stats.num_accepted_tokens for r in results) > 0
+
+
+def test_a_removed_sequence_leaves_the_others_exact(pair, plain_outputs):
+    pipe = Pipeline(pair[0], SPECS["draft-model"].build(pair, 4, True, {}))
+    batch = Batch(pipe.target.model, BatchPolicy(adaptive=False))
+    gens = [pipe.sequence(p, max_new_tokens=n) for p, n in zip(PROMPTS, BUDGETS)]
+    for gen in gens:
+        batch.add(gen)
+    batch.step()
+    batch.remove(gens[1])  # its client went away
+    while len(batch):
+        batch.step()
+    for i, gen in enumerate(gens):
+        if i != 1:
+            assert pipe.result(gen).token_ids == plain_outputs[i]
+
+
+def test_forked_drafters_share_the_models_but_not_the_state(pair):
+    drafter = SPECS["draft-model"].build(pair, 4, True, {})
+    fork = fork_drafter(drafter)
+    assert fork is not drafter and fork.draft is not drafter.draft  # its own cache wrapper ...
+    assert fork.draft.model is drafter.draft.model  # ... over the same weights
+    assert fork.length is not drafter.length
+
+
+def test_models_batching_cannot_run_are_named():
+    from conftest import tiny_gemma3
+
+    assert supports_batching(tiny_model("llama", 0)) is None
+    assert "sliding" in supports_batching(tiny_gemma3(num_layers=2))
+
+
+# --- b) sampling ----------------------------------------------------------------------------------------
+
+
+def test_seeded_requests_in_a_batch_give_what_they_give_alone(pair):
+    pipe = Pipeline(pair[0], SPECS["draft-model"].build(pair, 4, True, {}))
+    options = dict(temperature=0.8, seed=7)
+    alone = [pipe.generate(p, max_new_tokens=n, **options).token_ids for p, n in zip(PROMPTS, BUDGETS)]
+    results = run_batch(pipe, **options)
+    assert [r.token_ids for r in results] == alone
+    assert sum(r.stats.num_accepted_tokens for r in results) > 0
+    other = run_batch(pipe, temperature=0.8, seed=8)  # negative control: another seed, other tokens
+    assert [r.token_ids for r in other] != alone
+
+
+V, N, SAMPLING = 8, 2_000, SamplingConfig(temperature=1.5)
+TOY_PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def toy() -> tuple[LoadedModel, LoadedModel]:
+    """An 8-token target with a known next-token table, and a draft that differs from it."""
+    target = tiny_model("llama", seed=3, vocab_size=V)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)  # back to moderate logits: every token has mass
+    draft = tiny_model("llama", seed=4, vocab_size=V)  # an unrelated draft: accepting it all shows
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(0.25)
+    tokenizer = tiny_tokenizer()
+    return LoadedModel(target, tokenizer, "toy"), LoadedModel(draft, tokenizer, "toy-draft")
+
+
+def exact_joint(model: torch.nn.Module) -> torch.Tensor:
+    """[V, V]: P(t1 | prompt) P(t2 | prompt, t1)."""
+    with torch.no_grad():
+        first = S.probs(model(torch.tensor([TOY_PROMPT])).logits[0, -1], SAMPLING)
+        rows = torch.tensor([TOY_PROMPT + [t] for t in range(V)])
+        second = S.probs(model(rows).logits[:, -1], SAMPLING)
+    return first[:, None] * second
+
+
+def sampled_joint(toy, accept_everything: bool = False) -> torch.Tensor:
+    """Counts of (t1, t2) over N generations of TOY_PROMPT, four per batch beside a sequence of another prompt."""
+    target, draft = toy
+    pipe = Pipeline(target, build_drafter("draft-model", target, draft, 2, adaptive=False), "rejection")
+    pipe.eos_token_ids = lambda: frozenset()  # the tokenizer's EOS id is one of the 8 tokens: never stop early
+    counts = torch.zeros(V, V)
+    torch.manual_seed(0)  # unseeded requests draw from the global generator; fixed here for a repeatable test
+    for _ in range(N // 4):
+        batch = Batch(target.model, BatchPolicy(adaptive=False))
+        gens = [pipe.sequence(TOY_PROMPT, max_new_tokens=3, temperature=SAMPLING.temperature) for _ in range(4)]
+        other = pipe.sequence([5, 6], max_new_tokens=5, temperature=SAMPLING.temperature)
+        for gen in [other, *gens]:
+            batch.add(gen)
+            if accept_everything and gen.verifier is not None:
+                gen.verifier = AcceptAll()
+        while len(batch):
+            batch.step()
+        for gen in gens:
+            tokens = gen.stopper.tokens
+            counts[tokens[0], tokens[1]] += 1
+        for gen in [other, *gens]:
+            pipe.release(gen)
+    return counts
+
+
+class AcceptAll:
+    """Negative control: every draft token is accepted, so the output follows the draft."""
+
+    def verify(self, draft, logits, sampling, generator) -> Verdict:
+        bonus = S.sample(S.probs(logits[-1], sampling), generator)
+        return Verdict(torch.cat([draft.tokens, bonus.reshape(1)]), len(draft))
+
+
+def matches(counts: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Each bin within 6 standard deviations (+ 5) of its expectation (test_distribution's bound)."""
+    mean = N * expected
+    return bool(((counts - mean).abs() <= 6 * (mean * (1 - expected)).sqrt() + 5).all())
+
+
+def test_unseeded_batched_sampling_follows_the_target_distribution(toy):
+    expected = exact_joint(toy[0].model)
+    assert matches(sampled_joint(toy), expected)
+
+
+def test_negative_control_accepting_every_draft_fails(toy):
+    expected = exact_joint(toy[0].model)
+    assert not matches(sampled_joint(toy, accept_everything=True), expected)
+
+
+# --- c) the policy --------------------------------------------------------------------------------------
+
+
+class Seq:
+    """What BatchPolicy reads of a generation: its acceptance and its draft cost per token."""
+
+    def __init__(self, acceptance: float, draft_seconds: float) -> None:
+        self.acceptance = type("A", (), {"value": acceptance})()
+        self.draft_cost = DecayedLine(origin=True)
+        self.draft_cost.add(1, draft_seconds)
+
+
+def test_the_draft_cap_shrinks_as_the_batch_grows():
+    """Verification memory-bound up to ~16 tokens then compute-bound (a CPU-like curve): caps fall with B."""
+    policy = BatchPolicy()
+    policy.seed([(1, 0.100), (16, 0.120), (64, 0.600), (256, 2.600)])
+    caps = [policy.cap([Seq(0.7, 0.004)] * b, [8] * b) for b in (1, 2, 4, 8, 16, 32)]
+    assert caps[0] == 8  # alone: the drafter's own policy decides
+    assert all(a >= b for a, b in zip(caps[1:], caps[2:])), caps
+    assert caps[1] > caps[-1], caps
+    assert policy.cap([Seq(0.0, 0.004)] * 4, [8] * 4) == 0  # nothing is ever accepted: do not draft
+
+
+def test_score_batch_rows_equal_single_forwards(pair):
+    """The shared forward's logits for each row equal that sequence's own forward (float32)."""
+    pipe = Pipeline(pair[0], SPECS["draft-model"].build(pair, 4, True, {}))
+    gens = [pipe.sequence(p, max_new_tokens=8) for p in PROMPTS[:3]]
+    batch = Batch(pipe.target.model)
+    for gen in gens:
+        batch.add(gen)
+    drafts = [gen.drafter.propose(gen.committed, 3, gen.sampling, None) for gen in gens]
+    bases = [gen.target.length for gen in gens]
+    outs = score_batch(pipe.target.model, gens, drafts)
+    for gen, draft, out, base in zip(gens, drafts, outs, bases):
+        gen.target.rewind(base)
+        alone = gen.target.forward(torch.cat([gen.committed[-1:], draft.tokens]))
+        torch.testing.assert_close(out.logits, alone.logits, rtol=1e-4, atol=1e-4)
+    assert Counter(len(d) for d in drafts)  # drafts of whatever lengths the drafter chose
