@@ -10,7 +10,7 @@ RUN_PRESETS ?= qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 TEST_PRESETS ?= smollm2-135m qwen2.5-coder-0.5b gemma3-270m
 PROMPT ?= Write a Python function `is_prime(n)` that checks whether n is a prime number, with a docstring and a short example.
 
-.PHONY: setup run test bench
+.PHONY: setup run test bench browser
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -22,9 +22,14 @@ run: setup
 	$(BIN)/sparrow models install $(RUN_PRESETS) --yes
 	$(BIN)/sparrow generate '$(PROMPT)' --chat --compare --draft-quant int4
 
-test: setup
+test: setup browser
 	$(BIN)/sparrow models install $(TEST_PRESETS) --yes
 	$(BIN)/python -m pytest -q
+
+# The playground page is tested in a real headless browser: Debian's chromium (as root, with apt).
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 bench: setup
 	$(BIN)/sparrow models install $(RUN_PRESETS) --yes

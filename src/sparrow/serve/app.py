@@ -15,11 +15,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -90,6 +91,10 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> HTMLResponse:  # public: the page's own API calls carry the key
+        return HTMLResponse(resources.files("sparrow.serve").joinpath("playground.html").read_text("utf-8"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
