@@ -92,6 +92,31 @@ def test_batched_greedy_equals_plain_for_every_drafter(pair, plain_outputs, labe
         assert sum(r.stats.tree_steps for r in results) > 0
 
 
+def test_draft_models_share_their_forwards_and_draft_as_they_would_alone(pair, plain_outputs):
+    """Fixed k, greedy: each sequence drafts and accepts exactly what it does alone, with fewer draft forwards."""
+    target, close = pair
+    pipe = Pipeline(target, build_drafter("draft-model", target, close, 4, adaptive=False))
+    calls = Counter()
+    forward = close.model.forward
+
+    def counted(*args, **kwargs):
+        calls["forwards"] += 1
+        return forward(*args, **kwargs)
+
+    close.model.forward = counted
+    try:
+        alone = [pipe.generate(p, max_new_tokens=n) for p, n in zip(PROMPTS, BUDGETS)]
+        forwards_alone, calls["forwards"] = calls["forwards"], 0
+        together = run_batch(pipe)
+    finally:
+        del close.model.forward
+    assert [r.token_ids for r in together] == plain_outputs
+    for a, b in zip(alone, together):
+        assert (a.stats.num_draft_tokens, a.stats.num_accepted_tokens) == (b.stats.num_draft_tokens,
+                                                                           b.stats.num_accepted_tokens)
+    assert calls["forwards"] < 0.6 * forwards_alone, (calls["forwards"], forwards_alone)
+
+
 def test_plain_decoding_in_a_batch_equals_plain(pair, plain_outputs):
     pipe = Pipeline(pair[0], SPECS["draft-model"].build(pair, 4, True, {}))
     results = run_batch(pipe, plain=True)

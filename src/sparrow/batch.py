@@ -24,6 +24,7 @@ measured batched forwards (`CostTable`): as the batch grows the verify forward s
 from __future__ import annotations
 
 import copy
+import weakref
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from sparrow import sampling as S
 from sparrow.cached_model import CachedModel, additive_mask
 from sparrow.config import SamplingConfig
 from sparrow.drafters.base import Drafter, watching_prefill
+from sparrow.drafters.draft_loop import DraftSteps, Forward
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness, at
 from sparrow.policy import AcceptanceEstimate, DecayedLine, expected_tokens
@@ -97,7 +99,16 @@ class BatchedKV:
 
 
 def supports_batching(model: PreTrainedModel) -> str | None:
-    """None when `score_batch` can run `model`, else why not (sliding-window layers keep their own window)."""
+    """None when `forward_batch` can run `model`, else why not (sliding-window layers keep their own window)."""
+    if model not in _BATCHABLE:
+        _BATCHABLE[model] = _why_not_batched(model)
+    return _BATCHABLE[model]
+
+
+_BATCHABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> supports_batching(model)
+
+
+def _why_not_batched(model: PreTrainedModel) -> str | None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if "sliding_attention" in list(getattr(config, "layer_types", None) or []):
         return "it has sliding-window attention layers"
@@ -106,42 +117,51 @@ def supports_batching(model: PreTrainedModel) -> str | None:
     return None
 
 
-@torch.inference_mode()
 def score_batch(model: PreTrainedModel, seqs: list[Generation], drafts: list[Draft],
                 hidden_layers: tuple[int, ...] = ()) -> list[TargetOutput]:
     """One target forward over every sequence's [last committed token, *draft] -> per sequence [n_b + 1] rows
     (the same rows `sparrow.engine.score` gives for it alone)."""
     assert len(seqs) == len(drafts) > 0
     device = seqs[0].target.device
-    inputs, positions, masks = [], [], []
-    for seq, draft in zip(seqs, drafts):
-        start = seq.target.length
-        tokens = torch.cat([seq.committed[-1:], draft.tokens.to(device)])
-        n = tokens.numel()
-        if draft.is_tree:
-            layout = TreeLayout.of(draft.parents.to(device), start)
+    inputs = [torch.cat([seq.committed[-1:], draft.tokens.to(device)]) for seq, draft in zip(seqs, drafts)]
+    trees = [draft.parents if draft.is_tree else None for draft in drafts]
+    return forward_batch(model, [seq.target for seq in seqs], inputs, trees, hidden_layers)
+
+
+@torch.inference_mode()
+def forward_batch(model: PreTrainedModel, runners: list[CachedModel], inputs: list[Tensor],
+                  trees: list[Tensor | None] | None = None, hidden_layers: tuple[int, ...] = ()) -> list[TargetOutput]:
+    """One forward of `model` appending inputs[b] ([n_b] int64) to runners[b]'s cache, for every b -> per runner
+    [n_b] rows, as `runners[b].forward(inputs[b])` would give them. trees[b]: the parents of inputs[b][1:] under
+    inputs[b][0] (a draft tree: tree mask and depth positions); None: a chain."""
+    assert len(runners) == len(inputs) > 0
+    device = runners[0].device
+    positions, masks = [], []
+    for runner, tokens, parents in zip(runners, inputs, trees or [None] * len(inputs)):
+        start, n = runner.length, tokens.numel()
+        if parents is not None:
+            layout = TreeLayout.of(parents.to(device), start)
             pos, local = layout.positions, layout.mask[:, start:]
         else:
             pos = torch.arange(start, start + n, device=device)
             local = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        inputs.append(tokens)
         positions.append(pos)
         masks.append((start, local))
     new = [t.numel() for t in inputs]
     q = max(new)
     length = max(start + n for (start, _), n in zip(masks, new))
-    ids = torch.zeros(len(seqs), q, dtype=torch.long, device=device)
-    pos = torch.zeros(len(seqs), q, dtype=torch.long, device=device)
-    allowed = torch.zeros(len(seqs), q, length, dtype=torch.bool, device=device)
+    ids = torch.zeros(len(inputs), q, dtype=torch.long, device=device)
+    pos = torch.zeros(len(inputs), q, dtype=torch.long, device=device)
+    allowed = torch.zeros(len(inputs), q, length, dtype=torch.bool, device=device)
     for b, (tokens, p, (start, local)) in enumerate(zip(inputs, positions, masks)):
         n = tokens.numel()
-        ids[b, :n], pos[b, :n] = tokens, p
+        ids[b, :n], pos[b, :n] = tokens.to(device), p
         pos[b, n:] = p[-1]  # padding rows: any position; they see only key 0 and are never read
         allowed[b, :n, :start] = True
         allowed[b, :n, start:start + n] = local
         allowed[b, n:, 0] = True
     dtype = next(model.parameters()).dtype
-    cache = BatchedKV([seq.target.cache for seq in seqs], new)
+    cache = BatchedKV([runner.cache for runner in runners], new)
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=pos,
                 attention_mask=additive_mask(allowed, dtype)[:, None], output_hidden_states=bool(hidden_layers))
     outputs = []
@@ -149,6 +169,39 @@ def score_batch(model: PreTrainedModel, seqs: list[Generation], drafts: list[Dra
         hidden = torch.stack([out.hidden_states[i][b, :n] for i in hidden_layers]) if hidden_layers else None
         outputs.append(TargetOutput(out.logits[b, :n], hidden))
     return outputs
+
+
+def draft_together(steps: dict[int, DraftSteps]) -> dict[int, Draft]:
+    """Run several drafters' DraftSteps in lockstep: each round, the `Forward`s they ask for that run the same
+    model go through one `forward_batch`; returns each one's Draft."""
+    drafts: dict[int, Draft] = {}
+    requests: dict[int, Forward] = {}
+
+    def advance(key: int, answer: Tensor | None) -> None:
+        try:
+            requests[key] = next(steps[key]) if answer is None else steps[key].send(answer)
+        except StopIteration as done:
+            drafts[key] = done.value
+            requests.pop(key, None)
+
+    for key in steps:
+        advance(key, None)
+    while requests:
+        groups: dict[int, list[int]] = {}
+        for key, request in requests.items():  # a model batching cannot run goes alone (its own group)
+            model = request.runner.model
+            groups.setdefault(id(model) if supports_batching(model) is None else -key - 1, []).append(key)
+        answers = {}
+        for keys in groups.values():
+            if len(keys) == 1:
+                answers[keys[0]] = requests[keys[0]].run()
+                continue
+            runners = [requests[key].runner for key in keys]
+            outs = forward_batch(runners[0].model, runners, [requests[key].tokens for key in keys])
+            answers.update((key, out.logits[-1]) for key, out in zip(keys, outs))
+        for key, answer in answers.items():
+            advance(key, answer)
+    return drafts
 
 
 @dataclass
@@ -280,19 +333,26 @@ class Batch:
         if not seqs:
             return []
         device = seqs[0].target.device
+        t0 = now(device)
         limits = [seq.stopper.remaining - 1 if seq.drafter is not None else 0 for seq in seqs]
         cap = self.policy.cap(seqs, limits)
-        drafts, draft_seconds = [], []
-        for seq, limit in zip(seqs, limits):  # 1. each sequence drafts on its own (its own draft cache)
-            start = now(device)
+        proposed: dict[int, Draft] = {}
+        together: dict[int, DraftSteps] = {}  # drafters that can share their draft forwards (draft models)
+        for b, (seq, limit) in enumerate(zip(seqs, limits)):  # 1. draft: each its own state, forwards shared
             budget = min(cap, limit)
+            noise = at(seq.generator, seq.committed.numel())
             if seq.drafter is None or budget == 0:
-                draft = Draft.empty(device)
+                proposed[b] = Draft.empty(device)
+            elif hasattr(seq.drafter, "propose_steps"):
+                together[b] = seq.drafter.propose_steps(seq.committed, budget, seq.sampling, noise)
             else:
-                draft = seq.drafter.propose(seq.committed, budget, seq.sampling, at(seq.generator, seq.committed.numel()))
-            assert draft.tokens.numel() <= budget, (getattr(seq.drafter, "name", None), draft.tokens.numel(), budget)
-            drafts.append(draft)
-            draft_seconds.append(now(device) - start)
+                proposed[b] = seq.drafter.propose(seq.committed, budget, seq.sampling, noise)
+        proposed.update(draft_together(together))
+        drafts = [proposed[b] for b in range(len(seqs))]
+        for seq, draft, limit in zip(seqs, drafts, limits):
+            assert draft.tokens.numel() <= min(cap, limit), (getattr(seq.drafter, "name", None), len(draft), cap)
+        drafting = sum(1 for d in drafts if len(d))
+        draft_seconds = [(now(device) - t0) / max(drafting, 1) if len(d) else 0.0 for d in drafts]  # shared
         t1 = now(device)
         layers = tuple(sorted({i for seq in seqs if seq.drafter is not None for i in seq.drafter.hidden_layers}))
         bases = [seq.target.length for seq in seqs]

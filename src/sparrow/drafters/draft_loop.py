@@ -13,12 +13,14 @@ the same, at the cost of the forwards after the cut).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from sparrow import sampling as S
+from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.noise import Randomness, at
 from sparrow.policy import LengthPolicy
@@ -28,9 +30,47 @@ Step = Callable[[Tensor, int], Tensor]
 """step(token [1] int64, i) -> [vocab] logits of draft position i (the token is the one before it)."""
 
 
+@dataclass(frozen=True)
+class Forward:
+    """A draft forward a drafter asks for: `tokens` ([n] int64) appended to `runner`'s cache. Whoever runs it
+    answers with the [vocab] logits of its last row: alone (`run`), or batched with other sequences' forwards
+    of the same model (`sparrow.batch`)."""
+
+    runner: CachedModel
+    tokens: Tensor
+
+    def run(self) -> Tensor:
+        return self.runner.forward(self.tokens).logits[-1]
+
+
+DraftSteps = Generator[object, Tensor, Draft]
+"""A draft in the making: yields a request per draft position, is sent that position's [vocab] logits, and
+returns the Draft."""
+
+
+def drive(steps: DraftSteps, answer: Callable[[object], Tensor]) -> Draft:
+    """Run a DraftSteps generator to its Draft, answering each request with `answer(request)`."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(answer(request))
+    except StopIteration as done:
+        return done.value
+
+
 def autoregressive_draft(step: Step, first_token: Tensor, steps: int, sampling: SamplingConfig,
                          generator: Randomness, policy: LengthPolicy, defer: bool | None = None) -> Draft:
-    """Up to `steps` draft tokens after `first_token` ([1], the last committed token). Positional noise
+    """Up to `steps` draft tokens after `first_token` ([1], the last committed token), `step` giving each
+    position's logits; see `draft_chain`."""
+    chain = draft_chain(lambda token, i: (token, i), first_token, steps, sampling, generator, policy, defer)
+    return drive(chain, lambda request: step(*request))
+
+
+def draft_chain(request: Callable[[Tensor, int], object], first_token: Tensor, steps: int,
+                sampling: SamplingConfig, generator: Randomness, policy: LengthPolicy,
+                defer: bool | None = None) -> DraftSteps:
+    """Up to `steps` draft tokens after `first_token` ([1], the last committed token): yields `request(token,
+    i)` for draft position i (the token is the one before it) and is sent its [vocab] logits. Positional noise
     (seeded requests): offset i is draft token i's position, so a sampled draft shares the target's noise there.
 
     defer: check the confidence exit once after the loop (default: on accelerators, not on CPUs)."""
@@ -40,7 +80,7 @@ def autoregressive_draft(step: Step, first_token: Tensor, steps: int, sampling: 
     defer = first_token.device.type != "cpu" if defer is None else defer
     token, tokens, rows, tops = first_token, [], [], []
     for i in range(steps):
-        logits = step(token, i)
+        logits = yield request(token, i)
         if sampling.greedy:
             token = logits.argmax().reshape(1)
         else:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.drafters.draft_loop import autoregressive_draft
+from sparrow.drafters.draft_loop import DraftSteps, Forward, draft_chain, drive
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness
@@ -61,6 +61,12 @@ class DraftModelDrafter:
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: Randomness) -> Draft:
+        return drive(self.propose_steps(committed, max_tokens, sampling, generator), Forward.run)
+
+    def propose_steps(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
+                      generator: Randomness) -> DraftSteps:
+        """`propose` as a generator of draft `Forward`s (chains; a tree drafts at once), so a batch can run
+        the forwards of several sequences' drafters together."""
         committed = committed.to(self.draft.device)
         drafting = self.tree_policy is None or self.tree_policy.draft_now()
         num_tokens = self.length.cap(max_tokens) if self.tree is None else max_tokens * drafting
@@ -76,12 +82,12 @@ class DraftModelDrafter:
             return draft
         fed = []  # draft tokens fed after `committed`: the cache holds their KV
 
-        def step(token: Tensor, i: int) -> Tensor:
+        def request(token: Tensor, i: int) -> Forward:
             if i:
                 fed.append(token)
-            return self.draft.forward(token if i else committed[valid:]).logits[-1]  # [vocab]
+            return Forward(self.draft, token if i else committed[valid:])
 
-        draft = autoregressive_draft(step, committed[-1:], num_tokens, sampling, generator, self.length)
+        draft = yield from draft_chain(request, committed[-1:], num_tokens, sampling, generator, self.length)
         self._cached = torch.cat([committed, *fed])
         return draft
 
