@@ -1,0 +1,191 @@
+"""benchmarks/load_test.py without a server: statistics, rows, rendering, /metrics parsing, server command lines,
+and one streamed request against a mocked HTTP transport (sparrow's and transformers serve's stream shapes)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "load_test.py"
+spec = importlib.util.spec_from_file_location("load_test", PATH)
+lt = importlib.util.module_from_spec(spec)
+sys.modules["load_test"] = lt  # dataclasses look their module up
+spec.loader.exec_module(lt)
+
+
+def record(ok=True, latency=1.0, ttft=0.1, tokens=32, error=None, accepted=None, drafted=0, taken=0, finish="length"):
+    spec = None if accepted is None else {"mean_accepted_tokens": accepted, "num_draft_tokens": drafted,
+                                          "num_accepted_tokens": taken}
+    return {"ok": ok, "error": error, "latency_s": latency, "ttft_s": ttft if ok else None,
+            "output_tokens": tokens if ok else None, "finish_reason": finish if ok else None, "speculative": spec}
+
+
+META = {"target": "smollm2-135m", "requests_per_level": 4, "max_tokens": 32, "prompts": "benchmarks/prompts.json",
+        "cpu": "AMD EPYC", "cpu_features": ["avx512_bf16"], "cpus": 2, "torch_threads": 2, "commit": "0123456789abcdef",
+        "dirty": False, "transformers_version": "5.0"}
+
+
+def level(config, c, run, **stats):
+    base = lt.summarize([record(latency=1.0 + i) for i in range(4)], 2.0)
+    return {**META, **base, "config": config, "concurrency": c, "run": run, "server_cmd": f"serve {config}",
+            "rss_mib_before": 1000.0, "rss_mib_after": 1010.0, "rss_mib_peak": 1020.0, **stats}
+
+
+def test_percentile_interpolates_like_numpy():
+    assert lt.percentile([], 50) is None
+    assert lt.percentile([7.0], 99) == 7.0
+    assert lt.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert math.isclose(lt.percentile([1.0, 2.0, 3.0, 4.0], 99), 3.97)
+    assert lt.percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
+
+
+def test_summarize_counts_every_request_and_rates_only_successes():
+    results = [record(latency=1.0, ttft=0.2, tokens=10, accepted=2.0, drafted=8, taken=4),
+               record(latency=3.0, ttft=0.4, tokens=30, accepted=4.0, drafted=8, taken=8, finish="stop"),
+               record(ok=False, error="HTTP 429: queue full"), record(ok=False, error="HTTP 429: queue full"),
+               record(ok=False, error="timeout: no complete answer within 5 s")]
+    s = lt.summarize(results, 4.0)
+    assert (s["requests"], s["ok"], s["failed"]) == (5, 2, 3)
+    assert s["errors"] == [{"error": "HTTP 429: queue full", "count": 2},
+                           {"error": "timeout: no complete answer within 5 s", "count": 1}]
+    assert s["requests_per_second"] == 0.5 and s["output_tokens"] == 40 and s["output_tokens_per_second"] == 10.0
+    assert s["latency_p50_s"] == 2.0 and s["ttft_p50_s"] == pytest.approx(0.3)
+    assert s["mean_accepted_tokens"] == 3.0 and s["acceptance_rate"] == 0.75
+    assert s["finish_reasons"] == {"length": 1, "stop": 1}
+
+
+def test_summarize_without_successes_or_usage():
+    s = lt.summarize([record(ok=False, error="boom")], 1.0)
+    assert s["ok"] == 0 and s["output_tokens_per_second"] is None and s["latency_p99_s"] is None
+    s = lt.summarize([{**record(), "output_tokens": None}], 1.0)  # a server that sent no usage
+    assert s["requests_without_usage"] == 1 and s["output_tokens_per_second"] is None
+
+
+def test_latest_rows_keeps_each_configs_newest_run():
+    rows = [level("speculative", 4, "2026-01-01T00:00:00Z"), level("speculative", 1, "2026-01-01T00:00:00Z"),
+            level("plain", 1, "2026-01-01T00:00:00Z"),
+            {**META, "config": "transformers-serve", "concurrency": None, "run": "2026-01-01T00:00:00Z",
+             "error": "gone"},
+            level("speculative", 1, "2026-01-02T00:00:00Z", ok=3),
+            level("transformers-serve", 1, "2026-01-02T00:00:00Z")]
+    kept = lt.latest_rows(rows)
+    assert [(r["config"], r["concurrency"], r["run"][:10]) for r in kept] == [
+        ("speculative", 1, "2026-01-02"), ("plain", 1, "2026-01-01"), ("transformers-serve", 1, "2026-01-02")]
+
+
+def test_render_markdown_rows_failures_and_settings():
+    rows = [level("speculative", 1, "r1", mean_accepted_tokens=2.5), level("speculative", 4, "r1"),
+            level("plain", 1, "r1", failed=1, errors=[{"error": "HTTP 500: internal\nerror", "count": 1}]),
+            {**META, "config": "transformers-serve", "concurrency": None, "run": "r1",
+             "error": "the server exited with code 1\nTraceback ..."}]
+    text = lt.render_markdown(rows)
+    lines = text.splitlines()
+    table = [line for line in lines if line.startswith("| ")]
+    assert len(table) == 1 + 4  # header + 3 levels + the configuration that did not run
+    assert ("| speculative | 1 | 4 / 0 | 2.000 | 64.00 | 2.50 / 3.97 | 0.10 / 0.10 | 2.50 | 1000 → 1010 (1020) |"
+            in lines)
+    assert "- **transformers-serve** did not run: the server exited with code 1 Traceback ..." in lines
+    assert "- plain, 1 streams: 1× HTTP 500: internal error" in lines
+    assert any("AMD EPYC (avx512_bf16), 2 CPUs, 2 torch threads; sparrow 0123456789ab," in line for line in lines)
+    assert "- speculative: `serve speculative`" in lines
+
+
+def test_render_writes_markdown_and_plot(tmp_path):
+    rows = [level("speculative", 1, "r1"), level("speculative", 4, "r1"), level("plain", 1, "r1")]
+    (tmp_path / lt.JSONL).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = lt.render(tmp_path)
+    assert (tmp_path / lt.MARKDOWN).read_text() == text and "| plain | 1 |" in text
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / lt.PLOT).stat().st_size > 0
+    assert lt.render(tmp_path / "empty") == ""
+
+
+def test_prometheus_counts_between_scrapes():
+    before = lt.parse_prometheus('# HELP x\nsparrow:requests_total{endpoint="/v1/chat/completions",status="200"} 3.0\n'
+                                 "sparrow:generation_tokens_total 100.0\n")
+    after = lt.parse_prometheus('sparrow:requests_total{endpoint="/v1/chat/completions",status="200"} 10.0\n'
+                                'sparrow:requests_total{status="429",endpoint="/v1/chat/completions"} 1.0\n'
+                                'sparrow:requests_total{endpoint="/v1/models",status="200"} 5.0\n'
+                                "sparrow:generation_tokens_total 324.0\n")
+    assert lt.server_counts(before, after) == {"server_requests": {"200": 7, "429": 1},
+                                               "server_generation_tokens": 224}
+
+
+def test_server_command_lines():
+    args = lt.parse_args(["--target", "smollm2-135m", "--drafter", "prompt-lookup", "--concurrency", "1,64"])
+    assert args.configs == ["speculative", "plain", "transformers-serve"] and args.concurrency == [1, 64]
+    spec = lt.sparrow_config("speculative", args, drafting=True).argv
+    assert spec[spec.index("--drafter") + 1] == "prompt-lookup" and "--draft" not in spec  # takes no draft model
+    assert spec[spec.index("--max-queue") + 1] == "64"
+    plain = lt.sparrow_config("plain", args, drafting=False).argv
+    assert plain[plain.index("--drafter") + 1] == "none"
+    args = lt.parse_args(["--sparrow-args", "--max-batch 4 --max-queue 8"])
+    spec = lt.sparrow_config("speculative", args, drafting=True).argv
+    assert spec[-4:] == ["--max-batch", "4", "--max-queue", "8"] and spec.count("--max-queue") == 1
+    assert spec[spec.index("--draft") + 1] == "qwen2.5-coder-0.5b" and spec[spec.index("--draft-quant") + 1] == "int4"
+    with pytest.raises(SystemExit):
+        lt.parse_args(["--configs", "speculative,vllm"])
+
+
+def sse(*events) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+def chunk(content=None, finish=None, usage=None, choices=True):
+    out = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+           "choices": [{"index": 0, "delta": {} if content is None else {"content": content},
+                        "finish_reason": finish}] if choices else []}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def request_with(body: bytes, status: int = 200, timeout: float = 5.0) -> dict:
+    from openai import AsyncOpenAI
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content)
+        assert sent["stream"] and sent["stream_options"] == {"include_usage": True} and sent["temperature"] == 0
+        if status != 200:
+            return httpx.Response(status, json={"error": {"message": "queue is full", "type": "rate_limit_error"}})
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    async def go():
+        client = AsyncOpenAI(base_url="http://test/v1", api_key="k", max_retries=0,
+                             http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+        try:
+            return await lt.one_request(client, "m", "hi", 8, timeout)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def test_one_request_reads_sparrow_and_transformers_streams():
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+             "speculative": {"num_drafts": 1, "num_draft_tokens": 4, "num_accepted_tokens": 2,
+                             "mean_accepted_tokens": 3.0, "acceptance_rate": 0.5}}
+    r = request_with(sse(chunk(""), chunk("a"), chunk("bc"), chunk(finish="length"), chunk(usage=usage, choices=False),
+                         b"[DONE]"))
+    assert r["ok"] and r["error"] is None and r["output_tokens"] == 3 and r["chunks"] == 2
+    assert r["finish_reason"] == "length" and r["speculative"]["mean_accepted_tokens"] == 3.0
+    assert 0 <= r["ttft_s"] <= r["latency_s"]
+    plain_usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}  # on the finish chunk, no [DONE]
+    r = request_with(sse(chunk("a"), chunk("b"), chunk(finish="stop", usage=plain_usage)))
+    assert r["ok"] and r["output_tokens"] == 2 and r["speculative"] is None
+
+
+def test_one_request_records_failures():
+    r = request_with(b"", status=429)
+    assert not r["ok"] and r["error"] == "HTTP 429: queue is full" and r["latency_s"] is not None
+    r = request_with(sse(chunk("a"), {"error": {"message": "internal error: boom", "type": "internal_error"}}))
+    assert not r["ok"] and "internal error: boom" in r["error"]
+    r = request_with(sse(chunk("a")))  # cut off before the finish chunk
+    assert not r["ok"] and r["error"] == "the stream ended without a finish_reason"
