@@ -35,6 +35,29 @@ def test_smollm2_speculative_equals_plain(smollm, drafter):
     assert accepted > 0
 
 
+@pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup"])
+def test_smollm2_batched_speculative_equals_plain(smollm, drafter):
+    """The three prompts in one batch (sparrow.batch), the last one joining after a step: each == plain."""
+    from sparrow.batch import Batch, BatchPolicy
+
+    pipe = Pipeline(smollm, build_drafter(drafter, smollm, smollm if drafter == "draft-model" else None, 4))
+    batch = Batch(smollm.model, BatchPolicy(adaptive=False))
+    gens = []
+    for i, (prompt, chat) in enumerate(PROMPTS):
+        gens.append(pipe.sequence(prompt, max_new_tokens=48, chat=chat))
+        batch.add(gens[-1])
+        if i == 1:
+            batch.step()
+    while len(batch):
+        batch.step()
+    accepted = 0
+    for gen, (prompt, chat) in zip(gens, PROMPTS):
+        result = pipe.result(gen)
+        assert result.token_ids == pipe.generate_plain(prompt, max_new_tokens=48, chat=chat).token_ids, prompt
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0
+
+
 def test_smollm2_chat_template_and_eos(smollm):
     pipe = Pipeline(smollm, None)
     result = pipe.generate_plain("Say hello.", max_new_tokens=64, chat=True)
