@@ -2,6 +2,10 @@
 
 The server starts listening at once (`/health` answers 503 until the model is loaded); a model that fails to
 load stops the server, and the command exits as `sparrow generate` would (2 for a user error, 1 for a bug).
+
+`--ray` serves the same app as a Ray Serve deployment of `--replicas` replicas (`sparrow.serve.ray_deploy`), on
+a local Ray instance bound to 127.0.0.1, or on the cluster at `--ray-address` (more than one machine); each
+replica loads the model itself; the command serves once every replica has loaded it, until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -31,10 +35,23 @@ def serve(
     max_queue: Annotated[int, typer.Option(help="Requests that may wait; more get HTTP 429.")] = 32,
     timeout: Annotated[Optional[float], typer.Option(help="Seconds a request may generate; then it ends with finish_reason 'length'.")] = None,
     model_name: Annotated[Optional[str], typer.Option(help="The model name clients send (default: --target).")] = None,
+    max_batch: Annotated[int, typer.Option(help="Requests decoded together in one batch step.")] = 8,
+    ray: Annotated[bool, typer.Option("--ray/--no-ray", help="Serve replicas with Ray Serve (needs the ray extra).")] = False,
+    replicas: Annotated[Optional[int], typer.Option(help="With --ray: replicas, each loading the model (default 1).")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="With --ray: the Ray cluster to join ('auto', or HEAD_IP:6379); default: a local Ray instance on 127.0.0.1.")] = None,
+    replica_cpus: Annotated[Optional[float], typer.Option(help="With --ray: CPUs each replica reserves, and its torch threads (default: this machine's CPUs / --replicas on the local Ray instance, 1 on a cluster).")] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming, /metrics)."""
     check_int("-k/--num-draft-tokens", k, 1)
     check_int("--max-queue", max_queue, 1)
+    check_int("--max-batch", max_batch, 1)
+    check_int("--replicas", replicas, 1)
+    check_float("--replica-cpus", replica_cpus, "a number of CPUs > 0", lambda c: c > 0)
+    for flag, value in (("--replicas", replicas), ("--ray-address", ray_address), ("--replica-cpus", replica_cpus)):
+        if not ray and value is not None:
+            raise UserError(f"{flag} needs --ray (without it one process serves the model)")
+    if ray_address is not None and not ray_address.strip():
+        raise UserError("--ray-address must not be empty")
     check_float("--timeout", timeout, "a number of seconds > 0", lambda t: t > 0)
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")
@@ -47,13 +64,37 @@ def serve(
         from sparrow.serve import Scheduler, create_app
     except ImportError as e:
         raise UserError(f"sparrow serve needs the serve extra ({e.name} is missing): pip install 'sparrow[serve]'") from e
+    if ray:
+        try:
+            from sparrow.serve import ray_deploy
+        except ImportError as e:
+            raise UserError("sparrow serve --ray needs the ray extra: pip install 'sparrow[ray]'") from e
     import sparrow
 
     def load() -> sparrow.Pipeline:
         return sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
                             dtype=dtype.value, device=device, draft_quant=draft_quant)
 
-    scheduler = Scheduler(load, max_queue=max_queue, timeout=timeout)
+    if ray:
+        import math
+        import os
+
+        import torch
+
+        replicas = replicas or 1
+        cpus = os.cpu_count() or 1
+        if replica_cpus is None:  # the local instance has this machine's CPUs: share them out
+            replica_cpus = max(1, cpus // replicas) if ray_address is None else 1
+        # a replica sees a GPU only if it asks Ray for one: with --device cuda, or by default where this one has one
+        gpus = 1 if (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()) else 0
+        app = ray_deploy.deployment(load, model_name=model_name or target, api_key=api_key, num_replicas=replicas,
+                                    max_queue=max_queue, timeout=timeout, max_batch=max_batch, num_cpus=replica_cpus,
+                                    num_gpus=gpus)
+        # a local instance with CPUs for every replica (Ray's CPUs are bookkeeping: none would wait for one)
+        local_cpus = max(cpus, math.ceil(replicas * replica_cpus))
+        ray_deploy.run(app, host=host, port=port, address=ray_address, num_cpus=local_cpus)
+        return
+    scheduler = Scheduler(load, max_queue=max_queue, timeout=timeout, max_batch=max_batch)
     app = create_app(scheduler, model_name=model_name or target, api_key=api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     scheduler.on_load_error = lambda e: setattr(server, "should_exit", True)

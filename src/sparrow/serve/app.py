@@ -136,6 +136,9 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
             first = await next_event(job, request)  # validation passed once the first token is out
         except ClientGone:
             return JSONResponse({}, status_code=499)  # nobody reads it
+        except asyncio.CancelledError:  # the handler itself was cancelled (e.g. by Ray Serve's proxy)
+            job.cancel()
+            raise
         if isinstance(first, Failed):
             raise failure(first)
         shape = Shape(model_name, chat)
@@ -150,6 +153,9 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
                     raise failure(event)
         except ClientGone:
             return JSONResponse({}, status_code=499)
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
         return shape.response(event.result.text, event)  # == the Text events concatenated (sparrow.stopping)
 
     return app
