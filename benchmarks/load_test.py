@@ -699,7 +699,7 @@ def run_config(name: str, args: argparse.Namespace, meta: dict, prompts: list[st
             if not any(w["ok"] for w in warm):
                 print(f"[{name}] warm-up failed: {warm[0]['error']}", flush=True)
         for c in args.concurrency:
-            records, measured = asyncio.run(run_level(server, config, prompts, c, args.requests, args.max_tokens,
+            records, measured = asyncio.run(run_level(server, config, prompts, c, max(args.requests, c), args.max_tokens,
                                                       args.timeout, args.api_key))
             for r in records:
                 append_jsonl(out / REQUESTS_JSONL, {"run": meta["run"], "config": name, "concurrency": c, **r})
@@ -739,7 +739,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default=None)
     p.add_argument("--concurrency", default="1,4,8,32", type=lambda s: [int(c) for c in s.split(",") if c])
-    p.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at least the concurrency)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--timeout", type=float, default=1200.0,
                    help="seconds a request may take, queueing included; then it counts as failed")

@@ -40,7 +40,7 @@ from sparrow.drafters.base import Drafter, watching_prefill
 from sparrow.drafters.draft_loop import DraftSteps, Forward
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness, at
-from sparrow.policy import AcceptanceEstimate, DecayedLine, expected_tokens
+from sparrow.policy import AcceptanceEstimate, DecayedLine, LengthPolicy, expected_tokens
 from sparrow.stopping import Stopper
 from sparrow.timing import now
 from sparrow.tree import TreeLayout, on_first_branch
@@ -311,6 +311,11 @@ class Batch:
             out = seq.target.prefill(seq.prompt, layers)
         if seq.drafter is not None:
             seq.drafter.prefill(seq.prompt, seq.target, out)
+            length = getattr(seq.drafter, "length", None)
+            if isinstance(length, LengthPolicy):  # what its drafter learnt so far: the budget's first estimates
+                seq.acceptance = copy.deepcopy(length.acceptance)
+                if length.draft.known:
+                    seq.draft_cost.add(1, length.draft(1))
         n = seq.prompt.input_ids.numel()
         first = S.choose(out.logits[-1], seq.sampling, at(seq.generator, n))
         seq.committed = torch.cat([seq.prompt.input_ids.to(device), first.reshape(1)])
