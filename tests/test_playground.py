@@ -21,20 +21,18 @@ import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from PIL import Image
 
 from conftest import perturbed, tiny_model, tiny_tokenizer
+from live import serving
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
@@ -61,26 +59,8 @@ def server(one_thread):
     # stays fast)
     target.model.register_forward_pre_hook(lambda module, args: time.sleep(0.01))
     pipe = Pipeline(target, build_drafter("draft-model", target, draft, 4))
-    server = uvicorn.Server(uvicorn.Config(create_app(Scheduler(lambda: pipe), model_name="tiny", api_key=KEY),
-                                           log_level="warning"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.05)
+    with serving(create_app(Scheduler(lambda: pipe), model_name="tiny", api_key=KEY)) as url:
         yield url
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 class Chromium:

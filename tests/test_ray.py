@@ -25,12 +25,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
+from live import serving
 from sparrow.cli import app as cli  # noqa: E402
 from sparrow.errors import UserError  # noqa: E402
 from sparrow.serve import Scheduler, create_app  # noqa: E402
@@ -123,20 +123,8 @@ def ray_url():
 @pytest.fixture(scope="module")
 def local_url():
     """The single-process server (uvicorn on 127.0.0.1 in a thread) over the same `load`."""
-    server = uvicorn.Server(uvicorn.Config(create_app(Scheduler(load_tiny), model_name="tiny", api_key=KEY),
-                                           log_level="warning"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: ok(f"{url}/health"), 60, "the single-process server")
+    with serving(create_app(Scheduler(load_tiny), model_name="tiny", api_key=KEY)) as url:
         yield url
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 def ok(url: str) -> bool:

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import random
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from conftest import perturbed, tiny_model, tiny_tokenizer
+from live import serving
 from sparrow.cli import app as cli
 from sparrow.config import StoppingConfig
 from sparrow.drafters import build_drafter
@@ -88,37 +87,8 @@ def live_server(pipe: Pipeline, **options):
     """uvicorn on 127.0.0.1 (a free port) in a thread; yields (base_url, scheduler) once /health is 200."""
     api_key = options.pop("api_key", None)
     scheduler = Scheduler(lambda: pipe, **options)
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, model_name="tiny", api_key=api_key),
-                                           log_level="warning"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.05)
+    with serving(create_app(scheduler, model_name="tiny", api_key=api_key)) as url:
         yield url, scheduler
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
-
-
-@pytest.fixture(scope="module")
-def server(pipe):
-    with live_server(pipe, api_key=KEY, max_queue=4) as (url, _):
-        yield url
-
-
-@pytest.fixture
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=30)
 
 
 def metric(url: str, name: str) -> float:
