@@ -24,7 +24,6 @@ from sparrow.config import SamplingConfig
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
-from sparrow.policy import DecayedLine
 from sparrow.types import Verdict
 from test_degenerate import SPECS
 
@@ -257,23 +256,38 @@ def test_negative_control_accepting_every_draft_fails(toy):
 
 
 class Seq:
-    """What BatchPolicy reads of a generation: its acceptance and its draft cost per token."""
+    """What BatchPolicy reads of a generation: its acceptance."""
 
-    def __init__(self, acceptance: float, draft_seconds: float) -> None:
+    def __init__(self, acceptance: float) -> None:
         self.acceptance = type("A", (), {"value": acceptance})()
-        self.draft_cost = DecayedLine(origin=True)
-        self.draft_cost.add(1, draft_seconds)
+
+
+def cpu_like_policy() -> BatchPolicy:
+    """Verification memory-bound up to ~16 tokens then compute-bound; a draft position costs 40 ms for one
+    sequence and 60 ms for 32 together (a CPU-like curve)."""
+    policy = BatchPolicy()
+    policy.seed([(1, 0.100), (16, 0.120), (64, 0.600), (256, 2.600)])
+    policy.draft.add(1, 0.040)
+    policy.draft.add(32, 0.060)
+    return policy
 
 
 def test_the_draft_cap_shrinks_as_the_batch_grows():
-    """Verification memory-bound up to ~16 tokens then compute-bound (a CPU-like curve): caps fall with B."""
-    policy = BatchPolicy()
-    policy.seed([(1, 0.100), (16, 0.120), (64, 0.600), (256, 2.600)])
-    caps = [policy.cap([Seq(0.7, 0.004)] * b, [8] * b) for b in (1, 2, 4, 8, 16, 32)]
+    policy = cpu_like_policy()
+    caps = [policy.cap([Seq(0.7)] * b, [8] * b) for b in (1, 2, 4, 8, 16, 32)]
     assert caps[0] == 8  # alone: the drafter's own policy decides
     assert all(a >= b for a, b in zip(caps[1:], caps[2:])), caps
     assert caps[1] > caps[-1], caps
-    assert policy.cap([Seq(0.0, 0.004)] * 4, [8] * 4) == 0  # nothing is ever accepted: do not draft
+
+
+def test_a_batch_that_stops_drafting_probes_now_and_then():
+    """Nothing accepted: plain steps, but a probe every few steps (the interval doubling while it loses)."""
+    policy = cpu_like_policy()
+    caps = [policy.cap([Seq(0.0)] * 4, [8] * 4) for _ in range(40)]
+    probes = [i for i, k in enumerate(caps) if k]
+    assert caps.count(0) >= 34 and 2 <= len(probes) <= 5, caps
+    assert all(b - a >= 4 for a, b in zip(probes, probes[1:]))
+    assert probes[2] - probes[1] > probes[1] - probes[0]
 
 
 def test_score_batch_rows_equal_single_forwards(pair):

@@ -91,6 +91,17 @@ def live_server(pipe: Pipeline, **options):
         yield url, scheduler
 
 
+@pytest.fixture(scope="module")
+def server(pipe):
+    with live_server(pipe, api_key=KEY, max_queue=4) as (url, _):
+        yield url
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
 def metric(url: str, name: str) -> float:
     """One sample's value from /metrics (0 if absent)."""
     for line in httpx.get(f"{url}/metrics").text.splitlines():

@@ -40,7 +40,7 @@ from sparrow.drafters.base import Drafter, watching_prefill
 from sparrow.drafters.draft_loop import DraftSteps, Forward
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness, at
-from sparrow.policy import AcceptanceEstimate, DecayedLine, LengthPolicy, expected_tokens
+from sparrow.policy import AcceptanceEstimate, LengthPolicy, ProbeSchedule, expected_tokens
 from sparrow.stopping import Stopper
 from sparrow.timing import now
 from sparrow.tree import TreeLayout, on_first_branch
@@ -64,7 +64,6 @@ class Generation:
     prefill_seconds: float = 0.0
     started: float = 0.0  # perf_counter at add()
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # for the batch's draft budget
-    draft_cost: DecayedLine = field(default_factory=lambda: DecayedLine(origin=True))  # (draft tokens, seconds)
 
     @property
     def done(self) -> bool:
@@ -238,36 +237,61 @@ class CostTable:
 
 @dataclass
 class BatchPolicy:
-    """The draft cap of a batch step: the k with the most expected tokens per second (see the module doc)."""
+    """The draft cap of a batch step: the k with the most expected tokens per second (see the module doc).
+
+    Costs are the batch's own: verify(T) for a target forward of T tokens, and draft(B) seconds per draft
+    position for B sequences drafting together (a draft model runs one batched forward per position). While no
+    draft length pays, steps are plain; every `probe` such steps (doubling up to `max_probe` while it keeps
+    losing) one step drafts the best length anyway, so acceptance and draft costs stay measured."""
 
     decay: float = 0.9
     adaptive: bool = True  # False: every sequence drafts what its own drafter chooses (tests, --fixed)
+    probe: int = 4
+    max_probe: int = 64
 
     def __post_init__(self) -> None:
         self.verify = CostTable(self.decay)  # (tokens in the batched forward, seconds)
+        self.draft = CostTable(self.decay)  # (sequences drafting, seconds per draft position)
+        self.probes = ProbeSchedule(self.probe, self.max_probe)
+        self._step = 0
 
     def seed(self, points: list[tuple[int, float]]) -> None:
         """Measured (tokens, seconds) of forwards before serving (`measure_batch_cost`)."""
         for tokens, seconds in points:
             self.verify.add(tokens, seconds)
 
+    def rate(self, seqs: list[Generation], limits: list[int], k: int) -> float:
+        """Expected tokens per second of a step whose drafts are capped at k (unknown draft costs count as 0)."""
+        ks = [min(k, limit) for limit in limits]
+        tokens = sum(expected_tokens(seq.acceptance.value, j) for seq, j in zip(seqs, ks))
+        drafting = sum(1 for j in ks if j)
+        seconds = max(ks) * self.draft(drafting) if drafting and self.draft.known else 0.0
+        return tokens / max(seconds + self.verify(sum(ks) + len(ks)), 1e-12)
+
     def cap(self, seqs: list[Generation], limits: list[int]) -> int:
         """Tokens each sequence may draft this step (each also at most its own limit). A sequence alone follows
         its drafter's own policy, which already weighs its draft and verify costs."""
         top = max(limits, default=0)
+        self._step += 1
         if top == 0 or len(seqs) < 2 or not self.adaptive or not self.verify.known:
             return top
+        rates = [self.rate(seqs, limits, k) for k in range(top + 1)]
+        best = max(range(1, top + 1), key=rates.__getitem__)
+        if rates[best] > rates[0]:  # drafting pays
+            self.probes.restart(self._step + self.probes.start)
+            return best
+        if self.probes.due(self._step):  # a probe: the estimates may be stale
+            self.probes.wait(self._step, won=False)
+            return best
+        return 0
 
-        def rate(k: int) -> float:
-            ks = [min(k, limit) for limit in limits]
-            tokens = sum(expected_tokens(seq.acceptance.value, j) for seq, j in zip(seqs, ks))
-            drafting = sum(seq.draft_cost(j) for seq, j in zip(seqs, ks) if j and seq.draft_cost.known)
-            return tokens / max(drafting + self.verify(sum(ks) + len(ks)), 1e-12)
-
-        return max(range(top + 1), key=rate)
-
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, drafting: int = 0, positions: int = 0,
+                draft_seconds: float = 0.0) -> None:
+        """A step: its verify forward of `tokens` tokens took `seconds`; `drafting` sequences drafted up to
+        `positions` tokens in `draft_seconds`."""
         self.verify.add(tokens, seconds)
+        if drafting and positions:
+            self.draft.add(drafting, draft_seconds / positions)
 
 
 def measure_batch_cost(model: PreTrainedModel, tokens: tuple[int, ...] = (1, 16, 64), context: int = 32,
@@ -312,10 +336,8 @@ class Batch:
         if seq.drafter is not None:
             seq.drafter.prefill(seq.prompt, seq.target, out)
             length = getattr(seq.drafter, "length", None)
-            if isinstance(length, LengthPolicy):  # what its drafter learnt so far: the budget's first estimates
+            if isinstance(length, LengthPolicy):  # what its drafter learnt so far: the budget's first estimate
                 seq.acceptance = copy.deepcopy(length.acceptance)
-                if length.draft.known:
-                    seq.draft_cost.add(1, length.draft(1))
         n = seq.prompt.input_ids.numel()
         first = S.choose(out.logits[-1], seq.sampling, at(seq.generator, n))
         seq.committed = torch.cat([seq.prompt.input_ids.to(device), first.reshape(1)])
@@ -356,14 +378,15 @@ class Batch:
         drafts = [proposed[b] for b in range(len(seqs))]
         for seq, draft, limit in zip(seqs, drafts, limits):
             assert draft.tokens.numel() <= min(cap, limit), (getattr(seq.drafter, "name", None), len(draft), cap)
-        drafting = sum(1 for d in drafts if len(d))
-        draft_seconds = [(now(device) - t0) / max(drafting, 1) if len(d) else 0.0 for d in drafts]  # shared
+        drafting, phase = sum(1 for d in drafts if len(d)), now(device) - t0
+        draft_seconds = [phase / max(drafting, 1) if len(d) else 0.0 for d in drafts]  # the phase, shared
         t1 = now(device)
         layers = tuple(sorted({i for seq in seqs if seq.drafter is not None for i in seq.drafter.hidden_layers}))
         bases = [seq.target.length for seq in seqs]
         outs = score_batch(self.model, seqs, drafts, layers)  # 2. one shared target forward
         verify_seconds = now(device) - t1
-        self.policy.observe(sum(len(d) + 1 for d in drafts), verify_seconds)
+        self.policy.observe(sum(len(d) + 1 for d in drafts), verify_seconds, drafting,
+                            max(len(d) for d in drafts), phase)
         finished = []
         for seq, draft, out, base, seconds in zip(seqs, drafts, outs, bases, draft_seconds):
             noise = at(seq.generator, seq.committed.numel())
@@ -379,7 +402,6 @@ class Batch:
             seq.steps.append(step)
             if len(draft):
                 seq.acceptance.observe(len(draft), verdict.num_accepted)
-                seq.draft_cost.add(len(draft), seconds)
             if seq.drafter is not None:  # 5. feedback, as in the engine
                 layers_out = out if not layers or layers == seq.drafter.hidden_layers else _select(out, layers, seq.drafter.hidden_layers)
                 seq.drafter.observe(draft, verdict, layers_out.rows(torch.cat([nodes.new_zeros(1), nodes + 1])), step)
