@@ -355,7 +355,7 @@ class PipelineCache:
             device: str | None = None, quant: str | None = None, draft_quant: str | None = None) -> Pipeline:
         options: dict[str, Any] = {}
         draft = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options)  # before loading
-        key = (_key(target), drafter, _key(draft), num_draft_tokens, adaptive, resolve_dtype(dtype),
+        key = (_key(target), drafter, _key(draft), num_draft_tokens, adaptive, resolve_dtype(dtype, device),
                resolve_device(device), quant, draft_quant)
         with self._lock:
             pipe = self._pipelines.get(key)
@@ -383,7 +383,7 @@ class PipelineCache:
         """The model as the pipeline runs it (quantized if asked), loaded once while a kept pipeline runs it."""
         if isinstance(spec, LoadedModel):  # the caller's: not ours to keep (its quantized copy is shared anyway)
             return _quantized(spec, quant, keep_dense)
-        dense = (spec, resolve_dtype(dtype), resolve_device(device), None, False)
+        dense = (spec, resolve_dtype(dtype, device), resolve_device(device), None, False)
         key = dense if quant is None else (*dense[:3], quant, keep_dense)
         if key not in self._models:  # a dense model only quantized from is dropped with the other unused ones
             if dense not in self._models:

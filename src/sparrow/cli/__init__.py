@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from sparrow.cli.bench import bench
+from sparrow.cli.doctor import doctor
 from sparrow.cli.generate import generate
 from sparrow.cli.models import models_app
 from sparrow.cli.serve import serve
@@ -24,6 +25,7 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Also print the tra
 app.command()(generate)
 app.command()(bench)
 app.command()(serve)
+app.command()(doctor)
 app.add_typer(models_app, name="models")
 app.add_typer(tune_app, name="tune")
 

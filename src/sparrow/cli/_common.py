@@ -43,9 +43,22 @@ Command = TypeVar("Command", bound=Callable)
 
 
 class DType(str, Enum):
+    auto = "auto"  # what this machine runs fastest (sparrow.hardware.choose_dtype; `sparrow doctor` shows it)
     bfloat16 = "bfloat16"
     float32 = "float32"
     float16 = "float16"
+
+
+DTYPE_HELP = ("auto (default): what this machine runs fastest (see `sparrow doctor`); bfloat16 for speed, "
+              "float32 for exactness.")
+
+
+def dtype_name(dtype: DType | str, device: str | None = None) -> str:
+    """The name of the dtype that runs: "auto" resolved for `device` on this machine (for records and reports)."""
+    from sparrow.models import resolve_dtype
+
+    value = dtype.value if isinstance(dtype, DType) else dtype
+    return str(resolve_dtype(value, device)).removeprefix("torch.")
 
 
 def fail(message: str) -> NoReturn:

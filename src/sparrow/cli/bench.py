@@ -9,7 +9,7 @@ import typer
 
 from sparrow.bench.command import DEFAULT_METHODS, QUICK_MAX_NEW_TOKENS, QUICK_METHODS, run
 from sparrow.bench.data import DEFAULT_DATA
-from sparrow.cli._common import check_int, cli_errors
+from sparrow.cli._common import DTYPE_HELP, DType, check_int, cli_errors, dtype_name
 
 
 @cli_errors
@@ -29,7 +29,7 @@ def bench(
     cross_draft: Annotated[str, typer.Option(help="Draft model with another tokenizer (cross-vocab, hf-uad).")] = "smollm2-135m",
     k: Annotated[Optional[int], typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (default: each drafter's own).")] = None,
     adaptive: Annotated[bool, typer.Option("--adaptive/--fixed", help="Adaptive draft length (at most k) or exactly k.")] = True,
-    dtype: Annotated[str, typer.Option(help="bfloat16 | float16 | float32.")] = "bfloat16",
+    dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
     quant: Annotated[Optional[str], typer.Option(help="int8|int4 weight-only target (all methods).")] = None,
     draft_quant: Annotated[Optional[str], typer.Option(help="int8|int4 draft model for sparrow's drafters.")] = None,
@@ -53,6 +53,6 @@ def bench(
     report = run(data=data, methods=methods, categories=categories, limit=limit, per_task=per_task,
                  max_new_tokens=max_new_tokens, repeats=repeats, first_repeat=first_repeat, warmup=warmup,
                  all_turns=all_turns, target=target, draft=draft, cross_draft=cross_draft, k=k, adaptive=adaptive,
-                 dtype=dtype, device=device, quant=quant, draft_quant=draft_quant, lookup_tokens=lookup_tokens,
-                 chat=chat, out=out, quick=quick, progress=progress)
+                 dtype=dtype_name(dtype, device), device=device, quant=quant, draft_quant=draft_quant,
+                 lookup_tokens=lookup_tokens, chat=chat, out=out, quick=quick, progress=progress)
     typer.echo(report.read_text())

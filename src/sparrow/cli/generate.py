@@ -8,10 +8,9 @@ import sys
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from sparrow.cli._common import DType, check_float, check_int, cli_errors, err
+from sparrow.cli._common import DTYPE_HELP, DType, check_float, check_int, cli_errors, err
 from sparrow.config import check_max_new_tokens, check_seed, check_temperature, check_top_k, check_top_p
 from sparrow.drafters.registry import REGISTRY, check_drafter_args, drafter_names
 from sparrow.errors import UserError
@@ -31,7 +30,7 @@ def generate(
     top_p: Annotated[float, typer.Option(help="1 = off.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the sampling generator.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
-    dtype: Annotated[DType, typer.Option(help="bfloat16 for speed, float32 for exactness.")] = DType.bfloat16,
+    dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
     quant: Annotated[Optional[str], typer.Option(help="int8|int4 weight-only target: faster; lossless only relative to the quantized target.")] = None,
     draft_quant: Annotated[Optional[str], typer.Option(help="int8|int4 draft model, or the quantized-self copy's bits (default int4).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
@@ -81,8 +80,9 @@ def generate(
         "finish_reason": result.finish_reason, "seconds": result.seconds,
         "tokens_per_second": result.tokens_per_second, "mean_accepted_tokens": result.stats.mean_accepted_tokens,
         "acceptance_rate": result.stats.acceptance_rate, "drafter": pipe.drafter_name, "target": target,
-        "draft": draft_name(drafter, draft), "dtype": dtype.value,
-        "temperature": temperature, "stats": result.stats.to_dict(), "quant": quant, "draft_quant": draft_quant,
+        "draft": draft_name(drafter, draft), "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
+        "temperature": temperature, "stats": result.stats.to_dict(), "quant": quant,
+        "draft_quant": draft_quant_used(pipe, draft_quant), "compiled": False,
         "lossless_relative_to": f"the {quant}-quantized target" if quant else "the target",
         "tree": tree_record(pipe.drafter, tree),
     }
@@ -130,6 +130,7 @@ def summary(record: dict[str, Any], verify: str) -> Table:
     """The human-readable table of a `generate` record (stderr, under the text)."""
     table = Table(show_header=False, box=None)
     table.add_row("drafter", f"{record['drafter']} (target {record['target']})")
+    table.add_row("dtype", record["dtype"] + (f", draft {record['draft_quant']}" if record["draft_quant"] else ""))
     table.add_row("tokens", f"{record['new_tokens']} in {record['seconds']:.2f} s = "
                             f"{record['tokens_per_second']:.2f} tok/s")
     if verify == "loose":
@@ -144,6 +145,15 @@ def summary(record: dict[str, Any], verify: str) -> Table:
         table.add_row("speedup", "-" if record["speedup"] is None else f"{record['speedup']:.2f}x")
         table.add_row("identical to plain decoding", "yes" if record["identical"] else "no")
     return table
+
+
+def draft_quant_used(pipe: Any, draft_quant: str | None) -> str | None:
+    """The weight format the drafter's own model runs ("int4" for quantized-self by default), else --draft-quant."""
+    for model in pipe.models():
+        info = getattr(model, "sparrow_quantization", None)
+        if model is not pipe.target.model and info is not None:
+            return info.name
+    return draft_quant
 
 
 def draft_name(drafter: str, draft: str) -> str | None:

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from sparrow.cli._common import DType, check_float, check_int, cli_errors
+from sparrow.cli._common import DTYPE_HELP, DType, check_float, check_int, cli_errors
 from sparrow.drafters.registry import check_drafter_args, drafter_names
 from sparrow.errors import UserError
 
@@ -26,7 +26,7 @@ def serve(
     draft: Annotated[str, typer.Option(help="Draft model: preset, local dir or hub id; 'default' = the drafter's own default.")] = "default",
     k: Annotated[Optional[int], typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (max, with --adaptive).")] = None,
     adaptive: Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length online, or draft exactly k.")] = True,
-    dtype: Annotated[DType, typer.Option(help="bfloat16 for speed, float32 for exactness.")] = DType.bfloat16,
+    dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
     draft_quant: Annotated[Optional[str], typer.Option(help="int8|int4 draft model (lossless).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",

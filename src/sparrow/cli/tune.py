@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from sparrow.cli._common import check_float, check_int, cli_errors, err
+from sparrow.cli._common import DTYPE_HELP, DType, check_float, check_int, cli_errors, err
 from sparrow.errors import UserError
 
 tune_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -24,7 +24,7 @@ def layer_skip(
     time_budget: Annotated[float, typer.Option(help="Seconds for the search (the confirmation run comes on top).")] = 300.0,
     confirm_tokens: Annotated[int, typer.Option(help="Tokens per prompt of the confirming timed run (0 = skip it).")] = 48,
     prompt: Annotated[Optional[list[str]], typer.Option(help="Calibration prompt (repeatable; default: built-in code and prose).")] = None,
-    dtype: Annotated[str, typer.Option(help="bfloat16 for speed, float32 for exactness.")] = "bfloat16",
+    dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
 ) -> None:
     """Search the layer-skip set with the best expected speedup, confirm it by a timed run, save it."""
@@ -40,7 +40,7 @@ def layer_skip(
     check_int("--confirm-tokens", confirm_tokens, 0)
     if any(not p.strip() for p in prompt or ()):
         raise UserError("--prompt must not be empty")
-    loaded = load_model(target, dtype=dtype, device=device, progress=True)
+    loaded = load_model(target, dtype=dtype.value, device=device, progress=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as bar:
         tasks: dict[str, int] = {}

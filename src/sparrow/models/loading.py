@@ -75,13 +75,23 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map a dtype name (or a supported ``torch.dtype``) to a ``torch.dtype``."""
+AUTO_DTYPE = "auto"
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
+    """Map a dtype name (or a supported ``torch.dtype``) to a ``torch.dtype``.
+
+    ``"auto"``: the fastest exact-enough dtype for ``device`` (resolved as ``resolve_device`` does) on this
+    machine, from its features and a short cached micro-benchmark: see ``sparrow.hardware.choose_dtype``."""
     if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
         return dtype
+    if isinstance(dtype, str) and dtype.strip().lower() == AUTO_DTYPE:
+        from sparrow.hardware import choose_dtype
+
+        return choose_dtype(resolve_device(device))[0]
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
-    raise UserError(f"invalid dtype {dtype!r}: expected one of {', '.join(_DTYPES)}")
+    raise UserError(f"invalid dtype {dtype!r}: expected one of {AUTO_DTYPE}, {', '.join(_DTYPES)}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -340,14 +350,15 @@ def load_model(
     cache_dir: Path | str | None = None,
     progress: bool = True,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer, in eval mode, on ``device``, in ``dtype``.
+    """Load a causal LM and its tokenizer, in eval mode, on ``device``, in ``dtype`` (a name, or ``"auto"``:
+    what this machine runs fastest, see ``resolve_dtype``).
 
     ``spec`` is a preset name (see ``PRESETS``), a path to a ``.gguf`` file, a local
     directory holding a Hugging Face model, or a Hugging Face hub id.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(f"invalid model spec {spec!r}: expected a preset name, a path or a hub id")
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, device)
     dev = resolve_device(device)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     start = time.perf_counter()

@@ -1,0 +1,127 @@
+"""`sparrow doctor`: what sparrow detected on this machine, the measured per-token costs, and what `--dtype auto`
+picks and why (the work: sparrow.hardware)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from importlib import metadata
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sparrow.cli._common import cli_errors
+
+
+@cli_errors
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
+    benchmark: Annotated[bool, typer.Option("--benchmark/--no-benchmark", help="Measure the per-token costs (well under a second, once per machine: cached) or only read a cached measurement.")] = True,
+    refresh: Annotated[bool, typer.Option("--refresh", help="Measure again even if a measurement is cached.")] = False,
+    device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
+) -> None:
+    """Show the device, CPU features, versions and measured costs, and what --dtype auto picks and why."""
+    from sparrow import hardware
+    from sparrow.models import resolve_device
+
+    dev = resolve_device(device)
+    info = hardware.cpu_info()
+    measured = hardware.cpu_costs(benchmark=benchmark, refresh=refresh, info=info)
+    hardware.clear_cache()  # choose from the measurement just read or taken
+    choice = hardware.choose(dev, benchmark=benchmark)
+    record = report(dev, info, measured, choice)
+    if as_json:
+        sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
+        return
+    Console().print(table(record))
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any) -> dict[str, Any]:
+    """The JSON record of `sparrow doctor`."""
+    import torch
+
+    from sparrow import hardware
+
+    cuda = hardware.cuda_info(dev) if dev.type == "cuda" else None
+    benchmark = None
+    if measured is not None:
+        benchmark = {key: measured.get(key) for key in ("costs", "quant_activations", "unit", "shape", "seconds",
+                                                         "measured_at", "cached", "path")}
+        benchmark["rows"] = list(hardware.BENCH_ROWS)
+    return {
+        "device": str(dev),
+        "cpu": {"model": info.model, "arch": info.arch, "logical_cpus": info.logical_cpus,
+                "physical_cores": info.physical_cores, "flags": list(info.flags), "bf16_instructions": info.bf16,
+                "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()},
+        "cuda": cuda,
+        "versions": {"sparrow": _version("sparrow"), "python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": _version("transformers")},
+        "threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
+        "benchmark": benchmark,
+        "auto": {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason},
+        "draft_hint": draft_hint(benchmark),
+    }
+
+
+def draft_hint(benchmark: dict[str, Any] | None) -> str | None:
+    """Which weight-only format a draft model runs fastest at one row, when one beats the dense dtype."""
+    if benchmark is None:
+        return None
+    costs, dense = benchmark["costs"], benchmark["quant_activations"]
+    quants = [name for name in ("int8", "int4") if name in costs]
+    if not quants or dense not in costs:
+        return None
+    best = min(quants, key=lambda name: costs[name]["1"])
+    speedup = costs[dense]["1"] / costs[best]["1"]
+    if speedup < 1.1:
+        return None
+    return (f"{best} weights ran {speedup:.1f}x faster than {dense} at 1 row: draft with --draft-quant {best} "
+            "(still lossless: the target verifies)")
+
+
+def table(record: dict[str, Any]) -> Table:
+    """The human-readable table of a `doctor` record."""
+    cpu, versions, threads = record["cpu"], record["versions"], record["threads"]
+    out = Table(show_header=False, box=None)
+    out.add_row("device", record["device"])
+    if record["cuda"] is not None:
+        cuda = record["cuda"]
+        out.add_row("GPU", f"{cuda['name']}, compute capability {cuda['capability']}, "
+                           f"bfloat16 {'yes' if cuda['bf16'] else 'no'}")
+    cores = f", {cpu['physical_cores']} physical cores" if cpu["physical_cores"] else ""
+    out.add_row("CPU", f"{cpu['model']} ({cpu['arch']}, {cpu['logical_cpus']} logical CPUs{cores})")
+    out.add_row("CPU flags", " ".join(cpu["flags"]) or "-")
+    out.add_row("bf16 instructions", "yes" if cpu["bf16_instructions"] else "no")
+    out.add_row("torch CPU kernels", str(cpu["torch_cpu_capability"]))
+    out.add_row("versions", f"sparrow {versions['sparrow']}, torch {versions['torch']}, "
+                            f"transformers {versions['transformers']}, python {versions['python']}")
+    out.add_row("threads", f"{threads['intra_op']} (inter-op {threads['inter_op']})")
+    bench = record["benchmark"]
+    if bench is None:
+        out.add_row("CPU costs", "not measured (--no-benchmark and nothing cached)")
+    else:
+        rows = [str(n) for n in bench["rows"]]
+        shape = "x".join(map(str, bench["shape"]))
+        source = f"cached {bench['measured_at']}" if bench["cached"] else f"measured now in {bench['seconds']:.2f} s"
+        out.add_row("CPU costs", f"ms per {shape} matmul at {' / '.join(rows)} rows ({source})")
+        fastest = min(sum(row.values()) for row in bench["costs"].values())
+        for name, row in bench["costs"].items():
+            label = name if name in ("float32", "bfloat16") else f"{name} weights ({bench['quant_activations']})"
+            ratio = sum(row.values()) / fastest
+            cost = " / ".join(f"{row[n]:.2f}" for n in rows)
+            out.add_row(f"  {label}", f"{cost} ms  ({rows[-1]} rows = {row[rows[-1]] / row[rows[0]]:.1f}x "
+                                      f"{rows[0]} row; {ratio:.2f}x the fastest)")
+    out.add_row("--dtype auto", f"{record['auto']['dtype']}: {record['auto']['reason']}")
+    if record["draft_hint"]:
+        out.add_row("drafts", record["draft_hint"])
+    return out

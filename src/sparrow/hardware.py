@@ -1,0 +1,385 @@
+"""What this machine computes fast, and the dtype ``--dtype auto`` picks from it.
+
+* CPU: the instruction-set flags of ``/proc/cpuinfo`` (``avx512_bf16``, ``amx_bf16``, ``avx512_vnni``, ...),
+  and a short micro-benchmark: one decoder MLP projection (a 1536 x 8960 weight, Qwen2.5-1.5B's) applied to
+  1 row (a plain decoding step) and to 8 rows (verifying a draft), in float32 and bfloat16, then with int8
+  and int4 weight-only weights (``sparrow.quantization``'s kernels) in the dtype picked, each kernel cycling
+  through copies of its weight worth twice the L3, so they stream from memory as a model's weights do. It
+  takes about 0.6 s on a 2-core CPU and is cached per machine in ``<cache>/hardware/`` (keyed by CPU model,
+  flags, threads and torch version), so it runs once (``sparrow doctor --refresh`` measures again).
+* CUDA: the compute capability (native bfloat16 from 8.0, Ampere).
+
+``choose_dtype(device)`` then picks:
+
+* CPU: bfloat16 when the CPU has bf16 instructions *and* the benchmark measured bfloat16 clearly faster than
+  float32 (``MIN_BF16_SPEEDUP``: bfloat16 costs exactness, so it has to pay); with the benchmark disabled
+  (``benchmark=False`` or ``SPARROW_DTYPE_BENCHMARK=0``) and nothing cached, the flags alone decide. Without
+  bf16 instructions: float32 (torch then emulates bfloat16, which measured no faster than float32).
+* CUDA: bfloat16 where supported natively, else float16.
+* anything else: float32.
+
+Nothing here assumes one machine: the same code picks bfloat16 on a CPU with ``avx512_bf16`` where bf16 is
+2-3x faster, and float32 on an AVX-512/VNNI CPU without it where bf16 was no faster than float32.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
+import itertools
+import json
+import math
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+FORMAT = 2  # bump when the cached record's layout or the benchmark changes
+BENCH_SHAPE = (8960, 1536)  # [out_features, in_features]: Qwen2.5-1.5B's MLP gate/up projection
+BENCH_ROWS = (1, 8)  # a plain decoding step; verifying a draft of 8 tokens
+MIN_BF16_SPEEDUP = 1.1  # bfloat16 is picked over float32 only when at least this much faster
+INT4_GROUP_SIZE = 128
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that compute in bfloat16 (ARM: "bf16" in Features)
+RELEVANT_FLAGS = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+    "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",  # x86
+    "asimd", "asimddp", "bf16", "i8mm", "sve", "sve2",  # ARM (the Features line)
+)
+_OFF = {"0", "false", "no", "off"}
+
+
+# --- detection ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str  # "AMD EPYC 9R14", or what the platform says where /proc/cpuinfo has no model name
+    arch: str  # platform.machine(): x86_64, aarch64, ...
+    flags: tuple[str, ...]  # the RELEVANT_FLAGS the CPU has, in that order
+    logical_cpus: int
+    physical_cores: int | None  # None: /proc/cpuinfo does not say
+
+    @property
+    def bf16(self) -> bool:
+        """Whether the CPU has instructions that compute in bfloat16 (rather than torch emulating them)."""
+        arm = self.arch in ("aarch64", "arm64") and "bf16" in self.flags
+        return arm or any(flag in self.flags for flag in BF16_FLAGS)
+
+    @property
+    def bf16_flags(self) -> list[str]:
+        return [flag for flag in (*BF16_FLAGS, "bf16") if flag in self.flags]
+
+
+def read_cpuinfo() -> str:
+    """The text of /proc/cpuinfo ("" where there is none: not Linux, or unreadable). Tests replace this."""
+    try:
+        return Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def parse_cpuinfo(text: str) -> CpuInfo:
+    """The CpuInfo of a /proc/cpuinfo text (x86's `flags` or ARM's `Features`)."""
+    model, flags, cores = "", set(), set()
+    physical_id = ""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key, value = key.strip().lower(), value.strip()
+        if key in ("model name", "hardware", "cpu model") and not model:
+            model = value
+        elif key in ("flags", "features"):
+            flags.update(value.split())
+        elif key == "physical id":
+            physical_id = value
+        elif key == "core id":
+            cores.add((physical_id, value))
+    return CpuInfo(model=model or platform.processor() or platform.machine() or "unknown CPU",
+                   arch=platform.machine(), flags=tuple(f for f in RELEVANT_FLAGS if f in flags),
+                   logical_cpus=os.cpu_count() or 1, physical_cores=len(cores) or None)
+
+
+def cpu_info() -> CpuInfo:
+    return parse_cpuinfo(read_cpuinfo())
+
+
+def cuda_info(device: torch.device) -> dict[str, object]:
+    """Name, compute capability and bfloat16 support of a CUDA device."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return {"name": torch.cuda.get_device_name(device), "capability": f"{major}.{minor}",
+            "bf16": (major, minor) >= (8, 0) and torch.cuda.is_bf16_supported(including_emulation=False)}
+
+
+# --- the micro-benchmark ---------------------------------------------------------------------------------
+
+
+def _time_ms(kernels: dict[str, Callable[[], object]], min_runs: int = 5, min_seconds: float = 0.04,
+             max_seconds: float = 0.2) -> dict[str, float]:
+    """The fastest run of each kernel, in milliseconds, after two warm-up calls each. The kernels run in turns
+    (so a passing load on the machine slows them alike), at least ``min_runs`` times and ``min_seconds`` in
+    all; slow kernels stop after ``max_seconds`` (and at least 3 runs). The fastest run, not the median: other
+    work on the machine only ever adds time."""
+    for fn in kernels.values():
+        fn()
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    start = time.perf_counter()
+    for runs in itertools.count(1):
+        for name, fn in kernels.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+        spent = time.perf_counter() - start
+        if (runs >= min_runs and spent >= min_seconds) or (runs >= 3 and spent >= max_seconds):
+            break
+    return {name: min(ts) * 1000 for name, ts in times.items()}
+
+
+def cache_bytes() -> int:
+    """The CPU's largest cache (its L3), from sysfs; 32 MiB where it does not say."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = path.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=32 << 20)
+
+
+def _copies(make: Callable[[], tuple], nbytes: int, working_set: int) -> Iterator[tuple]:
+    """Enough copies of a kernel's weights (``make()``, ``nbytes`` each) to fill ``working_set``, in turns: a
+    weight that fits in the cache would be timed at cache speed, a real model's weights stream from memory."""
+    return itertools.cycle([make() for _ in range(max(1, math.ceil(working_set / nbytes)))])
+
+
+def _faster_dense(costs: dict[str, dict[str, float]]) -> float:
+    """How many times faster bfloat16 ran than float32, over all measured row counts."""
+    return sum(costs["float32"].values()) / sum(costs["bfloat16"].values())
+
+
+def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_SHAPE, *, bf16_instructions: bool,
+            quant: bool = True, working_set: int | None = None) -> dict[str, object]:
+    """Milliseconds per ``x @ W.T`` with W of ``shape``, x of ``rows`` rows, on the CPU with torch's threads:
+    ``{"float32": {"1": ms, "8": ms}, "bfloat16": {...}, "int8": {...}, "int4": {...}}``. The weight-only
+    kernels compute in the dtype picked from the first two (as a quantized draft would), named by
+    ``quant_activations``."""
+    from sparrow.quantization import kernel_takes, pack_int4, quantize_int4, quantize_int8
+
+    start = time.perf_counter()
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(0)
+    costs: dict[str, dict[str, float]] = {}
+    with torch.inference_mode():
+        weight = torch.randn(out_features, in_features, generator=generator) * 0.02
+        inputs = {n: torch.randn(n, in_features, generator=generator) for n in rows}
+
+        def timed(kernels: dict[str, tuple[Callable[[torch.Tensor], object], torch.dtype]]) -> None:
+            """Time ``kernels`` (name -> (kernel, activation dtype)) in turns, at each row count, into ``costs``."""
+            for n in rows:
+                ms = _time_ms({name: functools.partial(kernel, inputs[n].to(dtype))
+                               for name, (kernel, dtype) in kernels.items()})
+                for name, cost in ms.items():
+                    costs.setdefault(name, {})[str(n)] = cost
+
+        # by default 2x the L3 (64 MiB-512 MiB) of distinct weights per kernel, used in turns (see _copies)
+        working_set = working_set or min(max(2 * cache_bytes(), 64 << 20), 512 << 20)
+        size = out_features * in_features
+        dense = {torch.float32: _copies(lambda: (weight.clone(),), 4 * size, working_set),
+                 torch.bfloat16: _copies(lambda: (weight.to(torch.bfloat16),), 2 * size, working_set)}
+        timed({_name(dtype): (lambda x, w=w: torch.nn.functional.linear(x, *next(w)), dtype)
+               for dtype, w in dense.items()})
+        dense.clear()  # free them before the quantized copies are made
+        act = torch.bfloat16 if bf16_instructions and _faster_dense(costs) >= MIN_BF16_SPEEDUP else torch.float32
+        cpu = torch.device("cpu")
+        quantized: dict[str, tuple[Callable[[torch.Tensor], object], torch.dtype]] = {}
+        if quant and kernel_takes(8, out_features, in_features, INT4_GROUP_SIZE, cpu):
+            q8, scales = quantize_int8(weight)
+            w8 = _copies(lambda: (q8.clone(), scales.to(act)), size, working_set)
+            quantized["int8"] = (lambda x: torch.ops.aten._weight_int8pack_mm(x, *next(w8)), act)
+        if quant and kernel_takes(4, out_features, in_features, INT4_GROUP_SIZE, cpu):
+            q4, scales_zeros = quantize_int4(weight, INT4_GROUP_SIZE)
+            p4 = pack_int4(q4, cpu)
+            w4 = _copies(lambda: (p4.clone(), INT4_GROUP_SIZE, scales_zeros.to(act)), size // 2, working_set)
+            quantized["int4"] = (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, *next(w4)), act)
+        if quantized:
+            timed(quantized)
+    return {"costs": costs, "quant_activations": _name(act), "unit": "ms per matmul",
+            "shape": list(shape), "seconds": round(time.perf_counter() - start, 3)}
+
+
+# --- the per-machine cache -------------------------------------------------------------------------------
+
+
+def cache_key(info: CpuInfo) -> dict[str, object]:
+    """What a measurement holds for: another CPU, other flags, thread count or torch measures again."""
+    return {"format": FORMAT, "cpu": info.model, "arch": info.arch, "flags": list(info.flags),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "shape": list(BENCH_SHAPE),
+            "rows": list(BENCH_ROWS)}
+
+
+def cache_path(key: dict[str, object], cache_dir: Path | str | None = None) -> Path:
+    from sparrow.models.presets import default_cache_dir
+
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return root / "hardware" / f"cpu-{digest}.json"
+
+
+def _valid_costs(costs: object) -> bool:
+    def ok(row: object) -> bool:
+        return (isinstance(row, dict) and {str(n) for n in BENCH_ROWS} <= row.keys()
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                        for v in row.values()))
+
+    return isinstance(costs, dict) and ok(costs.get("float32")) and ok(costs.get("bfloat16")) and all(
+        ok(row) for row in costs.values())
+
+
+def read_cached(path: Path, key: dict[str, object]) -> dict[str, object] | None:
+    """The cached record at ``path`` if it is whole and for ``key``; None otherwise (missing, corrupt, stale)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("key") != key or not _valid_costs(record.get("costs")):
+        return None
+    return record
+
+
+def _write(path: Path, record: dict[str, object]) -> bool:
+    """Write ``record`` atomically; False (and nothing written) where the cache cannot be written."""
+    from sparrow.models.cache import atomic_file
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+    except OSError:
+        return False
+    return True
+
+
+def benchmark_enabled() -> bool:
+    """False when SPARROW_DTYPE_BENCHMARK is 0/false/no/off (the flags alone then decide, unless cached)."""
+    return os.environ.get("SPARROW_DTYPE_BENCHMARK", "1").strip().lower() not in _OFF
+
+
+_lock = threading.Lock()
+
+
+def cpu_costs(*, benchmark: bool | None = None, refresh: bool = False, cache_dir: Path | str | None = None,
+              info: CpuInfo | None = None) -> dict[str, object] | None:
+    """This machine's measured costs (see ``measure``), with ``key``, ``path``, ``measured_at`` and ``cached``
+    (True: read from the cache). Read from the cache when there; else measured now and cached, when
+    ``benchmark`` (default: ``benchmark_enabled()``); else None. ``refresh`` measures again regardless."""
+    info = info or cpu_info()
+    benchmark = benchmark_enabled() if benchmark is None else benchmark
+    key = cache_key(info)
+    path = cache_path(key, cache_dir)
+    with _lock:
+        record = None if refresh else read_cached(path, key)
+        if record is not None:
+            return {**record, "path": str(path), "cached": True}
+        if not benchmark and not refresh:
+            return None
+        record = {"key": key, "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  **measure(bf16_instructions=info.bf16)}
+        written = _write(path, record)
+    return {**record, "path": str(path) if written else None, "cached": False}
+
+
+# --- the choice ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``--dtype auto`` resolves to on a device, and why."""
+
+    dtype: torch.dtype
+    reason: str
+    device: torch.device
+    measured: dict[str, object] | None = field(default=None, compare=False)  # the CPU costs it was based on
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _costs_text(costs: dict[str, dict[str, float]], rows: str) -> str:
+    return f"{costs['bfloat16'][rows]:.2f} vs {costs['float32'][rows]:.2f} ms"
+
+
+def _choose_cpu(device: torch.device, benchmark: bool | None, cache_dir: Path | str | None) -> Choice:
+    info = cpu_info()
+    if not info.bf16:
+        return Choice(torch.float32, f"{info.model}: no bfloat16 instructions ({', '.join(BF16_FLAGS)}), so torch "
+                                     "would emulate bfloat16: float32", device)
+    flags = ", ".join(info.bf16_flags)
+    record = cpu_costs(benchmark=benchmark, cache_dir=cache_dir, info=info)
+    if record is None:
+        return Choice(torch.bfloat16, f"{info.model} has {flags} (benchmark disabled): bfloat16", device)
+    costs = record["costs"]
+    speedup = _faster_dense(costs)
+    rows = [str(n) for n in BENCH_ROWS]
+    detail = "; ".join(f"{n} row{'s' if n != '1' else ''}: {_costs_text(costs, n)}" for n in rows)
+    if speedup >= MIN_BF16_SPEEDUP:
+        return Choice(torch.bfloat16, f"{info.model} has {flags} and bfloat16 measured {speedup:.2f}x faster than "
+                                      f"float32 ({detail}): bfloat16", device, record)
+    return Choice(torch.float32, f"{info.model} has {flags} but bfloat16 measured only {speedup:.2f}x float32's "
+                                 f"speed ({detail}; needs {MIN_BF16_SPEEDUP}x): float32", device, record)
+
+
+def _choose_cuda(device: torch.device) -> Choice:
+    cuda = cuda_info(device)
+    if cuda["bf16"]:
+        return Choice(torch.bfloat16, f"{cuda['name']} (compute capability {cuda['capability']}) computes in "
+                                      "bfloat16: bfloat16", device)
+    return Choice(torch.float16, f"{cuda['name']} (compute capability {cuda['capability']}) has no native "
+                                 "bfloat16: float16", device)
+
+
+_choices: dict[tuple, Choice] = {}
+
+
+def choose(device: str | torch.device | None = None, *, benchmark: bool | None = None,
+           cache_dir: Path | str | None = None) -> Choice:
+    """The dtype ``--dtype auto`` runs on ``device`` (None: CUDA if available, else the CPU), with its reason.
+    Remembered per device in this process (``clear_cache`` forgets)."""
+    from sparrow.models.loading import resolve_device
+
+    dev = resolve_device(device)
+    benchmark = benchmark_enabled() if benchmark is None else benchmark
+    key = (str(dev), benchmark, str(cache_dir), os.environ.get("SPARROW_CACHE"), torch.get_num_threads())
+    choice = _choices.get(key)
+    if choice is None:
+        if dev.type == "cpu":
+            choice = _choose_cpu(dev, benchmark, cache_dir)
+        elif dev.type == "cuda":
+            choice = _choose_cuda(dev)
+        else:
+            choice = Choice(torch.float32, f"no detection for {dev.type} devices: float32", dev)
+        _choices[key] = choice
+    return choice
+
+
+def choose_dtype(device: str | torch.device | None = None, *, benchmark: bool | None = None) -> tuple[torch.dtype, str]:
+    """``(dtype, reason)``: what ``--dtype auto`` picks for ``device`` on this machine (see the module docstring)."""
+    choice = choose(device, benchmark=benchmark)
+    return choice.dtype, choice.reason
+
+
+def clear_cache() -> None:
+    """Forget the choices made in this process (the measurements on disk stay)."""
+    _choices.clear()
+
+
+__all__ = ["Choice", "CpuInfo", "choose", "choose_dtype", "clear_cache", "cpu_costs", "cpu_info", "cuda_info",
+           "measure", "parse_cpuinfo", "read_cpuinfo"]

@@ -1,0 +1,272 @@
+"""Hardware-aware precision: `--dtype auto` picks from the detected features and a cached micro-benchmark,
+and `sparrow doctor` shows what was detected, measured and chosen. Detection and benchmark are mocked
+both ways: nothing here assumes the machine the tests run on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import tiny_model, tiny_tokenizer
+from sparrow import hardware
+from sparrow.cli import app
+from sparrow.errors import UserError
+from sparrow.models import resolve_dtype
+
+
+def cpuinfo(model: str, flags: str, cpus: int = 2) -> str:
+    return "\n\n".join(f"processor\t: {i}\nvendor_id\t: Fake\nmodel name\t: {model}\nflags\t\t: fpu sse4_2 {flags}\n"
+                       f"physical id\t: 0\ncore id\t\t: {i}" for i in range(cpus)) + "\n"
+
+
+BF16_CPU = cpuinfo("Fake EPYC 9R14", "avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16")
+VNNI_CPU = cpuinfo("Fake Xeon 8375C", "avx avx2 fma avx512f avx512bw avx512_vnni")
+FAST_BF16 = {"float32": {"1": 3.0, "8": 3.3}, "bfloat16": {"1": 1.2, "8": 1.4}, "int8": {"1": 1.0, "8": 3.0}}
+SLOW_BF16 = {"float32": {"1": 3.0, "8": 3.3}, "bfloat16": {"1": 3.1, "8": 9.9}, "int8": {"1": 1.2, "8": 3.0}}
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """A fresh cache directory, the benchmark enabled, no choice remembered from another test."""
+    monkeypatch.setenv("SPARROW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPARROW_DTYPE_BENCHMARK", raising=False)
+    hardware.clear_cache()
+    yield
+    hardware.clear_cache()
+
+
+class FakeBench:
+    """Stands in for hardware.measure: returns `costs`, counts its calls."""
+
+    def __init__(self, costs: dict) -> None:
+        self.costs, self.calls = costs, 0
+
+    def __call__(self, *args, bf16_instructions: bool, **kwargs) -> dict:
+        self.calls += 1
+        fast = bf16_instructions and hardware._faster_dense(self.costs) >= hardware.MIN_BF16_SPEEDUP
+        return {"costs": self.costs, "quant_activations": "bfloat16" if fast else "float32", "unit": "ms per matmul",
+                "shape": list(hardware.BENCH_SHAPE), "seconds": 0.01}
+
+
+def machine(monkeypatch, text: str, costs: dict) -> FakeBench:
+    bench = FakeBench(costs)
+    monkeypatch.setattr(hardware, "read_cpuinfo", lambda: text)
+    monkeypatch.setattr(hardware, "measure", bench)
+    return bench
+
+
+def test_parse_cpuinfo_x86_and_arm():
+    info = hardware.parse_cpuinfo(BF16_CPU)
+    assert info.model == "Fake EPYC 9R14" and info.physical_cores == 2
+    assert info.flags == ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
+    assert info.bf16 and info.bf16_flags == ["avx512_bf16"]
+    assert not hardware.parse_cpuinfo(VNNI_CPU).bf16
+    empty = hardware.parse_cpuinfo("")  # no /proc/cpuinfo: a model name from the platform, no flags
+    assert empty.model and empty.flags == () and not empty.bf16 and empty.physical_cores is None
+    arm = hardware.parse_cpuinfo("processor\t: 0\nFeatures\t: fp asimd asimddp bf16 i8mm sve\nCPU part\t: 0xd40\n")
+    assert {"asimd", "bf16", "i8mm", "sve"} <= set(arm.flags)
+
+
+def test_bf16_flag_and_faster_bf16_picks_bfloat16(monkeypatch):
+    bench = machine(monkeypatch, BF16_CPU, FAST_BF16)
+    dtype, reason = hardware.choose_dtype("cpu")
+    assert dtype is torch.bfloat16 and bench.calls == 1
+    assert "avx512_bf16" in reason and "faster than float32" in reason and "Fake EPYC" in reason
+
+
+def test_no_bf16_flag_picks_float32_without_benchmarking(monkeypatch):
+    bench = machine(monkeypatch, VNNI_CPU, FAST_BF16)  # even a (mocked) fast bf16: no instructions, no bf16
+    dtype, reason = hardware.choose_dtype("cpu")
+    assert dtype is torch.float32 and bench.calls == 0
+    assert "no bfloat16 instructions" in reason and "Fake Xeon" in reason
+
+
+def test_bf16_flag_but_bf16_not_faster_picks_float32(monkeypatch):
+    bench = machine(monkeypatch, BF16_CPU, SLOW_BF16)
+    dtype, reason = hardware.choose_dtype("cpu")
+    assert dtype is torch.float32 and bench.calls == 1
+    assert "avx512_bf16" in reason and "only" in reason
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_benchmark_disabled_the_flags_decide(monkeypatch, how):
+    bench = machine(monkeypatch, BF16_CPU, SLOW_BF16)
+    if how == "environment":
+        monkeypatch.setenv("SPARROW_DTYPE_BENCHMARK", "0")
+        dtype, reason = hardware.choose_dtype("cpu")
+    else:
+        dtype, reason = hardware.choose_dtype("cpu", benchmark=False)
+    assert dtype is torch.bfloat16 and bench.calls == 0 and "benchmark disabled" in reason
+
+
+def test_the_measurement_is_cached_per_machine(monkeypatch, tmp_path):
+    bench = machine(monkeypatch, BF16_CPU, FAST_BF16)
+    assert hardware.choose_dtype("cpu")[0] is torch.bfloat16
+    hardware.clear_cache()  # a new process: only the file remains
+    assert hardware.choose_dtype("cpu")[0] is torch.bfloat16
+    assert bench.calls == 1
+    [path] = (tmp_path / "cache" / "hardware").glob("cpu-*.json")
+    record = json.loads(path.read_text())
+    assert record["key"]["cpu"] == "Fake EPYC 9R14" and "avx512_bf16" in record["key"]["flags"]
+    assert record["key"]["torch"] == torch.__version__ and record["costs"] == FAST_BF16
+    assert not list(path.parent.glob(".*.tmp"))  # written atomically, no temporary left
+    # the cache holds even with the benchmark disabled; another CPU (other flags) measures again
+    hardware.clear_cache()
+    assert hardware.choose_dtype("cpu", benchmark=False)[1].endswith(": bfloat16") and bench.calls == 1
+    monkeypatch.setattr(hardware, "read_cpuinfo", lambda: BF16_CPU.replace("avx512_bf16", "avx512_bf16 amx_bf16"))
+    hardware.clear_cache()
+    hardware.choose_dtype("cpu")
+    assert bench.calls == 2 and len(list(path.parent.glob("cpu-*.json"))) == 2
+
+
+@pytest.mark.parametrize("garbage", ["{not json", "", "[]", '{"key": 1}', "null"])
+def test_a_corrupt_cache_file_is_ignored_and_rewritten(monkeypatch, garbage):
+    bench = machine(monkeypatch, BF16_CPU, FAST_BF16)
+    hardware.choose_dtype("cpu")
+    [path] = (hardware.cache_path(hardware.cache_key(hardware.cpu_info())).parent).glob("cpu-*.json")
+    path.write_text(garbage)
+    hardware.clear_cache()
+    assert hardware.choose_dtype("cpu")[0] is torch.bfloat16 and bench.calls == 2
+    assert json.loads(path.read_text())["costs"] == FAST_BF16
+
+
+def test_bad_costs_in_the_cache_are_ignored(monkeypatch):
+    bench = machine(monkeypatch, BF16_CPU, FAST_BF16)
+    hardware.choose_dtype("cpu")
+    path = hardware.cache_path(hardware.cache_key(hardware.cpu_info()))
+    record = json.loads(path.read_text())
+    record["costs"]["bfloat16"]["1"] = -1  # not a time
+    path.write_text(json.dumps(record))
+    hardware.clear_cache()
+    hardware.choose_dtype("cpu")
+    assert bench.calls == 2
+
+
+def test_an_unwritable_cache_still_chooses(monkeypatch, tmp_path):
+    bench = machine(monkeypatch, BF16_CPU, FAST_BF16)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("SPARROW_CACHE", str(blocker))
+    assert hardware.choose_dtype("cpu")[0] is torch.bfloat16 and bench.calls == 1
+
+
+def test_cuda_bf16_when_supported_else_float16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    dtype, reason = hardware.choose_dtype("cuda")
+    assert dtype is torch.bfloat16 and "8.0" in reason
+    hardware.clear_cache()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    dtype, reason = hardware.choose_dtype("cuda")
+    assert dtype is torch.float16 and "no native bfloat16" in reason
+
+
+@pytest.mark.parametrize(("text", "costs", "expected"), [(BF16_CPU, FAST_BF16, torch.bfloat16),
+                                                         (BF16_CPU, SLOW_BF16, torch.float32),
+                                                         (VNNI_CPU, FAST_BF16, torch.float32)])
+def test_resolve_dtype_auto(monkeypatch, text, costs, expected):
+    machine(monkeypatch, text, costs)
+    assert resolve_dtype("auto") is expected and resolve_dtype("AUTO", "cpu") is expected
+
+
+def test_resolve_dtype_auto_on_this_machine_is_a_real_dtype(monkeypatch):
+    monkeypatch.setenv("SPARROW_DTYPE_BENCHMARK", "0")  # the flags of this CPU, no timing
+    assert resolve_dtype("auto", "cpu") in (torch.float32, torch.bfloat16)
+    with pytest.raises(UserError, match="expected one of auto, bfloat16"):
+        resolve_dtype("automatic")
+
+
+@pytest.mark.parametrize("activations", ["float32", "bfloat16"])
+def test_measure_on_a_small_shape(monkeypatch, activations):
+    """The real micro-benchmark, on a weight small enough to take milliseconds; the weight-only kernels run in
+    the dtype picked (float32 without bf16 instructions; bfloat16 here forced by a zero speedup threshold)."""
+    monkeypatch.setattr(hardware, "MIN_BF16_SPEEDUP", 0.0)
+    record = hardware.measure(rows=(1, 8), shape=(64, 128), bf16_instructions=activations == "bfloat16",
+                              working_set=1 << 20)
+    assert set(record["costs"]) == {"float32", "bfloat16", "int8", "int4"}
+    assert record["quant_activations"] == activations
+    assert all(cost > 0 for row in record["costs"].values() for cost in row.values())
+    assert hardware._valid_costs(record["costs"]) and record["shape"] == [64, 128]
+    assert hardware.cache_bytes() >= 1 << 10
+
+
+def cli(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.mark.parametrize(("text", "costs", "expected"), [(BF16_CPU, FAST_BF16, "bfloat16"),
+                                                         (VNNI_CPU, SLOW_BF16, "float32")])
+def test_doctor_json(monkeypatch, text, costs, expected):
+    bench = machine(monkeypatch, text, costs)
+    result = cli("doctor", "--json", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["auto"]["dtype"] == expected and expected in record["auto"]["reason"]
+    assert record["device"] == "cpu" and record["cpu"]["model"].startswith("Fake")
+    assert record["benchmark"]["costs"] == costs and record["benchmark"]["cached"] is False and bench.calls == 1
+    assert record["versions"]["torch"] == torch.__version__ and record["threads"]["intra_op"] >= 1
+    assert "int8" in record["draft_hint"]  # int8 ran faster than the dense dtype at 1 row in both
+    again = json.loads(cli("doctor", "--json", "--device", "cpu").stdout)
+    assert again["benchmark"]["cached"] is True and bench.calls == 1
+    fresh = json.loads(cli("doctor", "--json", "--device", "cpu", "--refresh").stdout)
+    assert fresh["benchmark"]["cached"] is False and bench.calls == 2
+    table = cli("doctor", "--device", "cpu")
+    assert table.exit_code == 0 and "--dtype auto" in table.output and expected in table.output
+
+
+def test_doctor_no_benchmark(monkeypatch):
+    bench = machine(monkeypatch, BF16_CPU, SLOW_BF16)
+    result = cli("doctor", "--json", "--no-benchmark")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["benchmark"] is None and bench.calls == 0
+    assert record["auto"]["dtype"] == "bfloat16" and "benchmark disabled" in record["auto"]["reason"]
+    assert "not measured" in cli("doctor", "--no-benchmark").output
+
+
+def test_doctor_bad_device_is_one_line():
+    result = cli("doctor", "--device", "banana", "--no-benchmark")
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [
+        "error: invalid device 'banana': expected e.g. 'cpu', 'cuda', 'cuda:0'"]
+
+
+@pytest.mark.parametrize("command", [("generate", "hi"), ("bench",), ("serve",), ("tune", "layer-skip")])
+def test_bad_dtype_is_one_line_naming_dtype(command):
+    result = cli(*command, "--dtype", "float64")
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "'--dtype'" in errors[0] and "'auto'" in errors[0], result.output
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_model("llama", seed=0).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(("text", "costs", "expected"), [(BF16_CPU, FAST_BF16, "bfloat16"),
+                                                         (VNNI_CPU, FAST_BF16, "float32")])
+def test_generate_json_names_the_configuration_auto_chose(monkeypatch, one_thread, model_dir, text, costs, expected):
+    machine(monkeypatch, text, costs)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = cli("generate", "a b a b a b", "--target", model_dir, "--drafter", "prompt-lookup", "--device", "cpu",
+                 "--max-new-tokens", "4", "--json")  # --dtype auto: the default
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["dtype"] == expected and record["draft_quant"] is None and record["compiled"] is False
+
+
+def test_generate_json_names_the_draft_quantization_used(monkeypatch, one_thread, model_dir):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = cli("generate", "a b a b a b", "--target", model_dir, "--drafter", "quantized-self", "--dtype", "float32",
+                 "--device", "cpu", "--max-new-tokens", "4", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["dtype"] == "float32" and record["draft_quant"] == "int4"  # quantized-self's default bits
