@@ -170,6 +170,11 @@ def forward_batch(model: PreTrainedModel, runners: list[CachedModel], inputs: li
     return outputs
 
 
+MAX_SHARED_CATCH_UP = 8
+"""A draft forward of more tokens than this (a draft catching up after plain steps) runs alone: in a shared
+forward every other row would be padded to its length."""
+
+
 def draft_together(steps: dict[int, DraftSteps]) -> dict[int, Draft]:
     """Run several drafters' DraftSteps in lockstep: each round, the `Forward`s they ask for that run the same
     model go through one `forward_batch`; returns each one's Draft."""
@@ -187,9 +192,10 @@ def draft_together(steps: dict[int, DraftSteps]) -> dict[int, Draft]:
         advance(key, None)
     while requests:
         groups: dict[int, list[int]] = {}
-        for key, request in requests.items():  # a model batching cannot run goes alone (its own group)
+        for key, request in requests.items():  # alone: a model batching cannot run, a long catch-up (padding)
             model = request.runner.model
-            groups.setdefault(id(model) if supports_batching(model) is None else -key - 1, []).append(key)
+            together = supports_batching(model) is None and request.tokens.numel() <= MAX_SHARED_CATCH_UP
+            groups.setdefault(id(model) if together else -key - 1, []).append(key)
         answers = {}
         for keys in groups.values():
             if len(keys) == 1:

@@ -53,11 +53,22 @@ class DraftModelDrafter:
         self.tree_policy = TreePolicy() if tree is not None and adaptive else None  # --fixed: full trees, always
         self._forwards = 0  # draft forwards of the last tree
         self._cached = torch.empty(0, dtype=torch.long)  # [draft.length] tokens whose KV the cache holds
+        self.lazy_prefill = False
+        """Prefill the draft at the first proposal that drafts (a batch whose policy never drafts never pays for
+        it); off for single generations, whose first round's draft time would then include the prefill."""
+        self._prompt: Prompt | None = None  # lazy_prefill: the prompt not prefilled yet
 
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
-        self.draft.prefill(prompt)
-        self._cached = prompt.input_ids.to(self.draft.device)
+        self._prompt = prompt
+        if not self.lazy_prefill:
+            self._prefill_now()
+
+    def _prefill_now(self) -> None:
+        assert self._prompt is not None
+        self.draft.prefill(self._prompt)
+        self._cached = self._prompt.input_ids.to(self.draft.device)
+        self._prompt = None
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: Randomness) -> Draft:
@@ -72,6 +83,8 @@ class DraftModelDrafter:
         num_tokens = self.length.cap(max_tokens) if self.tree is None else max_tokens * drafting
         if num_tokens < 1:
             return Draft.empty(self.draft.device)
+        if self._prompt is not None:
+            self._prefill_now()
         # Roll back to what is still valid, then feed everything after it (at least the last token).
         valid = min(common_prefix_length(self._cached, committed), committed.numel() - 1)
         self.draft.rewind(valid)
