@@ -7,25 +7,26 @@
 Each `Generation` is one generation with its own KV cache (a `CachedModel` over the shared model), its own
 drafter (a fork of the pipeline's that shares its models), verifier, sampling randomness and Stopper, so it
 runs exactly the rounds it would run alone: the engine's loop (`sparrow.engine`) with only the scoring forward
-shared. That forward (`score_batch`) pads the ragged inputs [last token, *draft] of all sequences to one
-[B, Q] batch; a cache view (`BatchedKV`) appends each row's new keys to its own cache and hands attention the
-rows' caches padded to one length, with a 4-D mask in which row b sees its own cached prefix and its draft's
-ancestors (a chain: the tokens before; a tree: the tree mask) and nothing else. Each sequence then keeps its
-own accepted length (`CachedModel.keep`): no sequence waits for another's rollback. Greedy output is that of
-the sequence alone, token for token (float32); sampled output has the same distribution with its own seed.
+shared. That forward (`forward_batch`, `score_batch` for targets) pads the ragged inputs [last token, *draft] of
+all sequences to one [B, Q] batch; a cache view (`BatchedKV`) appends each row's new keys to its own cache and
+hands attention the rows' caches padded to one length, with a 4-D mask in which row b sees its own cached prefix
+and its draft's ancestors (a chain: the tokens before; a tree: the tree mask) and nothing else. Each sequence
+then keeps its own accepted length (`CachedModel.keep`): no sequence waits for another's rollback. Greedy output
+is that of the sequence alone, token for token (float32); sampled output has the same distribution with its own
+seed. Draft models draft together the same way (`draft_together`: one batched draft forward per position).
 
-The draft budget (`BatchPolicy`): a step of B sequences that drafts k tokens each costs
-draft(k) for every sequence plus one verify forward of T = sum(k_b + 1) tokens, and commits
-sum E_b[tokens](k) (`sparrow.policy.expected_tokens`). The step's cap is the k with the most tokens per
-second, from each sequence's acceptance and draft seconds and a verify cost c(T) interpolated between the
-measured batched forwards (`CostTable`): as the batch grows the verify forward stops being memory-bound, so drafts get shorter.
+The draft budget (`BatchPolicy`): a step of B sequences that drafts k tokens each costs k draft positions of B
+sequences plus one verify forward of T = sum(k_b + 1) tokens, and commits sum E_b[tokens](k)
+(`sparrow.policy.expected_tokens`). The step's cap is the k with the most tokens per second, from each
+sequence's acceptance and two cost tables interpolated between measured steps (`CostTable`): as the batch grows
+the verify forward stops being memory-bound, so drafts get shorter, and stop where they no longer pay.
 """
 
 from __future__ import annotations
 
 import copy
-import weakref
 import time
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -302,7 +303,7 @@ class BatchPolicy:
 
 def measure_batch_cost(model: PreTrainedModel, tokens: tuple[int, ...] = (1, 16, 64), context: int = 32,
                        vocab: int | None = None) -> list[tuple[int, float]]:
-    """Seconds of one forward of n tokens after a short context, for each n (the verify line's first points)."""
+    """Seconds of one forward of n tokens after a short context, for each n (the verify cost table's first points)."""
     runner = CachedModel(model)
     vocab = vocab or runner.vocab_size
     limit = runner.context_length or 10 ** 9

@@ -188,7 +188,7 @@ class Scheduler:
         """Continuous batching: between steps, jobs join (up to max_batch) and finished ones leave."""
         pipe = self.pipeline
         assert pipe is not None
-        if not self.policy.verify.known:  # the verify line's first points, before any request waits on them
+        if not self.policy.verify.known:  # the verify cost's first points, before any request waits on them
             with holding(pipe.models()):
                 self.policy.seed(measure_batch_cost(pipe.target.model, vocab=len(pipe.tokenizer)))
         batch = Batch(pipe.target.model, self.policy)
