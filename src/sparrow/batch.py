@@ -89,6 +89,9 @@ class BatchedKV:
         """keys, values: [B, heads, Q, d] -> [B, heads, max_b(length_b + n_b), d]."""
         rows = [cache.layers[layer_idx].update(keys[b:b + 1, :, :n], values[b:b + 1, :, :n])
                 for b, (cache, n) in enumerate(zip(self.caches, self.new))]
+        if len(rows) == 1:  # one sequence: its own cache, as it is (no padded copy)
+            return rows[0]
+        # Several: a padded copy of every row's cache, each step (a paged or slotted cache would avoid it)
         length = max(k.shape[-2] for k, _ in rows)
         shape = (keys.shape[0], keys.shape[1], length, keys.shape[-1])
         all_keys, all_values = keys.new_zeros(shape), values.new_zeros(shape)
