@@ -307,11 +307,15 @@ class Running:
         self.started = time.perf_counter()
         self.last = None  # perf_counter of the last round that produced text
         self.tokens = 0  # tokens reported so far
+        self.steps = self.drafted = self.accepted = 0  # rounds counted so far, and their draft totals
 
     def on_text(self, text: str) -> str | None:
         """After each round: emit the new final text; end the job if its client left or its time is up."""
         metrics, now_ = self.scheduler.metrics, time.perf_counter()
-        stats = self.generation.steps if self.generation is not None else []
+        steps = self.generation.steps[self.steps:] if self.generation is not None else []
+        self.steps += len(steps)  # only the new rounds: no pass over the whole history each round
+        self.drafted += sum(s.num_draft_tokens for s in steps)
+        self.accepted += sum(s.num_accepted for s in steps)
         tokens = len(self.generation.stopper.tokens) if self.generation is not None else 0
         if self.last is None:
             metrics.time_to_first_token.observe(now_ - self.job.received)
@@ -319,8 +323,7 @@ class Running:
             for _ in range(tokens - self.tokens):  # the round's tokens arrived together: each waited its share
                 metrics.inter_token_latency.observe((now_ - self.last) / (tokens - self.tokens))
         self.last, self.tokens = now_, tokens
-        self.job.emit(Text(text, getattr(text, "spans", ()), tokens, sum(s.num_draft_tokens for s in stats),
-                           sum(s.num_accepted for s in stats)))
+        self.job.emit(Text(text, getattr(text, "spans", ()), tokens, self.drafted, self.accepted))
         if self.job.cancelled or self.scheduler._stopping.is_set():
             return CANCELLED
         timeout = self.scheduler.timeout
