@@ -211,3 +211,22 @@ def test_measured_backoff_keeps_trees_that_pay():
         drafted += drafting
         policy.observe(_step(12, 4, 0.05, 0.12) if drafting else _step(0, 0, 0.0, 0.1))  # 5 tokens / 0.17 s
     assert drafted >= 98
+
+
+def test_adaptive_cap_never_exceeds_the_best_length_on_the_measured_costs():
+    """A drafter without back-off (prompt lookup: drafting is free) still drafts less where verification is
+    expensive: the cap rule may grow the length, the measured verify line bounds it."""
+    steep = LengthPolicy(8, adaptive=True)  # verify(n) = n seconds: each draft token costs a whole forward
+    flat = LengthPolicy(8, adaptive=True)  # verify(n) = 1 + 0.02 (n - 1): the module's memory-bound CPU
+    text_steep, text_flat = FakeText(4, 5), FakeText(4, 5)  # a = 0.8
+    steep_caps, flat_caps = [], []
+    for _ in range(40):
+        for policy, text, cost, caps in ((steep, text_steep, lambda n: float(n), steep_caps),
+                                         (flat, text_flat, verify, flat_caps)):
+            k = policy.cap(8)
+            policy.observe(StepStats(k, text.accepted(k), 0.0, cost(k + 1)))
+            caps.append(k)
+    assert steep_caps[0] == flat_caps[0] == 8  # nothing measured yet
+    # (a round at the cap rule's length now and then: a verify line fitted on one length has no slope)
+    assert sum(steep_caps[-20:]) / 20 <= 2.0 < 4.0 <= sum(flat_caps[-20:]) / 20
+    assert min(steep_caps) >= 1  # no back-off: it never stops drafting

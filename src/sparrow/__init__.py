@@ -11,7 +11,7 @@ PIPELINES = PipelineCache(size=4)
 
 def generate(prompt, *, target: str = "qwen2.5-coder-1.5b", drafter: str = "draft-model",
              draft: str | None = "default", num_draft_tokens: int | None = None,
-             adaptive: bool = True, dtype: str = "bfloat16", device: str | None = None,
+             adaptive: bool = True, dtype: str = "auto", device: str | None = None,
              quant: str | None = None, draft_quant: str | None = None, **options) -> GenerationResult:
     """One-call API: gets a pipeline from `PIPELINES` (loading its models once), then generates speculatively.
 

@@ -286,7 +286,7 @@ def _draft_spec(drafter: str, draft: str | LoadedModel | None, num_draft_tokens:
 
 def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "draft-model",
          draft: str | LoadedModel | None = "default", num_draft_tokens: int | None = None,
-         adaptive: bool = True, verifier: str = "auto", dtype: str = "bfloat16", device: str | None = None,
+         adaptive: bool = True, verifier: str = "auto", dtype: str = "auto", device: str | None = None,
          progress: bool = True, quant: str | None = None, draft_quant: str | None = None,
          **drafter_options) -> Pipeline:
     """Load a target (and a draft model when the drafter needs or uses one) and build a Pipeline.
@@ -353,7 +353,7 @@ class PipelineCache:
         gc.collect()
 
     def get(self, target: str | LoadedModel, *, drafter: str = "draft-model", draft: str | LoadedModel | None = "default",
-            num_draft_tokens: int | None = None, adaptive: bool = True, dtype: str = "bfloat16",
+            num_draft_tokens: int | None = None, adaptive: bool = True, dtype: str = "auto",
             device: str | None = None, quant: str | None = None, draft_quant: str | None = None) -> Pipeline:
         options: dict[str, Any] = {}
         draft = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options)  # before loading

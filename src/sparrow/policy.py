@@ -20,7 +20,8 @@ rounds the engine measured (`StepStats`), never from a drafter's own clock:
 
 `LengthPolicy` modes: fixed (exactly k: `--fixed`); adaptive (the default: the cap grows by 2 after a
 fully accepted draft and shrinks by 1 otherwise, and drafting stops early under a confidence threshold
-that follows the acceptance rate, Draft & Verify's rule); cost-aware (`follow`: the cap is the best
+that follows the acceptance rate, Draft & Verify's rule; once rounds have been measured the cap is never
+above the best length on the measured lines, so a CPU where verification is expensive drafts less); cost-aware (`follow`: the cap is the best
 length on the measured cost curve, for quantized kernels whose verify cost grows with n).
 """
 
@@ -261,6 +262,8 @@ class LengthPolicy:
         if self.adaptive and limit:
             if self.curve is None:
                 k = min(limit, self._cap)
+                if not self.backoff and self.verify.known and self.draft.known:  # (back-off applies it below)
+                    k = min(k, best_length(self.acceptance.value, self.draft, self.verify_seconds, limit))
             elif self.verify.known and self.draft.known:
                 k = best_length(self.acceptance.value, self.draft, self.verify_seconds, limit)
         if self.backoff and k and self.verify.known and self.draft.known:  # else: draft, and measure

@@ -345,7 +345,7 @@ def _load_any(
 def load_model(
     spec: str,
     *,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     cache_dir: Path | str | None = None,
     progress: bool = True,
