@@ -42,6 +42,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 128
 CUDA_INT4_INNER_K_TILES = 8  # tinygemm tiling: K must be a multiple of 16 * inner_k_tiles
 CPU_INT8_K_MULTIPLE = 16  # the CPU int8 kernel reads each weight row with 16-byte-aligned loads
+CPU_INT4_N_MULTIPLE = 16  # the CPU int4 packing takes output rows in blocks of 16
 FORMAT_VERSION = 2  # bump when the on-disk layout changes (2: a cache entry directory with a manifest)
 WEIGHTS_FILE = "weights.safetensors"  # the packed weights inside a quantized cache entry
 DENSE_FROM_TOKENS = 16  # with a dense fallback, forwards of >= this many tokens (prefill) use it
@@ -83,11 +84,13 @@ def kernel_takes(bits: int, out_features: int, in_features: int, group_size: int
     """Whether the packed kernel accepts a [out_features, in_features] weight.
 
     int8 on the CPU needs K % 16 == 0 (and 16-byte-aligned weights, see _load_cached): in bfloat16
-    the kernel crashes (SIGSEGV) on forwards of 4+ tokens otherwise (torch 2.14, avx512)."""
+    the kernel crashes (SIGSEGV) on forwards of 4+ tokens otherwise (torch 2.14, avx512). int4 on the CPU
+    packs N in blocks of 16 output rows (`_convert_weight_to_int4pack_for_cpu` refuses other N)."""
     if bits == 8:
         return device.type != "cpu" or in_features % CPU_INT8_K_MULTIPLE == 0
     k_multiple = 16 * CUDA_INT4_INNER_K_TILES if device.type == "cuda" else group_size
-    return in_features % group_size == 0 and in_features % k_multiple == 0 and out_features % 8 == 0
+    n_multiple = 8 if device.type == "cuda" else CPU_INT4_N_MULTIPLE
+    return in_features % group_size == 0 and in_features % k_multiple == 0 and out_features % n_multiple == 0
 
 
 def _kernel_dtype(bits: int, device: torch.device, dtype: torch.dtype) -> torch.dtype:

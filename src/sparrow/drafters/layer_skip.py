@@ -44,6 +44,7 @@ from transformers import PreTrainedModel
 
 from sparrow.cached_model import CachedModel, _text_config, additive_mask
 from sparrow.config import GREEDY, SamplingConfig
+from sparrow.draft_vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
@@ -338,14 +339,18 @@ class LayerSkipDrafter:
 
     def __init__(self, model: PreTrainedModel, skip: SkipSet, num_draft_tokens: int = 4, adaptive: bool = True,
                  backoff: bool | None = None, enabled: bool = True, sample_drafts: bool = True,
-                 tree: TreeShape | None = None) -> None:
-        """tree: draft an EAGLE-2 dynamic tree through the skipping view (models without sliding-window layers)."""
+                 tree: TreeShape | None = None, vocab: DraftVocab | None = None) -> None:
+        """tree: draft an EAGLE-2 dynamic tree through the skipping view (models without sliding-window layers).
+        vocab: the view's LM head scores only these ids (FR-Spec; sparrow.draft_vocab)."""
         if tree is not None and "sliding_attention" in (getattr(_text_config(model.config), "layer_types", None) or ()):
             raise UserError("layer-skip: tree drafts need a model without sliding-window layers (use a chain)")
         self.tree = tree
         self.model = model
         self.skip = skip
+        self.vocab = vocab
         self.view = skipping_view(model, skip)
+        if vocab is not None:  # its LM head scores only vocab.ids
+            self.view = reduced_head_view(self.view, vocab)
         self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive if backoff is None else backoff)
         self.enabled = enabled  # False: every draft is empty (plain decoding)
         self.sample_drafts = sample_drafts  # False: argmax drafts also at temperature > 0 (q = 1 rule)
@@ -421,8 +426,10 @@ DEFAULT_NUM_DRAFT_TOKENS = 4  # for a skip set given without a tuned record
 def build_layer_skip(target: LoadedModel, draft: None, num_draft_tokens: int | None, adaptive: bool,
                      skip_set: SkipSet | str | dict | None = None, skip_file: str | Path | None = None,
                      force: bool = False, backoff: bool | None = None, sample_drafts: bool = True,
-                     tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8) -> LayerSkipDrafter:
+                     tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8,
+                     draft_vocab: int | str | DraftVocab | None = None) -> LayerSkipDrafter:
     """Registry builder for "layer-skip". Without skip_set / skip_file the set shipped for the preset is used.
+    draft_vocab: N (or "auto", or a DraftVocab): the draft scores only the N most frequent target tokens.
 
     A record the tuner refused (measured to lose) gives a drafter that decodes plainly, with a warning,
     unless force=True.
@@ -443,6 +450,8 @@ def build_layer_skip(target: LoadedModel, draft: None, num_draft_tokens: int | N
         skip = found
     if num_draft_tokens is None:  # not given: the k the set was tuned for
         num_draft_tokens = found.num_draft_tokens if isinstance(found, SkipRecord) else DEFAULT_NUM_DRAFT_TOKENS
-    tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model))
+    runner = runner_for(target.model)
+    tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner)
+    vocab = resolve_draft_vocab(draft_vocab, target, runner.vocab_size)
     return LayerSkipDrafter(target.model, skip, num_draft_tokens, adaptive, backoff=backoff, enabled=enabled,
-                            sample_drafts=sample_drafts, tree=tree)
+                            sample_drafts=sample_drafts, tree=tree, vocab=vocab)
