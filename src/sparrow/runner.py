@@ -13,6 +13,12 @@ from sparrow.cached_model import CachedModel
 from sparrow.vision.cached import cached_model_class
 
 
-def runner_for(model: PreTrainedModel) -> CachedModel:
-    """A fresh CachedModel (or VLM subclass) around `model`, with an empty cache."""
+def runner_for(model: PreTrainedModel, compiled: bool = False) -> CachedModel:
+    """A fresh CachedModel (or VLM subclass) around `model`, with an empty cache. compiled: a
+    `sparrow.compiled.StaticCachedModel` instead (static KV cache, torch.compile'd steps; text LMs without
+    sliding-window layers only, else a UserError)."""
+    if compiled:
+        from sparrow.compiled import StaticCachedModel
+
+        return StaticCachedModel(model)
     return cached_model_class(model)(model)

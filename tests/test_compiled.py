@@ -1,0 +1,162 @@
+"""The compiled path (`sparrow.compiled`: static KV cache, torch.compile'd steps) gives the eager path's tokens
+(float32, tiny random Llama): plain greedy decoding, speculative chains and trees with a draft model; and its
+static cache rewinds and compacts like the dynamic one.
+
+Compiling is slow on a CPU (tens of seconds a graph; inductor's on-disk cache makes reruns faster), so the
+compiled runners are built once per module and every test reuses their graphs."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import perturbed, tiny_gemma3, tiny_model
+from sparrow.cached_model import CachedModel
+from sparrow.compiled import HEADROOM, StaticCachedModel, check_compilable
+from sparrow.drafters import build_drafter
+from sparrow.drafters.draft_model import DraftModelDrafter
+from sparrow.errors import UserError
+from sparrow.models import LoadedModel
+from sparrow.pipeline import Pipeline
+from sparrow.tree import TreeLayout
+from sparrow.types import Prompt
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of France. Paris is"]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer, one_thread) -> LoadedModel:
+    return LoadedModel(tiny_model("llama", seed=0), tokenizer, "tiny")
+
+
+@pytest.fixture(scope="module")
+def draft(target, tokenizer) -> LoadedModel:
+    return LoadedModel(perturbed(target.model, 0.05, seed=1), tokenizer, "close")
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> dict[str, list[int]]:
+    pipe = Pipeline(target, None)
+    return {p: pipe.generate_plain(p, max_new_tokens=NEW_TOKENS).token_ids for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def compiled_chain(target, draft) -> Pipeline:
+    """Compiled target and draft; a fixed k of 3 keeps the shapes to the buckets 1, 2 and 4."""
+    return Pipeline(target, build_drafter("draft-model", target, draft, 3, adaptive=False), compiled=True)
+
+
+def test_pipeline_compiles_target_and_draft(compiled_chain):
+    assert isinstance(compiled_chain.runner, StaticCachedModel) and compiled_chain.runner.compiled
+    assert isinstance(compiled_chain.drafter, DraftModelDrafter)
+    assert isinstance(compiled_chain.drafter.draft, StaticCachedModel)
+    with pytest.raises(UserError, match="one generation at a time"):
+        compiled_chain.sequence(PROMPTS[0], max_new_tokens=4)
+
+
+def test_plain_decoding_compiled_equals_eager(compiled_chain, plain):
+    from torch._dynamo.utils import counters
+
+    for prompt in PROMPTS:
+        assert compiled_chain.generate_plain(prompt, max_new_tokens=NEW_TOKENS).token_ids == plain[prompt]
+    assert counters["stats"]["unique_graphs"] >= 1  # it really ran compiled graphs (fullgraph: no silent eager)
+
+
+def test_speculative_chain_compiled_equals_eager(compiled_chain, plain):
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        result = compiled_chain.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert result.token_ids == plain[prompt], (prompt, result.stats)
+        drafted += result.stats.num_draft_tokens
+        accepted += result.stats.num_accepted_tokens
+    assert 0 < accepted < drafted
+
+
+def test_speculative_tree_compiled_target_equals_eager(compiled_chain, target, draft, plain):
+    """A tree verified by the compiled target (tree mask, depth positions, keep's compaction); the draft expands
+    its tree on an eager static cache (keep and tree masks there too, without compiling its tree shapes)."""
+    drafter = build_drafter("draft-model", target, draft, 3, adaptive=False, tree_budget=6, tree_topk=2,
+                            tree_depth=3)
+    drafter.draft = StaticCachedModel(drafter.draft.model, compile=False)
+    pipe = Pipeline(target, drafter)
+    pipe.runner = compiled_chain.runner  # its compiled graphs (buckets up to 8)
+    steps = accepted = 0
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert result.token_ids == plain[prompt], (prompt, result.stats)
+        steps += result.stats.tree_steps
+        accepted += result.stats.num_accepted_tokens
+    assert steps > 0 and accepted > 0
+
+
+def _logits_close(a, b) -> bool:
+    return torch.allclose(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_static_cache_rewind_and_keep_equal_dynamic(target):
+    """Eager forwards on the static cache: chain, rewind, tree + keep, hidden states and growing the cache give
+    the dynamic cache's logits."""
+    dynamic, static = CachedModel(target.model), StaticCachedModel(target.model, compile=False)
+    prompt = Prompt(input_ids=torch.arange(5, 25))
+    for runner in (dynamic, static):
+        runner.prefill(prompt)
+    tokens = torch.tensor([7, 8, 9])
+    assert _logits_close(dynamic.forward(tokens), static.forward(tokens))  # bucket 4: one row of padding
+    for runner in (dynamic, static):
+        runner.rewind(21)
+    assert static.length == dynamic.length == 21
+    assert _logits_close(dynamic.forward(tokens[:1]), static.forward(tokens[:1]))
+    base = dynamic.length
+    layout = TreeLayout.of(torch.tensor([-1, 0, 0, 1, 2]), base)
+    tree = torch.tensor([4, 10, 11, 12, 13, 14])
+    assert _logits_close(dynamic.forward(tree, layout.positions, layout.mask),
+                         static.forward(tree, layout.positions, layout.mask))
+    for runner in (dynamic, static):
+        runner.keep(base, torch.tensor([1, 4]))  # root -> node 1 -> node 4: a branch off the first child
+    assert static.length == dynamic.length == base + 3
+    after = torch.tensor([30, 31])
+    assert _logits_close(dynamic.forward(after), static.forward(after))
+    hidden = [r.forward(torch.tensor([2]), hidden_layers=(0, -1)).hidden for r in (dynamic, static)]
+    assert hidden[1].shape == (2, 1, 64) and torch.allclose(*hidden, atol=1e-5)
+    capacity = static.capacity
+    for i in range(capacity - static.length + 3):  # past the capacity: the cache moves into a larger one
+        a, b = dynamic.forward(torch.tensor([i % 200])), static.forward(torch.tensor([i % 200]))
+    assert static.capacity >= 2 * capacity >= 2 * HEADROOM and _logits_close(a, b)
+    static.prefill(prompt)  # a new prompt reuses the cache and starts over
+    dynamic.prefill(prompt)
+    assert static.length == 20 and _logits_close(dynamic.forward(tokens), static.forward(tokens))
+
+
+def test_refuses_sliding_window_and_vision_models():
+    with pytest.raises(UserError, match="sliding-window"):
+        StaticCachedModel(tiny_gemma3(num_layers=2))
+    vlm = SimpleNamespace(config=SimpleNamespace(vision_config=object()))
+    with pytest.raises(UserError, match="vision-language"):
+        check_compilable(vlm)
+
+
+def test_generate_json_says_compiled(monkeypatch, tmp_path, target):
+    from typer.testing import CliRunner
+
+    from sparrow.cli import app
+
+    target.model.save_pretrained(tmp_path)
+    target.tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = CliRunner().invoke(app, ["generate", "The quick brown fox", "--target", str(tmp_path), "--drafter",
+                                      "none", "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "4",
+                                      "--compile", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["compiled"] is True and record["new_tokens"] == 4
+
+
+def test_load_refuses_a_non_bool_compile(target):
+    import sparrow
+
+    with pytest.raises(UserError, match="compile must be True or False"):
+        sparrow.load(target, drafter="none", compile="yes")
