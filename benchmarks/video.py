@@ -9,12 +9,15 @@ directories) and a folder of videos (or synthetic moving-square videos), one pro
 * sparse, sparse-mm-shiftkv, sparse-hybridkv: the target self-drafts with `--budget` visual KV entries per
   layer and KV head, chosen by StD's top-K / MM-ShiftKV / HybridKV (the target's cache is untouched);
 * draft-model: the draft VLM on the full video (no pruning; only with --draft);
+* visual-prune-kv, draft-model-kv: the same two with a draft-side KV policy on the draft's own cache
+  (`--draft-kv`, `--budget` visual entries per layer and KV head, `--retrieve-every` for hybridkv);
 * loose: visual-prune drafts, LOSSY loose verification (LVSpec-style), reported with its fidelity
   (identical outputs, token agreement) against plain decoding.
 
 Per (video, frame count, method): decode-only speedup (tokens / (seconds - prefill)), end-to-end speedup
 (prefill included), mean accepted tokens per target forward, peak memory (CUDA: max allocated; CPU: the
-process's peak RSS, which only grows, so it is not a per-method number) and, for lossless methods,
+process's peak RSS, which only grows, so it is not a per-method number), the draft's own KV cache after the
+run (draft-model, visual-prune, sparse; prompt plus generated tokens) and, for lossless methods,
 whether the output is identical to plain decoding. One JSONL row per run, a markdown table per frame
 count (`<out>.jsonl`, `<out>.md`).
 
@@ -48,7 +51,8 @@ from sparrow.vision.video import Video, read_video
 
 HERE = Path(__file__).parent
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm")
-METHODS = ("plain", "visual-prune", "sparse", "sparse-mm-shiftkv", "sparse-hybridkv", "draft-model", "loose")
+METHODS = ("plain", "visual-prune", "visual-prune-kv", "sparse", "sparse-mm-shiftkv", "sparse-hybridkv", "draft-model",
+           "draft-model-kv", "loose")
 QUESTION = "Describe what happens in this video in detail."
 
 
@@ -87,11 +91,15 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, args) -> dict[
     for name in args.methods:
         if name in ("plain",):
             continue
-        if name == "draft-model" and draft is None:
-            print("skipping draft-model: no --draft", file=sys.stderr)
+        if name.startswith("draft-model") and draft is None:
+            print(f"skipping {name}: no --draft", file=sys.stderr)
             continue
-        if name in ("visual-prune", "loose"):
-            drafter = build_drafter("visual-prune", target, draft, k, adaptive=args.adaptive, drop_rate=args.drop_rate)
+        policy = dict(draft_kv=args.draft_kv, draft_kv_budget=args.budget, retrieve_every=args.retrieve_every)
+        if name in ("visual-prune", "loose", "visual-prune-kv"):
+            drafter = build_drafter("visual-prune", target, draft, k, adaptive=args.adaptive, drop_rate=args.drop_rate,
+                                    **(policy if name == "visual-prune-kv" else {}))
+        elif name == "draft-model-kv":
+            drafter = build_drafter("draft-model", target, draft, k, adaptive=args.adaptive, **policy)
         elif name.startswith("sparse"):
             policy = name.removeprefix("sparse-") if name != "sparse" else "topk"
             drafter = build_drafter("sparse", target, None, k, adaptive=args.adaptive, budget=args.budget,
@@ -134,7 +142,18 @@ def run_once(pipe: Pipeline, video: Video, max_new_tokens: int) -> dict:
         "mean_accepted_tokens": stats.mean_accepted_tokens if pipe.drafter is not None else 1.0,
         "acceptance_rate": stats.acceptance_rate, "peak_memory_mb": peak_memory_mb(device),
         "draft_visual_tokens": int(pruning.kept.numel()) if pruning is not None else None,
+        "draft_kv_mib": draft_kv_mib(pipe.drafter),
     }
+
+
+def draft_kv_mib(drafter) -> float | None:
+    """MiB of the keys and values in the drafter's own cache (None: it keeps none, e.g. plain decoding)."""
+    from sparrow.drafters.draft_kv import kv_bytes
+
+    cache = getattr(drafter, "cache", None)  # sparse
+    if cache is None and drafter is not None and hasattr(drafter, "draft"):
+        cache = getattr(getattr(drafter.draft, "runner", drafter.draft), "cache", None)
+    return kv_bytes(cache) / 2**20 if cache is not None else None
 
 
 def render(rows: list[dict]) -> str:
@@ -150,7 +169,7 @@ def render(rows: list[dict]) -> str:
         visual = statistics.mean(r["visual_tokens"] for r in plain)
         out += [f"\n### {frames} frames ({visual:.0f} visual tokens)\n",
                 "| method | decode speedup | end-to-end speedup | mean accepted | identical to plain | "
-                "peak memory MiB | draft visual tokens |", "|---|---|---|---|---|---|---|"]
+                "peak memory MiB | draft visual tokens | draft KV MiB |", "|---|---|---|---|---|---|---|---|"]
         for method in dict.fromkeys(r["method"] for r in rows):
             group = by[(frames, method)]
             if not group:
@@ -166,7 +185,9 @@ def render(rows: list[dict]) -> str:
             mem = max(r["peak_memory_mb"] for r in group)
             kept = [r["draft_visual_tokens"] for r in group if r["draft_visual_tokens"] is not None]
             kept = f"{statistics.mean(kept):.0f}" if kept else "all" if method in ("draft-model",) else "-"
-            out.append(f"| {method} | {dec:.2f}x | {e2e:.2f}x | {acc:.2f} | {ident} | {mem:.0f} | {kept} |")
+            kv = [r["draft_kv_mib"] for r in group if r.get("draft_kv_mib") is not None]
+            kv = f"{statistics.mean(kv):.3g}" if kv else "-"
+            out.append(f"| {method} | {dec:.2f}x | {e2e:.2f}x | {acc:.2f} | {ident} | {mem:.0f} | {kept} | {kv} |")
     return "\n".join(out)
 
 
@@ -198,7 +219,11 @@ def main() -> None:
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--drop-rate", type=float, default=0.9)
     parser.add_argument("--budget", type=float, default=0.1,
-                        help="sparse drafters: visual KV kept per layer/KV head (int count or fraction)")
+                        help="sparse and *-kv drafters: visual KV kept per layer/KV head (int count or fraction)")
+    parser.add_argument("--draft-kv", default="hybridkv", choices=("topk", "mm-shiftkv", "hybridkv"),
+                        help="policy of visual-prune-kv / draft-model-kv")
+    parser.add_argument("--retrieve-every", type=int, default=0,
+                        help="hybridkv: re-choose dynamic heads' chunks every R rounds (0: fixed at prefill)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None)
@@ -223,7 +248,8 @@ def main() -> None:
     meta = {"target": args.tiny and f"tiny random {args.tiny}" or args.target, "draft": args.draft or (
         args.tiny and "perturbed copy of the tiny target"), "device": str(pipes["plain"].runner.device),
         "dtype": args.dtype, "k": args.k, "adaptive": args.adaptive, "drop_rate": args.drop_rate,
-        "budget": args.budget, "max_new_tokens": args.max_new_tokens, "machine": platform.machine(),
+        "budget": args.budget, "draft_kv": args.draft_kv, "retrieve_every": args.retrieve_every,
+        "max_new_tokens": args.max_new_tokens, "machine": platform.machine(),
         "torch": torch.__version__, "threads": torch.get_num_threads()}
     warm = sample(videos[0][1], min(args.frames))
     for pipe in pipes.values():  # one-time costs (allocator, kernels) outside the timed runs

@@ -44,11 +44,12 @@ class CapturedQueries:
 
 def _capture_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Tensor | None, **kwargs) -> tuple[Tensor, None]:
-    """sdpa, plus a recording side effect while a capture is active (query [1, heads, q, d])."""
-    if _ACTIVE and query.shape[2] == key.shape[2]:
+    """sdpa, plus the active captures' `observe` side effect (query [1, heads, q, d], key/value the layer's
+    cached [1, kv_heads, n, d], which an observer may rewrite in place before attention reads them)."""
+    if _ACTIVE:
         for capture in list(_ACTIVE):
             if id(module) in capture.module_ids:
-                capture.record(module, query, kwargs.get("scaling"))
+                capture.observe(module, query, key, value, kwargs.get("scaling"))
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -96,6 +97,13 @@ class QueryCapture:
         self.module_ids = {id(m) for m in decoder_layers(model)}
         self.configs = attention_configs(model)
         self.layers: dict[int, CapturedQueries] = {}
+
+    def observe(self, module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                scaling: float | None) -> None:
+        """Called by the attention of every decoder layer of `model` while started: records prefills (a forward
+        from an empty cache, query length == key length). Subclasses may act on other forwards too."""
+        if query.shape[2] == key.shape[2]:
+            self.record(module, query, scaling)
 
     def record(self, module: torch.nn.Module, query: Tensor, scaling: float | None) -> None:
         assert query.ndim == 4 and query.shape[0] == 1, f"batch size 1 expected, got {tuple(query.shape)}"

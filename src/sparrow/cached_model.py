@@ -34,6 +34,9 @@ class CachedModel:
         self.config = _text_config(model.config)
         self.device = next(model.parameters()).device
         self.cache: DynamicCache | None = None
+        self.position_offset = 0
+        """Model position = cache index + position_offset for tokens fed after the prefill. 0 unless a drafter
+        removed prompt entries from this cache whose positions later tokens must keep (drafters/draft_kv.py)."""
 
     @property
     def vocab_size(self) -> int:
@@ -52,13 +55,14 @@ class CachedModel:
 
     def position_ids(self, positions: Tensor) -> Tensor:
         """The model's `position_ids` for tokens at cache-index positions `positions` ([n] int64)."""
-        return positions.to(self.device)[None]
+        return (positions.to(self.device) + self.position_offset)[None]
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Reset the cache and run the prompt. Returns the logits of the last prompt row ([1, vocab]) and,
         when asked for, the hidden states of every prompt row ([len(hidden_layers), n, d])."""
         self.cache = DynamicCache(config=self.model.config)
+        self.position_offset = 0
         # Sliding-window layers (Gemma-3) drop states beyond the window unless they record the past, and
         # then could not be rewound once the window is full; rewind() trims them back to the window.
         self.cache.activate_past_recording()

@@ -22,9 +22,11 @@ positions per KV head inside `span`.
   the span; a head whose per-query distributions agree with their mean (histogram intersection >=
   `static_threshold`) is *static* and keeps its top-`budget` keys by mean text attention (text-prior
   pruning); the others are *dynamic* and keep whole chunks of `chunk` consecutive keys, retrieved by the
-  strongest attention any window query pays to a chunk (chunk-wise retrieval, done once at prefill).
-  Not covered by the interface: the top-down layer -> head budget allocation (the interface keeps the
-  same budget for every KV head of a layer) and re-retrieval during decoding (selection is fixed).
+  strongest attention any window query pays to a chunk (chunk-wise retrieval). Through the selector
+  interface the retrieval happens once, at prefill; `HybridKV.retrieve` re-runs it for decoding queries,
+  which drafters/draft_kv.py uses to re-choose the dynamic heads' chunks every R rounds (`retrieve_every`).
+  Not covered: the top-down layer -> head budget allocation (the interface keeps the same budget for
+  every KV head of a layer).
 
 `build_selector(name, model)` returns one by name ("topk" = StD's rule, "mm-shiftkv", "hybridkv").
 """
@@ -189,6 +191,16 @@ class HybridKV:
                 break
         return torch.cat(picked).sort().values
 
+    def retrieve(self, queries: Tensor, keys: Tensor, budget: int, scaling: float) -> Tensor:
+        """Chunk-wise retrieval for decoding: queries [heads, t, d] (the newest draft tokens' post-RoPE queries),
+        keys [kv_heads, L, d] (a span's keys, all before the queries) -> [kv_heads, budget] span offsets,
+        each row sorted."""
+        heads, kv_heads = queries.shape[0], keys.shape[0]
+        assert heads % kv_heads == 0 and 1 <= budget <= keys.shape[1], (tuple(queries.shape), tuple(keys.shape),
+                                                                          budget)
+        attn = text_attention(queries, keys, (0, keys.shape[1]), scaling)  # [kv_heads, t, L]
+        return torch.stack([self.chunk_retrieval(attn[kv], budget) for kv in range(kv_heads)])
+
     def __call__(self, queries: Tensor, keys: Tensor, budget: int, span: tuple[int, int], *, layer: int,
                  scaling: float) -> Tensor:
         start, end = span
@@ -221,7 +233,8 @@ def configure_draft_kv(drafter, policy: str | None, budget: int | float | None) 
     from sparrow.drafters.kv_selection import check_budget
 
     if not (hasattr(drafter, "selector") and hasattr(drafter, "budget")):
-        raise UserError(f"draft KV policies apply to the sparse drafter, not {getattr(drafter, 'name', drafter)!r}")
+        raise UserError(f"configure_draft_kv re-points the sparse drafter, not {getattr(drafter, 'name', drafter)!r}; "
+                        "build visual-prune / draft-model with draft_kv=... (and draft_kv_budget=) instead")
     if budget is not None:
         check_budget(budget)
         drafter.budget = budget

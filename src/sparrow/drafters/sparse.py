@@ -13,6 +13,10 @@ The prompt queries come from the target's own prefill through the capture wrappe
 (attention_capture.py), which the engine runs that one forward in (`watch_prefill`): the target's
 numerics are untouched, nothing is re-run, and the model is left as it was (no hooks, its attention
 implementation switched back). A prompt shorter than sinks + window keeps every entry.
+
+With the HybridKV selector, `retrieve_every` = R >= 1 re-chooses the dynamic heads' chunks every R rounds
+from the draft's current queries instead of keeping the prefill's choice (chunk_retrieval.py); the chunks
+are read from the target's cache (read only, no copy kept).
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from transformers import DynamicCache, PreTrainedModel
 from sparrow.attention_capture import QueryCapture
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.drafters.chunk_retrieval import ChunkRetrieval, RetrievalSlots
 from sparrow.drafters.draft_loop import autoregressive_draft
-from sparrow.drafters.kv_selection import KVSelector, TopKAttention, check_budget, kept_positions
+from sparrow.drafters.kv_compress import HybridKV
+from sparrow.drafters.kv_selection import (KVSelector, TopKAttention, candidate_span, check_budget, kept_positions,
+                                           resolve_budget)
 from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
@@ -51,10 +58,12 @@ class SparseDrafter:
 
     def __init__(self, model: PreTrainedModel, num_draft_tokens: int = 8, adaptive: bool = False,
                  budget: int | float = DEFAULT_BUDGET, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW,
-                 span: Span = None, selector: KVSelector | None = None) -> None:
+                 span: Span = None, selector: KVSelector | None = None, retrieve_every: int = 0) -> None:
+        """retrieve_every: with a HybridKV selector, re-choose the dynamic heads' chunks every R rounds (0: never)."""
         check_budget(budget)
         _check_count("sinks", sinks, 0)
         _check_count("window", window, 1)
+        _check_count("retrieve_every", retrieve_every, 0)
         if span is not None and not callable(span):
             if not (isinstance(span, tuple) and len(span) == 2 and all(isinstance(i, int) and not isinstance(i, bool)
                                                                         for i in span) and 0 <= span[0] <= span[1]):
@@ -63,6 +72,9 @@ class SparseDrafter:
         self.model = model
         self.budget, self.sinks, self.window, self.span = budget, sinks, window, span
         self.selector: KVSelector = selector if selector is not None else TopKAttention()
+        self.retrieve_every = retrieve_every
+        self._check_retrieval()
+        self.retrieval: ChunkRetrieval | None = None  # set at prefill when retrieve_every > 0
         self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive)
         self.capture = QueryCapture(model, window)  # records the target's prefill queries, inside watch_prefill
         self.kept: tuple[Tensor, ...] = ()  # per layer [kv_heads, m] prompt positions in the draft cache
@@ -70,6 +82,11 @@ class SparseDrafter:
         self._target: CachedModel | None = None
         self._synced = 0  # target positions whose KV the draft cache holds (the kept prompt ones, then all)
         self._base = 0  # draft cache length holding exactly those
+
+    def _check_retrieval(self) -> None:
+        if self.retrieve_every and not isinstance(self.selector, HybridKV):
+            raise UserError("retrieve_every (per-round chunk retrieval) needs the hybridkv draft KV policy, got "
+                            f"{getattr(self.selector, 'name', type(self.selector).__name__)!r}")
 
     def watch_prefill(self, target: CachedModel) -> QueryCapture:
         """The context the engine runs the target's prefill in: it records that forward's queries."""
@@ -100,6 +117,29 @@ class SparseDrafter:
             kept.append(idx)
         self.kept = tuple(kept)
         self._target, self._synced, self._base = target, n, self.cache.get_seq_length()
+        self.retrieval = self._retrieval(target, n, span) if self.retrieve_every else None
+
+    def _retrieval(self, target: CachedModel, n: int, span: tuple[int, int] | None) -> ChunkRetrieval:
+        """Chunk retrieval over this prefill's selection: the dynamic heads of every layer that dropped entries
+        (all layers share one clipped span and budget), reading the span's KV from the target's cache."""
+        self._check_retrieval()
+        start, end = candidate_span(n, self.sinks, self.window, span)
+        k = resolve_budget(self.budget, end - start)
+        layout, selected = {}, {}
+        if k < end - start:
+            for layer, idx in enumerate(self.kept):
+                selected[layer] = idx[:, start:start + k].clone()  # every head keeps [0, start) first
+                heads = (~self.selector.last_static[layer].to(idx.device)).nonzero()[:, 0]
+                if heads.numel():
+                    layout[layer] = RetrievalSlots(heads, slot=start, start=start)
+
+        def span_kv(layer: int, heads: Tensor) -> tuple[Tensor, Tensor]:
+            cached = target.cache.layers[layer]
+            return cached.keys[0, heads, start:end], cached.values[0, heads, start:end]
+
+        retrieval = ChunkRetrieval(self.model, self.selector, span_kv, self.retrieve_every)
+        retrieval.reset(layout, selected, k)
+        return retrieval
 
     def _sync(self, upto: int) -> None:
         """Append the target's KV of positions [synced, upto) (committed since the last round)."""
@@ -128,8 +168,15 @@ class SparseDrafter:
         position = committed.numel() - 1
         assert self._target.length == position, (self._target.length, position)  # target cache == committed[:-1]
         self._sync(position)
-        draft = autoregressive_draft(lambda token, i: self._forward(token, position + i), committed[-1:], num_tokens,
-                                     sampling, generator, self.length)
+        retrieve = self.retrieval is not None and self.retrieval.start_round()
+
+        def step(token: Tensor, i: int) -> Tensor:
+            if i == 0 and retrieve:  # the round's first forward re-chooses the dynamic heads' chunks
+                with self.retrieval:
+                    return self._forward(token, position)
+            return self._forward(token, position + i)
+
+        draft = autoregressive_draft(step, committed[-1:], num_tokens, sampling, generator, self.length)
         self.cache.crop(self._base - self.cache.get_seq_length())  # drop the draft's own (sparse) KV
         return draft
 
@@ -140,10 +187,10 @@ class SparseDrafter:
 def build(target, draft: None, num_draft_tokens: int, adaptive: bool, budget: int | float = DEFAULT_BUDGET,
           sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW, span: Span = None,
           selector: KVSelector | None = None, draft_kv: str | None = None,
-          draft_kv_budget: int | float | None = None) -> SparseDrafter:
+          draft_kv_budget: int | float | None = None, retrieve_every: int = 0) -> SparseDrafter:
     """Registry builder for "sparse" (`target` is a LoadedModel). For a VLM the span defaults to the
-    visual tokens (Sparse-to-Dense); `draft_kv` names a selection policy (topk, mm-shiftkv, hybridkv)
-    and `draft_kv_budget` overrides `budget`."""
+    visual tokens (Sparse-to-Dense); `draft_kv` names a selection policy (topk, mm-shiftkv, hybridkv),
+    `draft_kv_budget` overrides `budget`, and `retrieve_every` (hybridkv) re-chooses chunks every R rounds."""
     from sparrow.drafters import kv_compress, visual_prune
 
     if span is None and getattr(target.model.config, "vision_config", None) is not None:
@@ -155,4 +202,4 @@ def build(target, draft: None, num_draft_tokens: int, adaptive: bool, budget: in
     if draft_kv_budget is not None:
         budget = draft_kv_budget
     return SparseDrafter(target.model, num_draft_tokens, adaptive, budget=budget, sinks=sinks, window=window,
-                         span=span, selector=selector)
+                         span=span, selector=selector, retrieve_every=retrieve_every)

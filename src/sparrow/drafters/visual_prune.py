@@ -21,6 +21,8 @@
      because the draft's rope delta grows by the number of pruned tokens.
 4. Drafting and rollback as the draft-model drafter, through a view that maps token positions to the
    shorter draft cache. The target verifies with its full cache, so the output is exactly the target's.
+5. Optional (`draft_kv`): a draft-side KV policy then cuts the kept visual tokens' KV further, per layer and
+   KV head, from the draft's own prefill queries (drafters/draft_kv.py).
 
 What pruning saves: the draft decoder's prefill over the dropped tokens and, every draft step, their KV
 reads. The draft's vision tower still encodes every frame (a self-draft could reuse the target's visual
@@ -38,6 +40,7 @@ from torch import Tensor
 
 from sparrow.attention_capture import QueryCapture
 from sparrow.cached_model import CachedModel
+from sparrow.drafters.draft_kv import DraftKVConfig, draft_kv_config, with_draft_kv
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.kv_selection import attention_scores
 from sparrow.runner import runner_for
@@ -165,6 +168,11 @@ class PrunedView:
     def __init__(self, runner: CachedModel) -> None:
         self.runner = runner
         self.pruned = 0
+        self.keep: Tensor | None = None  # [m] prompt positions in the runner's cache, ascending
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
 
     @property
     def device(self) -> torch.device:
@@ -185,10 +193,17 @@ class PrunedView:
         with pruned_decoder_inputs(self.runner.model, keep):
             logits = self.runner.prefill(prompt)
         self.pruned = n - keep.numel()
+        self.keep = keep
         if hasattr(self.runner, "rope_delta"):  # M-RoPE: text keeps its full-sequence positions
             self.runner.rope_delta += self.pruned
         assert self.runner.length == keep.numel(), (self.runner.length, keep.numel())
         return logits
+
+    def cache_index(self, positions: Tensor) -> Tensor:
+        """[k] prompt positions -> cache indices of those still in the runner's cache (pruned ones left out)."""
+        assert self.keep is not None, "prefill() must run first"
+        keep = self.keep.to(positions.device)
+        return torch.searchsorted(keep, positions[torch.isin(positions, keep)])
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,
                 hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
@@ -211,7 +226,8 @@ class VisualPruneDrafter(DraftModelDrafter):
 
     def __init__(self, target_model: torch.nn.Module, draft_model: torch.nn.Module, num_draft_tokens: int = 8,
                  adaptive: bool = False, drop_rate: float = DEFAULT_DROP_RATE, mass: float = DEFAULT_MASS,
-                 window: int = DEFAULT_WINDOW) -> None:
+                 window: int = DEFAULT_WINDOW, draft_kv: DraftKVConfig | None = None) -> None:
+        """draft_kv: also cut the visual KV the pruned draft keeps to a budget by a policy (drafters/draft_kv.py)."""
         visual_budget(1, drop_rate)  # validates drop_rate
         if not 0.0 <= mass <= 1.0:
             raise UserError(f"mass must lie in [0, 1], got {mass!r}")
@@ -223,7 +239,8 @@ class VisualPruneDrafter(DraftModelDrafter):
             raise UserError(f"drafter 'visual-prune' cannot prune {type(draft_model).__name__}: it has no "
                              "`model.language_model` decoder to feed the pruned sequence to")
         self.view = PrunedView(runner_for(draft_model))
-        super().__init__(self.view, CachedModel(target_model).vocab_size, num_draft_tokens, adaptive)
+        super().__init__(self.view, CachedModel(target_model).vocab_size, num_draft_tokens, adaptive, name=self.name)
+        with_draft_kv(self, draft_kv)  # self.draft: the view, or the view with its visual KV compacted
         self.target_model = target_model
         self.drop_rate, self.mass = drop_rate, mass
         self.capture = QueryCapture(target_model, window)  # records the target's prefill queries, inside watch_prefill
@@ -258,14 +275,16 @@ class VisualPruneDrafter(DraftModelDrafter):
             self.last_pruning = None
             keep = torch.arange(n, device=ids.device)
         self.last_visual = visual
-        self.view.prefill(prompt, keep)
+        self.draft.prefill(prompt, keep)
         self._cached = prompt.input_ids.to(self.draft.device)
 
 
 def build(target, draft, num_draft_tokens: int, adaptive: bool, drop_rate: float = DEFAULT_DROP_RATE,
-          mass: float = DEFAULT_MASS, window: int = DEFAULT_WINDOW) -> VisualPruneDrafter:
+          mass: float = DEFAULT_MASS, window: int = DEFAULT_WINDOW, draft_kv: str | None = None,
+          draft_kv_budget: int | float | None = None, retrieve_every: int = 0) -> VisualPruneDrafter:
     """Registry builder for "visual-prune" (`target`, `draft` are LoadedModels; without a draft the target
-    self-drafts on the pruned visual tokens)."""
+    self-drafts on the pruned visual tokens). draft_kv / draft_kv_budget / retrieve_every: a draft-side KV
+    policy over the visual tokens pruning kept (drafters/draft_kv.py)."""
     draft_model = (draft if draft is not None else target).model
     return VisualPruneDrafter(target.model, draft_model, num_draft_tokens, adaptive, drop_rate=drop_rate, mass=mass,
-                              window=window)
+                              window=window, draft_kv=draft_kv_config(draft_kv, draft_kv_budget, retrieve_every))

@@ -114,7 +114,7 @@ class MRopeCachedModel(VisionCachedModel):
         self.prompt_positions: Tensor | None = None  # [3, 1, n] positions of the last prefilled prompt
 
     def position_ids(self, positions: Tensor) -> Tensor:
-        ids = positions.to(self.device) + self.rope_delta
+        ids = positions.to(self.device) + self.rope_delta + self.position_offset
         return ids.view(1, 1, -1).expand(3, 1, ids.numel())
 
     def prefill(self, prompt: Prompt, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
