@@ -48,6 +48,7 @@ class BenchConfig:
     draft_quant: str | None = None
     lookup_tokens: int = 10  # transformers' prompt_lookup_num_tokens
     temperature: float = 0.0
+    head: str | None = None  # the head directory of the "eagle" method
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -56,7 +57,10 @@ class BenchConfig:
             raise UserError(f"turns must be >= 1, got {self.turns}")
 
     def key(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        fields = asdict(self)
+        if fields["head"] is None:  # runs without a head keep the keys of runs from before the field existed
+            del fields["head"]
+        return json.dumps(fields, sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,8 @@ def build_pipelines(methods: Sequence[str], models: Models, config: BenchConfig)
         has_model = entry is not None and entry.takes_draft_model
         draft_quant = config.draft_quant if has_model or name == "quantized-self" else None
         pipe = sparrow.load(models.target, drafter=name, draft=draft if has_model else None, num_draft_tokens=config.k,
-                            adaptive=config.adaptive, progress=False, draft_quant=draft_quant)
+                            adaptive=config.adaptive, progress=False, draft_quant=draft_quant,
+                            **({"head": config.head} if name == "eagle" else {}))
         if config.quant is not None and pipe.drafter is not None:  # a quantized target: k follows the cost curve
             follow_cost_curve(pipe.drafter, pipe.runner)
         pipes[method] = pipe

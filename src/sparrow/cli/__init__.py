@@ -11,6 +11,7 @@ from sparrow.cli.doctor import doctor
 from sparrow.cli.generate import generate
 from sparrow.cli.models import models_app
 from sparrow.cli.serve import serve
+from sparrow.cli.train import train_app
 from sparrow.cli.tune import tune_app
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -28,5 +29,6 @@ app.command()(serve)
 app.command()(doctor)
 app.add_typer(models_app, name="models")
 app.add_typer(tune_app, name="tune")
+app.add_typer(train_app, name="train")
 
 __all__ = ["app"]

@@ -33,6 +33,7 @@ def bench(
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
     quant: Annotated[Optional[str], typer.Option(help="int8|int4 weight-only target (all methods).")] = None,
     draft_quant: Annotated[Optional[str], typer.Option(help="int8|int4 draft model for sparrow's drafters.")] = None,
+    head: Annotated[Optional[str], typer.Option(help="The eagle method's head directory (EAGLE-3 layout, e.g. from `sparrow train head`).")] = None,
     lookup_tokens: Annotated[int, typer.Option(help="transformers' prompt_lookup_num_tokens for hf-prompt-lookup.")] = 10,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap questions in the target's chat template.")] = True,
     out: Annotated[Path, typer.Option(help="Output directory: rows-<run>.jsonl, report.md, *.png.")] = Path("sparrow-bench"),
@@ -54,5 +55,5 @@ def bench(
                  max_new_tokens=max_new_tokens, repeats=repeats, first_repeat=first_repeat, warmup=warmup,
                  all_turns=all_turns, target=target, draft=draft, cross_draft=cross_draft, k=k, adaptive=adaptive,
                  dtype=dtype_name(dtype, device), device=device, quant=quant, draft_quant=draft_quant,
-                 lookup_tokens=lookup_tokens, chat=chat, out=out, quick=quick, progress=progress)
+                 lookup_tokens=lookup_tokens, chat=chat, out=out, quick=quick, progress=progress, head=head)
     typer.echo(report.read_text())

@@ -28,6 +28,7 @@ def serve(
     adaptive: Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length online, or draft exactly k.")] = True,
     dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
     draft_quant: Annotated[Optional[str], typer.Option(help="int8|int4 draft model (lossless).")] = None,
+    head: Annotated[Optional[str], typer.Option(help="--drafter eagle: the head directory (EAGLE-3 layout, e.g. from `sparrow train head`).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
@@ -58,6 +59,9 @@ def serve(
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key must not be empty")
     check_drafter_args(drafter, k)
+    from sparrow.cli.generate import head_options
+
+    drafter_options = head_options(drafter, head)
     try:
         import uvicorn
 
@@ -73,7 +77,7 @@ def serve(
 
     def load() -> sparrow.Pipeline:
         return sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
-                            dtype=dtype.value, device=device, draft_quant=draft_quant)
+                            dtype=dtype.value, device=device, draft_quant=draft_quant, **drafter_options)
 
     if ray:
         import math

@@ -1,0 +1,335 @@
+"""`sparrow train head`: train an EAGLE head for a target on this machine (the pieces: sparrow.heads.{data,
+features,train,trainer,plot}).
+
+Stages, each resumable: the corpus (installed source files and docs, plus the target's own answers;
+OUT/corpus.*), the feature cache (the target's hidden states and top-k labels; OUT/features/), training
+(checkpoints in OUT in the EAGLE-3 layout, trainer_state.pt, train_log.jsonl), then a held-out evaluation
+(OUT/eval.json) and a plot (OUT/training.png). `--time-budget` stops any stage cleanly; `--resume` continues.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from sparrow.cli._common import DTYPE_HELP, DType, check_float, check_int, cli_errors, err
+from sparrow.errors import UserError
+
+train_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+                        help="Train draft heads for a target on this machine.", no_args_is_help=True)
+
+DEFAULT_DRAFT_VOCAB = 32000
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_TOP_K = 32
+RUN = "run.json"  # what the resumed run needs that its checkpoint does not hold: target, dtype, top-k, cache
+
+
+@train_app.command("head")
+@cli_errors
+def head(
+    out: Annotated[Path, typer.Option(help="Run directory: the head (EAGLE-3 layout, loads with --drafter eagle --head OUT), checkpoints, features, log, plot.")],
+    target: Annotated[Optional[str], typer.Option(help=f"Target model: preset, local dir or hub id (default {DEFAULT_TARGET}; with --resume, the run's).")] = None,
+    arch: Annotated[str, typer.Option(help="eagle3 (three fused target layers, own reduced LM head) or eagle1 (last layer, the target's LM head).")] = "eagle3",
+    draft_vocab: Annotated[Optional[int], typer.Option(help=f"eagle3: the N most frequent target tokens of the training data (FR-Spec; default {DEFAULT_DRAFT_VOCAB}, at most the vocabulary).")] = None,
+    data: Annotated[Optional[list[Path]], typer.Option(help="Directory or file of .py/.md/.rst text (repeatable; default: the standard library and installed packages).")] = None,
+    tokens: Annotated[int, typer.Option(help="Training tokens taken from files (self-distilled answers come on top).")] = 200_000,
+    held_out_tokens: Annotated[Optional[int], typer.Option(help="Held-out tokens from other files (default: tokens / 20, at least 2 sequences).")] = None,
+    held_out_percent: Annotated[int, typer.Option(help="Share of files (by a hash of their path) held out for evaluation.")] = 5,
+    seq_len: Annotated[int, typer.Option(help="Tokens per training sequence.")] = 512,
+    distill: Annotated[int, typer.Option(help="Self-distilled sequences: the target's greedy answers to prompts built from training files (held out: a tenth).")] = 32,
+    distill_tokens: Annotated[int, typer.Option(help="New tokens per self-distilled answer.")] = 128,
+    steps: Annotated[Optional[int], typer.Option(help="Optimiser steps in total (default: 2 epochs of the training sequences).")] = None,
+    time_budget: Annotated[Optional[float], typer.Option(help="Seconds for the whole command; stops cleanly (checkpoint, cache) when spent; --resume continues.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 4,
+    ttt_steps: Annotated[int, typer.Option(help="Training-time-test depth: draft steps trained on the head's own features (EAGLE-3).")] = 3,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate (after a linear warmup).")] = 5e-4,
+    top_k: Annotated[Optional[int], typer.Option(help="Soft labels kept per position: the target's top-k log-probs (default 32; with --resume, the run's).")] = None,
+    checkpoint_every: Annotated[int, typer.Option(help="Save a checkpoint every N steps.")] = 100,
+    eval_every: Annotated[int, typer.Option(help="Held-out evaluation every N steps.")] = 50,
+    seed: Annotated[int, typer.Option(help="Seed of the file sample, the head's initial weights and the data order.")] = 0,
+    features: Annotated[Optional[Path], typer.Option(help="Feature cache directory (default OUT/features, or the resumed run's; share one between runs of the same target and layers).")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the run in OUT from its last checkpoint (its corpus and recipe; --steps may extend it).")] = False,
+    dtype: Annotated[DType, typer.Option(help=DTYPE_HELP + " The head trains in float32. With --resume, auto = the run's.")] = DType.auto,
+    device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Rich progress bars on stderr.")] = True,
+) -> None:
+    """Train an EAGLE-3 (or EAGLE-1) head on the target's own features: FR-Spec draft vocabulary, training-time
+    test, checkpoints, resume, held-out evaluation."""
+    from sparrow.heads.config import ARCHS
+    from sparrow.heads.data import CorpusSpec, default_roots
+    from sparrow.heads.trainer import TrainSettings, read_state
+
+    started = time.monotonic()
+    deadline = None if time_budget is None else started + time_budget
+    check_float("--time-budget", time_budget, "a finite number of seconds > 0", lambda s: s > 0)
+    check_float("--lr", lr, "a finite number > 0", lambda v: v > 0)
+    for flag, value, low in (("--steps", steps, 1), ("--top-k", top_k, 1), ("--draft-vocab", draft_vocab, 1)):
+        check_int(flag, value, low)
+    if arch not in ARCHS:
+        raise UserError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if arch == "eagle1" and draft_vocab is not None:
+        raise UserError("--draft-vocab applies to --arch eagle3 only (an EAGLE-1 head drafts with the target's LM head)")
+    state = read_state(out)
+    if resume and state is None:
+        raise UserError(f"--resume: {str(out)!r} holds no checkpoint ({out / 'trainer_state.pt'}) to continue")
+    if not resume and state is not None:
+        raise UserError(f"--out {str(out)!r} already holds a training run: pass --resume to continue it, or choose "
+                        "another directory")
+    if resume:
+        spec, settings = _stored_run(out, state, steps)
+        stored = json.loads((out / RUN).read_text()) if (out / RUN).is_file() else {}
+        target = target or stored.get("target")
+        top_k = top_k or stored.get("top_k")
+        features = features or (Path(stored["features"]) if stored.get("features") else None)
+        if dtype == DType.auto and stored.get("dtype"):
+            dtype = DType(stored["dtype"])
+    else:
+        spec = CorpusSpec(roots=tuple(str(p) for p in data) if data else tuple(map(str, default_roots())),
+                          tokens=tokens, held_out_tokens=held_out_tokens if held_out_tokens is not None
+                          else max(tokens // 20, 2 * seq_len), sequence_length=seq_len, distill=distill,
+                          held_out_percent=held_out_percent,
+                          distill_tokens=distill_tokens, seed=seed)
+        settings = TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,
+                                 checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed)
+    run = _Run(out, target or DEFAULT_TARGET, spec, settings, state, arch, draft_vocab, top_k or DEFAULT_TOP_K,
+               features or out / "features", deadline, progress, steps_given=steps is not None)
+    run.go(dtype.value, device)
+
+
+class _Run:
+    """One invocation of `sparrow train head`: the stages in order, sharing the loaded target and a console."""
+
+    def __init__(self, out: Path, target: str, spec: Any, settings: Any, state: dict[str, Any] | None, arch: str,
+                 draft_vocab: int | None, top_k: int, features: Path, deadline: float | None, progress: bool,
+                 steps_given: bool) -> None:
+        self.out, self.target_name, self.spec, self.settings, self.state = out, target, spec, settings, state
+        self.arch, self.draft_vocab, self.top_k, self.features_dir = arch, draft_vocab, top_k, features
+        self.deadline, self.progress, self.steps_given = deadline, progress, steps_given
+        self.timings: dict[str, float] = {}
+
+    def say(self, message: str) -> None:
+        err.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def go(self, dtype: str, device: str | None) -> None:
+        from dataclasses import replace
+
+        from sparrow.models import load_model
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        loaded = load_model(self.target_name, dtype=dtype, device=device, progress=self.progress)
+        if self.state is None:
+            run_dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+            (self.out / RUN).write_text(json.dumps({"target": self.target_name, "dtype": run_dtype,
+                                                    "top_k": self.top_k, "features": None if self.features_dir == self.out / "features"
+                                                    else str(self.features_dir.resolve())}) + "\n")
+        corpus = self.corpus(loaded)
+        if not self.steps_given and self.state is None:  # default: 2 epochs
+            self.settings = replace(self.settings, steps=max(1, math.ceil(2 * len(corpus.train) / self.settings.batch_size)))
+        head = self.head(loaded, corpus)
+        train, held_out = self.extract(loaded, head, corpus)
+        if train is None:
+            self.say(f"time budget spent during feature extraction; the cache in {self.features_dir} is kept: "
+                     f"rerun the same command to continue")
+            return
+        outcome = self.train(head, train, held_out)
+        self.finish(loaded, head, held_out, outcome, corpus)
+
+    # --- stages -------------------------------------------------------------------------------------------
+
+    def corpus(self, loaded: Any) -> Any:
+        from sparrow.heads.data import build_corpus, load_corpus, save_corpus
+
+        corpus = load_corpus(self.spec, self.out)
+        if corpus is not None:
+            self.say(f"corpus: {len(corpus.train)} training / {len(corpus.held_out)} held-out sequences "
+                     f"(cached in {self.out})")
+            return corpus
+        start = time.monotonic()
+        with self.bars() as bars:
+            corpus = build_corpus(self.spec, loaded, bars.callback)
+        save_corpus(corpus, self.spec, self.out)
+        self.timings["corpus_seconds"] = time.monotonic() - start
+        self.say(f"corpus: {len(corpus.train)} training sequences ({corpus.train_tokens} tokens, "
+                 f"{len(corpus.files.get('train', []))} files), {len(corpus.held_out)} held-out")
+        return corpus
+
+    def head(self, loaded: Any, corpus: Any) -> Any:
+        import torch
+
+        from sparrow.heads.eagle import new_head
+        from sparrow.heads.train import frequent_tokens
+        from sparrow.heads.trainer import resumed_head
+
+        model = loaded.model
+        device = next(model.parameters()).device
+        if self.state is not None:
+            self.say(f"resuming from step {self.state['step']} in {self.out}")
+            return resumed_head(self.out, self.state, model, device)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        ids = None
+        if self.arch == "eagle3":
+            size = min(self.draft_vocab or DEFAULT_DRAFT_VOCAB, vocab)
+            ids = frequent_tokens(corpus.train, size, vocab, always=_eos_ids(loaded, vocab))
+        generator = torch.Generator(device=device).manual_seed(self.settings.seed)
+        head = new_head(model, self.arch, generator, draft_vocab=ids).float()
+        init_from_target(head, model)
+        return head
+
+    def extract(self, loaded: Any, head: Any, corpus: Any) -> tuple[Any, Any]:
+        from sparrow.heads.features import CacheIdentity, FeatureCache, target_identity
+
+        identity = CacheIdentity(target_identity(loaded.model, self.target_name), head.config.target_layers,
+                                 self.top_k)
+        device = next(loaded.model.parameters()).device
+        views = []
+        start = time.monotonic()
+        computed = 0
+        with self.bars() as bars:
+            for split, sequences in (("train", corpus.train), ("held_out", corpus.held_out)):
+                cache = FeatureCache(self.features_dir / split, identity)
+                computed += cache.extract(loaded.model, sequences,
+                                          lambda d, t, s=split: bars.callback(f"features {s}", d, t),
+                                          self.out_of_time)
+                if not cache.complete(len(sequences)):
+                    return None, None
+                views.append(cache.view(len(sequences), device))
+        seconds = time.monotonic() - start
+        if computed:
+            positions = sum(t.numel() for t in corpus.train + corpus.held_out)
+            self.timings.update(feature_seconds=seconds, feature_positions_per_second=positions / max(seconds, 1e-9))
+        return views[0], views[1]
+
+    def train(self, head: Any, train: Any, held_out: Any) -> Any:
+        from sparrow.heads.trainer import run_training
+
+        start_step = int(self.state["step"]) if self.state is not None else 0
+        with self.bars() as bars:
+            task = bars.bar.add_task("training", total=self.settings.steps, completed=start_step,
+                                     info="") if bars.bar is not None else None
+            held = "-"
+
+            def on_step(row: dict[str, Any]) -> None:
+                nonlocal held
+                if task is None:
+                    return
+                if "held_out_agreement" in row:
+                    held = f"{row['held_out_agreement'][0]:.3f}"
+                bars.bar.update(task, completed=row["step"], info=f"loss {row['loss']:.3f}  agree "
+                                f"{row['agreement']:.3f}  held-out agree {held}")
+
+            outcome = run_training(head, train, held_out, self.settings, self.out, self.state, self.deadline, on_step)
+        self.timings.update(train_seconds=outcome.seconds,
+                            steps_per_second=(outcome.step - start_step) / max(outcome.seconds, 1e-9))
+        return outcome
+
+    def finish(self, loaded: Any, head: Any, held_out: Any, outcome: Any, corpus: Any) -> None:
+        from sparrow.heads.plot import plot_training
+        from sparrow.heads.train import evaluate_head
+        from sparrow.heads.trainer import LOG, read_log
+
+        evaluation = evaluate_head(head, held_out, self.settings.ttt_steps) if len(held_out) else None
+        rows = read_log(self.out / LOG)
+        report = {
+            "target": self.target_name, "arch": head.config.arch, "draft_vocab_size": head.config.draft_vocab_size,
+            "target_layers": list(head.config.target_layers), "steps": outcome.step, "stopped": outcome.stopped,
+            "train_sequences": len(corpus.train), "train_corpus_tokens": corpus.train_tokens,
+            "tokens_seen": sum(r["tokens"] for r in rows), "held_out_sequences": len(held_out),
+            "held_out": None if evaluation is None else {
+                "loss": evaluation.loss, "agreement_per_depth": list(evaluation.agreement),
+                "expected_tokens_per_round": evaluation.expected_accepted},
+            **self.timings,
+        }
+        (self.out / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
+        if rows:
+            plot_training(rows, self.out / "training.png", f"{head.config.arch} head for {self.target_name}")
+        stop = "" if outcome.stopped == "done" else f" (stopped: {outcome.stopped}; --resume continues)"
+        self.say(f"step {outcome.step}/{self.settings.steps}{stop}; head saved to {self.out} "
+                 f"(use: --drafter eagle --head {self.out})")
+        if evaluation is not None:
+            depths = ", ".join(f"{a:.3f}" for a in evaluation.agreement)
+            self.say(f"held-out ({len(held_out)} sequences): loss {evaluation.loss:.3f}, top-1 agreement by depth "
+                     f"[{depths}], expected tokens per round {evaluation.expected_accepted:.2f}")
+        typer.echo(json.dumps(report))
+
+    def bars(self) -> _Bars:
+        return _Bars(self.progress)
+
+
+class _Bars:
+    """Rich progress bars on stderr (none with --no-progress): one task per stage name."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self) -> _Bars:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+                TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"),
+                                TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def callback(self, stage: str, done: int, total: int) -> None:
+        if self.bar is None:
+            return
+        if stage not in self.tasks:
+            self.tasks[stage] = self.bar.add_task(stage, total=total, info="")
+        self.bar.update(self.tasks[stage], completed=done, total=total)
+
+
+def init_from_target(head: Any, model: Any) -> None:
+    """Start an EAGLE-3 head's norm and LM head from the target's final norm and LM head rows of the draft
+    vocabulary (the head's output then begins as a reading of a target-like state; it trains from there)."""
+    import torch
+
+    if head.config.arch != "eagle3":
+        return
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    norm = getattr(decoder, "norm", None)
+    with torch.no_grad():
+        weight = model.get_output_embeddings().weight
+        head.lm_head.weight.copy_(weight[head.draft_to_target].to(head.lm_head.weight))
+        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == head.norm.weight.shape:
+            head.norm.weight.copy_(norm.weight.to(head.norm.weight))
+
+
+def _eos_ids(loaded: Any, vocab: int) -> list[int]:
+    ids = {loaded.tokenizer.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None)}
+    flat: set[int] = set()
+    for i in ids:
+        flat.update(i if isinstance(i, (list, tuple)) else [i] if i is not None else [])
+    return sorted(i for i in flat if 0 <= i < vocab)
+
+
+def _stored_run(out: Path, state: dict[str, Any], steps: int | None) -> tuple[Any, Any]:
+    """The corpus spec and settings of the run in `out` (--steps, when given, replaces its step count)."""
+    from dataclasses import replace
+
+    from sparrow.heads.data import CorpusSpec
+    from sparrow.heads.trainer import TrainSettings
+
+    meta = out / "corpus.json"
+    if not meta.is_file():
+        raise UserError(f"--resume: {str(out)!r} has a checkpoint but no corpus.json; it was not made by "
+                        "`sparrow train head`")
+    fields = json.loads(meta.read_text())["spec"]
+    fields["roots"] = tuple(fields["roots"])
+    settings = TrainSettings(**state["settings"])
+    return CorpusSpec(**fields), replace(settings, steps=steps) if steps is not None else settings

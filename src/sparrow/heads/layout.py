@@ -1,0 +1,212 @@
+"""Head checkpoints in the layout serving engines read: a directory with `config.json` and `model.safetensors`.
+
+EAGLE-3, as SpecForge exports it and vLLM / SGLang load it unchanged: `config.json` with
+`architectures: ["LlamaForCausalLMEagle3"]`, `hidden_size`, `draft_vocab_size`, `vocab_size`, the Llama layer
+fields (`num_hidden_layers: 1`), optionally `target_hidden_size` and `eagle_aux_hidden_state_layer_ids`
+(sparrow writes it: the target layers read, transformers' hidden_states indexing = vLLM's); tensors
+`fc.weight`, `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
+`midlayer.self_attn.{q,k,v,o}_proj.weight`, `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`,
+`lm_head.weight`, `d2t` (int64 offsets: target id = draft id + d2t[draft id]) and `t2d` (bool over the target
+vocabulary). No `embed_tokens.weight`: the target's embedding is used (one found is ignored).
+
+EAGLE-1, as SafeAILab's heads and vLLM's `EagleLlamaForCausalLM` read it: a Llama `config.json` with
+`num_hidden_layers: 1`; tensors `fc.weight` (and `fc.bias` if trained with one), `layers.0.*` without
+`input_layernorm` (model.safetensors or pytorch_model.bin).
+
+Sparrow-only extensions (Dovetail), which vLLM / SGLang's EAGLE loaders do not read: `"fusion": "gated"` in
+config.json with the gate's tensors `gate.*` (and, for EAGLE-3, a `midlayer` without `input_layernorm` /
+`hidden_norm` whose attention reads d, not 2d; for EAGLE-1 an `fc` over the feature alone), and
+`num_hidden_layers` > 1 with the deeper layers as `layers.1.*` .. (EAGLE-1 heads of several layers follow
+SafeAILab's / Dovetail's `layers.i.*` naming).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from sparrow.errors import UserError
+from sparrow.heads.config import HeadConfig, default_layers
+from sparrow.heads.eagle import EagleHead, TargetParts
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+EAGLE1_ARCHITECTURE = "LlamaForCausalLM"
+WEIGHTS = "model.safetensors"
+
+
+def head_config_json(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The config.json of a head (SpecForge's keys; EAGLE-1: SafeAILab's Llama config)."""
+    eagle3 = config.arch == "eagle3"
+    record: dict[str, Any] = {
+        "architectures": [EAGLE3_ARCHITECTURE if eagle3 else EAGLE1_ARCHITECTURE],
+        "model_type": "llama", "hidden_act": config.hidden_act, "attention_bias": False, "attention_dropout": 0.0,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim, "num_hidden_layers": config.num_layers, "vocab_size": config.vocab_size,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
+        "max_position_embeddings": config.max_position_embeddings, "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."), "bias": config.fc_bias,
+    }
+    if config.fusion != "concat":
+        record["fusion"] = config.fusion  # sparrow-only (see the module docstring)
+    if eagle3:
+        layers = list(config.target_layers)
+        record.update(draft_vocab_size=config.draft_vocab_size, target_hidden_size=config.target_hidden_size,
+                      eagle_aux_hidden_state_layer_ids=layers,
+                      eagle_config={"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layers})
+    return record
+
+
+def save_head(head: EagleHead, directory: str | Path) -> Path:
+    """Write `head` to `directory` (created) in its layout; returns the directory."""
+    if head.config.arch == "longspec":  # sparrow-only layouts
+        from sparrow.heads.longspec import save_longspec
+
+        return save_longspec(head, directory)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = head.fc.weight.dtype
+    record = head_config_json(head.config, dtype)
+    spec = getattr(head, "sparrow", None)  # a Sparrow head: EAGLE-3 tensors, drafted text-anchored by sparrow
+    if spec is not None:
+        record["sparrow"] = {"text_window": spec.text_window, "bridge_layer": spec.bridge_layer}
+    (directory / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    tensors = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
+    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    return directory
+
+
+def _read_tensors(directory: Path) -> dict[str, Tensor]:
+    if (directory / WEIGHTS).is_file():
+        return load_file(str(directory / WEIGHTS))
+    if (directory / "pytorch_model.bin").is_file():
+        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise UserError(f"head {str(directory)!r} has no {WEIGHTS} or pytorch_model.bin")
+
+
+def _normalised(tensors: dict[str, Tensor], eagle3: bool) -> dict[str, Tensor]:
+    """Key spellings of other exports -> sparrow's: a `model.` prefix dropped, vLLM's `layers.0.` -> `midlayer.`
+    (EAGLE-3), the target's embedding dropped."""
+    out = {}
+    for name, tensor in tensors.items():
+        name = name.removeprefix("model.")
+        if name.startswith("embed_tokens."):
+            continue
+        if eagle3 and name.startswith("layers.0."):
+            name = "midlayer." + name.removeprefix("layers.0.")
+        out[name] = tensor
+    return out
+
+
+def _arch(config: dict[str, Any], tensors: dict[str, Tensor], where: str) -> str:
+    architectures = " ".join(config.get("architectures") or [])
+    if "Eagle3" in architectures or any(k.startswith("midlayer.") for k in tensors):
+        return "eagle3"
+    if "fc.weight" in tensors and any(k.startswith("layers.0.") for k in tensors):
+        return "eagle1"
+    raise UserError(f"{where} is not an EAGLE-1 or EAGLE-3 head: expected architectures "
+                    f"[{EAGLE3_ARCHITECTURE!r}] with midlayer.* tensors, or fc.weight with layers.0.*")
+
+
+def target_sizes(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(hidden size, vocabulary = logit width, number of decoder layers) of a transformers causal LM."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0] if head is not None else config.vocab_size
+    return config.hidden_size, vocab, config.num_hidden_layers
+
+
+def check_fits(config: HeadConfig, model: torch.nn.Module, where: str = "head") -> None:
+    """Refuse a head whose hidden size, target layers or vocabulary do not fit `model`, naming both sizes."""
+    hidden, vocab, num_layers = target_sizes(model)
+    if config.hidden_size != hidden or config.target_hidden_size != hidden:
+        size = config.hidden_size if config.hidden_size != hidden else config.target_hidden_size
+        raise UserError(f"{where} has hidden size {size} but the target's is {hidden}; "
+                        "a head must be trained for this target")
+    if config.vocab_size != vocab:
+        raise UserError(f"{where} has a vocabulary of {config.vocab_size} tokens but the target's has {vocab}; "
+                        "a head must be trained for this target")
+    if any(not 0 <= i <= num_layers for i in config.target_layers):
+        raise UserError(f"{where} reads target layers {list(config.target_layers)} but the target has "
+                        f"{num_layers} layers (hidden_states 0..{num_layers})")
+
+
+def load_head(directory: str | Path, model: torch.nn.Module, device: torch.device | str | None = None) -> EagleHead:
+    """The head saved in `directory`, bound to the target `model` (a transformers causal LM) and placed in its
+    dtype on its device, or on `device` (Dovetail's split). Refuses (UserError) a head that does not fit."""
+    directory = Path(directory)
+    where = f"head {str(directory)!r}"
+    if not (directory / "config.json").is_file():
+        raise UserError(f"{where}: no config.json (expected a directory saved by sparrow or exported by SpecForge)")
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except json.JSONDecodeError as error:
+        raise UserError(f"{where}: config.json is not valid JSON ({error})") from None
+    tensors = _read_tensors(directory)
+    if "SparrowLongSpecHead" in (raw.get("architectures") or []):
+        from sparrow.heads.longspec import load_longspec
+
+        return load_longspec(raw, tensors, model, device, where)
+    arch = _arch(raw, tensors, where)
+    tensors = _normalised(tensors, arch == "eagle3")
+    _, vocab, num_layers = target_sizes(model)
+    config = _config(raw, arch, num_layers, "fc.bias" in tensors, where)
+    check_fits(config, model, where)
+    parameter = next(model.parameters())
+    head = EagleHead(config, TargetParts.of(model), device=device if device is not None else parameter.device,
+                     dtype=parameter.dtype)
+    if arch == "eagle3" and "d2t" not in tensors:  # a full-vocabulary head may leave the maps out
+        if config.draft_vocab_size != config.vocab_size:
+            raise UserError(f"{where} has a draft vocabulary of {config.draft_vocab_size} but no d2t map")
+        tensors["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+        tensors["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
+    expected = head.state_dict()
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise UserError(f"{where} tensors do not match an {arch} head: missing {missing}, unexpected {unexpected}")
+    for name, tensor in tensors.items():
+        if tensor.shape != expected[name].shape:
+            raise UserError(f"{where}: tensor {name} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(expected[name].shape)} from its config.json")
+    if arch == "eagle3":
+        tensors["t2d"], tensors["d2t"] = tensors["t2d"].bool(), tensors["d2t"].long()
+    head.load_state_dict(tensors, strict=True)
+    if isinstance(raw.get("sparrow"), dict):
+        from sparrow.heads.sparrow_head import SparrowSpec
+
+        try:
+            head.sparrow = SparrowSpec(**raw["sparrow"])
+        except TypeError as error:
+            raise UserError(f"{where}: config.json's \"sparrow\" entry is not understood ({error})") from None
+    if arch == "eagle3" and int(head.draft_to_target.max()) >= vocab:
+        raise UserError(f"{where}: d2t maps a draft token to target id {int(head.draft_to_target.max())}, "
+                        f"beyond the target's vocabulary of {vocab}")
+    return head.eval().requires_grad_(False)
+
+
+def _config(raw: dict[str, Any], arch: str, num_layers: int, fc_bias: bool, where: str) -> HeadConfig:
+    try:
+        d, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        vocab = int(raw["vocab_size"])
+        layers = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids")
+        return HeadConfig(
+            arch=arch, hidden_size=d, intermediate_size=int(raw["intermediate_size"]), num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or d // heads), vocab_size=vocab,
+            draft_vocab_size=int(raw.get("draft_vocab_size") or vocab) if arch == "eagle3" else vocab,
+            target_layers=tuple(int(i) for i in layers) if layers and arch == "eagle3"
+            else default_layers(arch, num_layers),
+            target_hidden_size=int(raw.get("target_hidden_size") or d),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(raw.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rope_scaling=raw.get("rope_scaling"), fc_bias=fc_bias,
+            hidden_act=str(raw.get("hidden_act", "silu")), fusion=str(raw.get("fusion", "concat")),
+            num_layers=int(raw.get("num_hidden_layers") or 1))
+    except KeyError as missing:
+        raise UserError(f"{where}: config.json lacks {missing.args[0]!r}") from None

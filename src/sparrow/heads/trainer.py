@@ -1,0 +1,158 @@
+"""A resumable training run of a head: AdamW steps on cached features, held-out evaluations, checkpoints, a log.
+
+A run directory holds the head in its serving layout (`sparrow.heads.layout`: config.json, model.safetensors,
+float32 while training), `trainer_state.pt` (step, optimiser state, the data-order generator's state, the
+head's config and the settings) and `train_log.jsonl` (one row per step; held-out rows carry
+`held_out_loss`). Resuming restores all of it, so the steps after a checkpoint are the ones an uninterrupted
+run takes (same batches, same optimiser moments, bit for bit on the same device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from sparrow.errors import UserError
+from sparrow.heads.config import HeadConfig
+from sparrow.heads.eagle import EagleHead, TargetParts
+from sparrow.heads.layout import WEIGHTS, save_head
+from sparrow.heads.train import Evaluation, Features, draw_batch, evaluate_head, new_optimiser, train_step
+
+STATE = "trainer_state.pt"
+LOG = "train_log.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The recipe of a run (EAGLE-3's optimiser; a short linear warmup; TTT over `ttt_steps` draft depths)."""
+
+    steps: int
+    lr: float = 1e-3
+    batch_size: int = 4  # sequences per optimiser step
+    ttt_steps: int = 3
+    decay: float = 0.8  # weight of depth j's loss: decay ** j
+    clip: float = 0.5
+    warmup: int = 20  # steps of linear learning-rate warmup
+    checkpoint_every: int = 100
+    eval_every: int = 50
+    seed: int = 0  # of the data order
+
+    def __post_init__(self) -> None:
+        for name, value in (("--steps", self.steps), ("--batch-size", self.batch_size),
+                            ("--ttt-steps", self.ttt_steps), ("--warmup", self.warmup),
+                            ("--checkpoint-every", self.checkpoint_every), ("--eval-every", self.eval_every)):
+            if value < 1:
+                raise UserError(f"{name} must be an integer >= 1, got {value}")
+        if not self.lr > 0:
+            raise UserError(f"--lr must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """Where a run stopped."""
+
+    step: int  # optimiser steps done in total (resumed ones included)
+    stopped: str  # "done" or "time budget"
+    evaluation: Evaluation | None  # the last held-out evaluation
+    seconds: float
+
+
+def save_checkpoint(directory: Path, head: EagleHead, optimiser: torch.optim.Optimizer, generator: torch.Generator,
+                    step: int, settings: TrainSettings) -> None:
+    """The head (serving layout) and the trainer state, the state written last (it marks a whole checkpoint)."""
+    save_head(head, directory)
+    state = {"step": step, "optimiser": optimiser.state_dict(), "generator": generator.get_state(),
+             "head_config": asdict(head.config), "settings": asdict(settings)}
+    partial = directory / (STATE + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, directory / STATE)
+
+
+def read_state(directory: Path) -> dict[str, Any] | None:
+    """The trainer state of `directory` (None when it has none)."""
+    path = directory / STATE
+    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
+
+
+def resumed_head(directory: Path, state: dict[str, Any], model: nn.Module, device: torch.device) -> EagleHead:
+    """The float32 head of a checkpoint, bound to `model` (the target it was trained for)."""
+    fields = dict(state["head_config"])
+    fields["target_layers"] = tuple(fields["target_layers"])
+    head = EagleHead(HeadConfig(**fields), TargetParts.of(model), device=device, dtype=torch.float32)
+    head.load_state_dict(load_file(str(directory / WEIGHTS), device=str(device)), strict=True)
+    return head
+
+
+def run_training(head: EagleHead, train: Sequence[Features], held_out: Sequence[Features], settings: TrainSettings,
+                 directory: Path, state: dict[str, Any] | None = None, deadline: float | None = None,
+                 on_step: Callable[[dict[str, Any]], None] | None = None) -> RunOutcome:
+    """Train `head` (in place) to settings.steps steps, from `state` (a checkpoint's `read_state`) or from step 0.
+    Stops early, with a checkpoint, once time.monotonic() passes `deadline`. `on_step(row)` sees each log row."""
+    if not train:
+        raise UserError("no training sequences: give more --data or --tokens")
+    start = time.monotonic()
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(settings.seed)
+    optimiser = new_optimiser(head, settings.lr)
+    step = 0
+    if state is not None:
+        optimiser.load_state_dict(state["optimiser"])
+        generator.set_state(state["generator"])
+        step = int(state["step"])
+    log = _LogFile(directory / LOG, keep_through=step)
+    evaluation, stopped = None, "done"
+    while step < settings.steps:
+        if deadline is not None and time.monotonic() >= deadline:
+            stopped = "time budget"
+            break
+        for group in optimiser.param_groups:
+            group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup)
+        batch = [train[i] for i in draw_batch(len(train), settings.batch_size, generator)]
+        result = train_step(head, optimiser, batch, settings.ttt_steps, settings.decay, clip=settings.clip)
+        step += 1
+        row: dict[str, Any] = {"step": step, "loss": result.loss, "agreement": result.agreement,
+                               "tokens": result.tokens, "lr": optimiser.param_groups[0]["lr"]}
+        if held_out and (step % settings.eval_every == 0 or step == settings.steps):
+            evaluation = evaluate_head(head, held_out, settings.ttt_steps)
+            row.update(held_out_loss=evaluation.loss, held_out_agreement=list(evaluation.agreement),
+                       expected_accepted=evaluation.expected_accepted)
+        log.append(row)
+        if on_step is not None:
+            on_step(row)
+        if step % settings.checkpoint_every == 0:
+            save_checkpoint(directory, head, optimiser, generator, step, settings)
+    save_checkpoint(directory, head, optimiser, generator, step, settings)
+    head.eval().requires_grad_(False)
+    return RunOutcome(step, stopped, evaluation, time.monotonic() - start)
+
+
+class _LogFile:
+    """train_log.jsonl, cut back to the rows of steps <= keep_through (those of the checkpoint resumed)."""
+
+    def __init__(self, path: Path, keep_through: int) -> None:
+        self.path = path
+        rows = read_log(path) if path.is_file() else []
+        kept = [r for r in rows if r.get("step", 0) <= keep_through]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def append(self, row: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """The rows of a train_log.jsonl."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+__all__ = ["LOG", "STATE", "RunOutcome", "TrainSettings", "read_log", "read_state", "resumed_head", "run_training",
+           "save_checkpoint"]

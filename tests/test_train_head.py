@@ -1,0 +1,288 @@
+"""`sparrow train head`: the offline corpus, the on-disk feature cache, resumable training, the CLI end to end.
+
+a) The corpus is a handful of small .py/.md files written to tmp_path (never site-packages), with a decoy
+   under `benchmarks/` that must never be read; the target is conftest's tiny Llama (random weights: what it
+   predicts is arbitrary but deterministic, so a head can learn it).
+b) Training: a few dozen steps lower the held-out loss and raise held-out agreement; resuming from a
+   checkpoint gives the same weights and log as an uninterrupted run; an expired time budget still leaves a
+   checkpoint.
+c) The feature cache is reused (nothing recomputed) and refused when made by other layers, another target
+   or another corpus; the reduced vocabulary maps back exactly; top-k labels with k = vocabulary give the
+   full-distribution loss.
+d) The CLI trains, resumes, and writes a head that `--drafter eagle --head` loads and decodes losslessly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import CORPUS, VOCAB, tiny_model, tiny_tokenizer
+from sparrow.errors import UserError
+from sparrow.heads import load_head, save_head
+from sparrow.heads.data import CorpusSpec, build_corpus, is_held_out, load_corpus, save_corpus
+from sparrow.heads.eagle import new_head
+from sparrow.heads.features import SHARD_SIZE, CacheIdentity, FeatureCache, target_identity
+from sparrow.heads.train import (Features, evaluate_head, extract_features, frequent_tokens, soft_cross_entropy,
+                                 target_to_draft, train_head)
+from sparrow.heads.trainer import TrainSettings, read_log, read_state, resumed_head, run_training
+from sparrow.models import LoadedModel
+from sparrow.pipeline import Pipeline
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DRAFT_VOCAB = 200  # of the tiny target's 320
+SNIPPETS = [*sorted(set(CORPUS)), "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n",
+            "# Title\n\nSome prose about the dog and the fox.\n", "import os\nprint(os.getcwd())\n"]
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return LoadedModel(tiny_model("llama", seed=0), tiny_tokenizer(), "tiny")
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    """24 files of a few hundred bytes each, and a Spec-Bench decoy under benchmarks/."""
+    root = tmp_path_factory.mktemp("corpus")
+    for i in range(24):
+        text = "\n".join(SNIPPETS[(i + j) % len(SNIPPETS)] for j in range(6))
+        (root / f"pkg{i % 3}").mkdir(exist_ok=True)
+        (root / f"pkg{i % 3}" / (f"mod{i}.py" if i % 4 else f"doc{i}.md")).write_text(text)
+    (root / "benchmarks").mkdir()
+    (root / "benchmarks" / "spec_bench_questions.md").write_text("SPEC-BENCH QUESTION " * 40)
+    return root
+
+
+def spec(corpus_dir: Path, **overrides) -> CorpusSpec:
+    fields = dict(roots=(str(corpus_dir),), tokens=1200, held_out_tokens=300, sequence_length=48,
+                  held_out_percent=25, distill=2, distill_tokens=24)
+    return CorpusSpec(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def corpus(target, corpus_dir):
+    return build_corpus(spec(corpus_dir), target)
+
+
+@pytest.fixture(scope="module")
+def features(target, corpus) -> tuple[list[Features], list[Features], torch.Tensor]:
+    vocab = frequent_tokens(corpus.train, DRAFT_VOCAB, VOCAB)
+    layers = new_head(target.model, "eagle3", draft_vocab=vocab).config.target_layers
+    return extract_features(target, layers, corpus.train), extract_features(target, layers, corpus.held_out), vocab
+
+
+def fresh_head(target, vocab):
+    return new_head(target.model, "eagle3", torch.Generator().manual_seed(0), draft_vocab=vocab)
+
+
+# a) corpus -----------------------------------------------------------------------------------------------------
+
+
+def test_corpus_is_deterministic_split_by_file_and_skips_benchmarks(target, corpus_dir, corpus, tmp_path):
+    assert corpus.train and corpus.held_out
+    train_files, held_files = set(corpus.files["train"]), set(corpus.files["held_out"])
+    assert train_files and held_files and not train_files & held_files
+    assert all("benchmarks" not in f for f in train_files | held_files)
+    for f in held_files:
+        assert is_held_out(str(Path(f).relative_to(corpus_dir)), 25)
+    assert sum(t.numel() for t in corpus.train) >= 1200  # files' tokens, plus self-distilled answers
+    assert all(t.numel() <= 48 for t in corpus.train[:-2])  # the last two are prompt + answer
+    again = build_corpus(spec(corpus_dir), target)
+    assert [t.tolist() for t in again.train] == [t.tolist() for t in corpus.train]
+    save_corpus(corpus, spec(corpus_dir), tmp_path)
+    loaded = load_corpus(spec(corpus_dir), tmp_path)
+    assert loaded is not None and [t.tolist() for t in loaded.held_out] == [t.tolist() for t in corpus.held_out]
+    assert load_corpus(spec(corpus_dir, tokens=999), tmp_path) is None  # another spec: rebuilt
+    with pytest.raises(UserError, match="--tokens"):
+        spec(corpus_dir, tokens=0)
+
+
+# b) training ---------------------------------------------------------------------------------------------------
+
+
+def test_training_lowers_loss_and_raises_held_out_agreement(target, features):
+    train, held_out, vocab = features
+    head = fresh_head(target, vocab)
+    before = evaluate_head(head, held_out, ttt_steps=3)
+    report = train_head(head, target, [], steps=60, lr=3e-3, generator=torch.Generator().manual_seed(1),
+                        ttt_steps=3, batch_size=2, features=train)
+    after = evaluate_head(head, held_out, ttt_steps=3)
+    assert sum(report.losses[-10:]) < sum(report.losses[:10])
+    assert after.loss < before.loss - 0.5, (before, after)
+    assert after.agreement[0] > before.agreement[0] + 0.15, (before, after)
+    assert after.expected_accepted > before.expected_accepted
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(target, features, tmp_path):
+    train, held_out, vocab = features
+    settings = TrainSettings(steps=6, lr=3e-3, batch_size=2, checkpoint_every=3, eval_every=3, warmup=2)
+    whole = fresh_head(target, vocab).float()
+    run_training(whole, train, held_out, settings, tmp_path / "whole")
+
+    part = fresh_head(target, vocab).float()
+    first = run_training(part, train, held_out, TrainSettings(**{**settings.__dict__, "steps": 3}), tmp_path / "part")
+    assert first.step == 3 and read_state(tmp_path / "part")["step"] == 3
+    state = read_state(tmp_path / "part")
+    resumed = resumed_head(tmp_path / "part", state, target.model, torch.device("cpu"))
+    second = run_training(resumed, train, held_out, settings, tmp_path / "part", state)
+    assert second.step == 6 and second.stopped == "done"
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
+    assert read_log(tmp_path / "whole" / "train_log.jsonl") == read_log(tmp_path / "part" / "train_log.jsonl")
+
+
+def test_an_expired_time_budget_stops_with_a_checkpoint(target, features, tmp_path):
+    import time
+
+    train, held_out, vocab = features
+    outcome = run_training(fresh_head(target, vocab).float(), train, held_out, TrainSettings(steps=50),
+                           tmp_path, deadline=time.monotonic())
+    assert outcome.stopped == "time budget" and outcome.step == 0
+    assert read_state(tmp_path)["step"] == 0 and (tmp_path / "model.safetensors").is_file()
+
+
+# c) features and vocabulary ------------------------------------------------------------------------------------
+
+
+def test_feature_cache_is_reused_and_a_stale_one_refused(target, corpus, features, tmp_path):
+    train, _, vocab = features
+    layers = train[0].hidden.shape[1] // 64  # three layers of width 64
+    assert layers == 3
+    head_layers = fresh_head(target, vocab).config.target_layers
+    identity = CacheIdentity(target_identity(target.model, "tiny"), head_layers, 32)
+    assert FeatureCache(tmp_path, identity).extract(target.model, corpus.train) == len(corpus.train)
+    cache = FeatureCache(tmp_path, identity)
+    assert cache.extract(target.model, corpus.train) == 0  # all cached: nothing recomputed
+    view = cache.view(len(corpus.train))
+    for cached, memory in zip(view, train):
+        assert torch.equal(cached.tokens, memory.tokens) and torch.equal(cached.hidden, memory.hidden)
+        assert torch.equal(cached.label_ids, memory.label_ids[:, :32])
+    with pytest.raises(UserError, match="layers"):
+        FeatureCache(tmp_path, CacheIdentity(identity.target, (0, 1, 1), 32))
+    other = target_identity(tiny_model("llama", seed=1), "tiny")
+    with pytest.raises(UserError, match="made for target"):
+        FeatureCache(tmp_path, CacheIdentity(other, head_layers, 32))
+    with pytest.raises(UserError, match="corpus changed"):
+        FeatureCache(tmp_path, identity).extract(target.model, [t.flip(0) for t in corpus.train])
+    grown = [*corpus.train, *corpus.held_out]  # a larger corpus: only the new (and the refilled last) shard run
+    computed = FeatureCache(tmp_path, identity).extract(target.model, grown)
+    assert computed == len(corpus.held_out) + len(corpus.train) % SHARD_SIZE
+    assert len(FeatureCache(tmp_path, identity).view(len(grown))) == len(grown)
+
+
+def test_reduced_vocabulary_maps_back_exactly(target, corpus, tmp_path):
+    ids = frequent_tokens(corpus.train, DRAFT_VOCAB, VOCAB)
+    counts = torch.bincount(torch.cat(corpus.train), minlength=VOCAB)
+    assert counts[ids].min() >= counts[~torch.isin(torch.arange(VOCAB), ids)].max()  # the most frequent ones
+    head = fresh_head(target, ids)
+    assert torch.equal(head.draft_to_target, ids)
+    assert torch.equal(target_to_draft(head)[ids], torch.arange(DRAFT_VOCAB))
+    assert int((target_to_draft(head) >= 0).sum()) == DRAFT_VOCAB
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    full = head.logits(hidden)
+    assert torch.equal(full[:, ids], head.draft_logits(hidden)) and full.isfinite().sum() == 5 * DRAFT_VOCAB
+    save_head(head, tmp_path)
+    assert torch.equal(load_head(tmp_path, target.model).draft_to_target, ids)
+
+
+def test_top_k_labels_with_the_whole_vocabulary_are_the_full_soft_cross_entropy(target, features):
+    train, _, vocab = features
+    head = fresh_head(target, vocab)
+    logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(2))
+    draft_logprobs = torch.randn(7, DRAFT_VOCAB, generator=torch.Generator().manual_seed(3)).log_softmax(-1)
+    label_logprobs, labels = logits.log_softmax(-1).topk(VOCAB)
+    cross, _ = soft_cross_entropy(draft_logprobs, labels, label_logprobs, target_to_draft(head))
+    expected = -(logits[:, head.draft_to_target].softmax(-1) * draft_logprobs).sum(-1)
+    torch.testing.assert_close(cross, expected)
+
+
+# d) the CLI ----------------------------------------------------------------------------------------------------
+
+
+def test_cli_trains_resumes_and_the_head_decodes_losslessly(target, corpus_dir, tmp_path, monkeypatch):
+    import sparrow
+    from sparrow.cli import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model_dir, out = tmp_path / "target", tmp_path / "run"
+    target.model.save_pretrained(model_dir)
+    target.tokenizer.save_pretrained(model_dir)
+    common = ["train", "head", "--out", str(out), "--target", str(model_dir), "--dtype", "float32", "--device", "cpu",
+              "--no-progress"]
+    args = [*common, "--data", str(corpus_dir), "--tokens", "1200", "--held-out-tokens", "300", "--seq-len", "48",
+            "--held-out-percent", "25", "--distill", "2", "--distill-tokens", "16", "--draft-vocab", str(DRAFT_VOCAB), "--steps", "40",
+            "--batch-size", "2", "--lr", "3e-3", "--checkpoint-every", "20", "--eval-every", "20"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 40 and report["draft_vocab_size"] == DRAFT_VOCAB and report["held_out"]["agreement_per_depth"]
+    for name in ("config.json", "model.safetensors", "trainer_state.pt", "train_log.jsonl", "training.png",
+                 "eval.json", "corpus.json", "features/train/manifest.json"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+
+    again = CliRunner().invoke(app, args)  # a finished run is not overwritten by accident
+    assert again.exit_code == 2 and "--resume" in again.output
+    # --resume takes the target, dtype and cache of the run (run.json)
+    resumed = CliRunner().invoke(app, ["train", "head", "--out", str(out), "--no-progress", "--resume", "--steps", "50"])
+    assert resumed.exit_code == 0, resumed.output
+    report = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 50 and "feature_seconds" not in report and "corpus_seconds" not in report  # reused
+    assert [r["step"] for r in read_log(out / "train_log.jsonl")] == list(range(1, 51))
+
+    pipe = sparrow.load(str(model_dir), drafter="eagle", head=str(out), dtype="float32", device="cpu",
+                        progress=False)
+    plain = Pipeline(pipe.target, None)
+    for prompt in ("def add(a, b):", "The quick brown fox"):
+        result = pipe.generate(prompt, max_new_tokens=24)
+        assert result.token_ids == plain.generate_plain(prompt, max_new_tokens=24).token_ids
+
+    from sparrow.bench.runner import BenchConfig, Models, build_pipelines  # `sparrow bench --methods eagle --head`
+
+    config = BenchConfig(target="tiny", draft=None, cross_draft=None, dtype="float32", k=4, adaptive=False,
+                         max_new_tokens=12, turns=1, chat=False, device="cpu", head=str(out))
+    pipes = build_pipelines(["plain", "eagle"], Models(pipe.target, None, None), config)
+    assert pipes["eagle"].drafter.name == "eagle"
+    assert pipes["eagle"].generate("def add(a, b):", max_new_tokens=12).token_ids == \
+        pipes["plain"].generate("def add(a, b):", max_new_tokens=12).token_ids
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--methods", "plain,eagle"], "--head is needed by the eagle method"),
+    (["bench", "--methods", "plain,prompt-lookup", "--head", "somewhere"], "--head applies to the eagle method"),
+    (["serve", "--drafter", "prompt-lookup", "--head", "somewhere"], "--head applies to --drafter eagle only"),
+    (["train", "head", "--out", "x", "--arch", "eagle2"], "--arch must be one of"),
+    (["train", "head", "--out", "x", "--arch", "eagle1", "--draft-vocab", "100"], "--draft-vocab applies to"),
+    (["train", "head", "--out", "x", "--resume"], "holds no checkpoint"),
+])
+def test_cli_head_flags_fail_before_loading_models(args, message, tmp_path, monkeypatch):
+    from sparrow.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_cli_time_budget_spent_during_extraction_keeps_the_cache_for_a_rerun(target, corpus_dir, tmp_path,
+                                                                              monkeypatch):
+    from sparrow.cli import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model_dir, out = tmp_path / "target", tmp_path / "run"
+    target.model.save_pretrained(model_dir)
+    target.tokenizer.save_pretrained(model_dir)
+    args = ["train", "head", "--out", str(out), "--target", str(model_dir), "--dtype", "float32", "--no-progress",
+            "--data", str(corpus_dir), "--tokens", "600", "--held-out-tokens", "100", "--seq-len", "48",
+            "--held-out-percent", "25", "--distill", "0", "--steps", "3", "--batch-size", "1"]
+    stopped = CliRunner().invoke(app, [*args, "--time-budget", "0.001"])
+    assert stopped.exit_code == 0 and "time budget spent during feature extraction" in stopped.output
+    assert not (out / "trainer_state.pt").exists()
+    finished = CliRunner().invoke(app, args)  # the same command again: corpus reused, training runs
+    assert finished.exit_code == 0, finished.output
+    report = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 3 and "corpus_seconds" not in report
