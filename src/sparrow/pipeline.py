@@ -13,6 +13,7 @@ on one pipeline, and on pipelines that share a model, run one after the other.
 from __future__ import annotations
 
 import gc
+import logging
 import numbers
 import threading
 import time
@@ -59,9 +60,15 @@ class Request:
 class Pipeline:
     """A target, its runner (and KV cache) and a drafter. Safe to share between threads: see the module doc."""
 
-    def __init__(self, target: LoadedModel, drafter: Drafter | None, verifier: str = "auto") -> None:
+    def __init__(self, target: LoadedModel, drafter: Drafter | None, verifier: str = "auto",
+                 compiled: bool = False) -> None:
+        """compiled: the target, and a draft-model / quantized-self drafter's draft, run on a static KV cache
+        with torch.compile'd steps (`sparrow.compiled`); one generation at a time (no `sequence`)."""
         self.target = target
-        self.runner = runner_for(target.model)
+        self.compiled = compiled
+        self.runner = runner_for(target.model, compiled)
+        if compiled:
+            _compile_draft_runner(drafter)
         self.drafter = drafter
         self.verifier = verifier
         self._found: tuple[Drafter, list[object]] | None = None  # the drafter, and what a generation with it changes
@@ -182,6 +189,9 @@ class Pipeline:
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             raise UserError(f"unknown option {unknown[0]!r}; expected one of: {', '.join(self.OPTIONS)}")
+        if self.compiled:
+            raise UserError("a compiled pipeline (compile=True, --compile) runs one generation at a time; batched "
+                            "sequences (sparrow serve) need compile=False")
         with holding(self._stateful(self.drafter)):
             request = self.request(prompt, **options)
             drafter = verifier = None
@@ -287,7 +297,7 @@ def _draft_spec(drafter: str, draft: str | LoadedModel | None, num_draft_tokens:
 def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "draft-model",
          draft: str | LoadedModel | None = "default", num_draft_tokens: int | None = None,
          adaptive: bool = True, verifier: str = "auto", dtype: str = "auto", device: str | None = None,
-         progress: bool = True, quant: str | None = None, draft_quant: str | None = None,
+         progress: bool = True, quant: str | None = None, draft_quant: str | None = None, compile: bool = False,
          **drafter_options) -> Pipeline:
     """Load a target (and a draft model when the drafter needs or uses one) and build a Pipeline.
 
@@ -296,7 +306,11 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
 
     quant: int8 | int4 weight-only target (lossless only relative to the quantized target).
     draft_quant: int8 | int4 draft model, or the bits of the "quantized-self" copy (default int4).
+    compile: static KV cache and torch.compile'd decode / verify steps for the target and the draft of
+    draft-model / quantized-self (`sparrow.compiled`; text LMs without sliding-window layers).
     """
+    if not isinstance(compile, bool):
+        raise UserError(f"compile must be True or False, got {compile!r}")
     draft = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options)
     if isinstance(target, str):
         target = load_model(target, dtype=dtype, device=device, progress=progress)
@@ -305,7 +319,7 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     target = _quantized(target, quant)
     draft = _quantized(draft, draft_quant, keep_dense=True) if draft is not None else None
     return _build(target, drafter, draft, num_draft_tokens, adaptive, verifier,
-                  quant is not None or draft_quant is not None, drafter_options)
+                  quant is not None or draft_quant is not None, drafter_options, compile)
 
 
 def _quantized(loaded: LoadedModel, quant: str | None, keep_dense: bool = False) -> LoadedModel:
@@ -315,12 +329,25 @@ def _quantized(loaded: LoadedModel, quant: str | None, keep_dense: bool = False)
 
 
 def _build(target: LoadedModel, drafter: str, draft: LoadedModel | None, num_draft_tokens: int | None,
-           adaptive: bool, verifier: str, quantized: bool, drafter_options: dict[str, Any]) -> Pipeline:
+           adaptive: bool, verifier: str, quantized: bool, drafter_options: dict[str, Any],
+           compiled: bool = False) -> Pipeline:
     """A Pipeline from loaded (and already quantized) models."""
     built = build_drafter(drafter, target, draft, num_draft_tokens, adaptive, **drafter_options)
     if quantized:  # quantized kernels: k follows the measured cost curve
         follow_cost_curve(built, runner_for(target.model))
-    return Pipeline(target, built, verifier)
+    return Pipeline(target, built, verifier, compiled)
+
+
+def _compile_draft_runner(drafter: Drafter | None) -> None:
+    """Give a draft-model / quantized-self drafter a compiled runner over its draft (its reduced-head view,
+    if any); other drafters keep running their forwards eagerly."""
+    from sparrow.drafters.draft_model import DraftModelDrafter
+
+    if isinstance(drafter, DraftModelDrafter):
+        drafter.draft = runner_for(drafter.draft.model, compiled=True)
+    elif drafter is not None:
+        logging.getLogger("sparrow").info("compile: drafter %r runs its own forwards eagerly (only draft-model "
+                                          "and quantized-self drafts are compiled)", drafter.name)
 
 
 class PipelineCache:

@@ -37,16 +37,21 @@ def generate(
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the tokenizer's chat template.")] = False,
     compare: Annotated[bool, typer.Option(help="Also run plain decoding; report identical and speedup.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
+    compile_steps: Annotated[bool, typer.Option("--compile/--no-compile", help="Static KV cache and torch.compile'd decode/verify steps for the target and a draft-model/quantized-self draft (text LMs without sliding-window layers; the first steps of each shape compile).")] = False,
     video: Annotated[Optional[str], typer.Option(help="Video file or directory of frames (needs a VLM target).")] = None,
     frames: Annotated[Optional[int], typer.Option(help="Frames sampled uniformly from --video (default 8).")] = None,
     image: Annotated[Optional[list[str]], typer.Option(help="Image file (repeatable; needs a VLM target).")] = None,
     verify: Annotated[str, typer.Option(help="Verifier: auto (lossless), greedy, rejection, or loose (LOSSY, LVSpec-style).")] = "auto",
     drop_rate: Annotated[Optional[float], typer.Option(help="--drafter visual-prune: share of visual tokens the draft drops (default 0.9).")] = None,
-    draft_kv: Annotated[Optional[str], typer.Option(help="--drafter sparse: draft-side KV policy topk|mm-shiftkv|hybridkv (target cache untouched).")] = None,
-    draft_kv_budget: Annotated[Optional[int], typer.Option(help="--drafter sparse: visual KV entries the draft keeps per layer and KV head.")] = None,
+    draft_kv: Annotated[Optional[str], typer.Option(help="--drafter sparse, visual-prune, or draft-model with a VLM draft: draft-side visual KV policy topk|mm-shiftkv|hybridkv (target cache untouched).")] = None,
+    draft_kv_budget: Annotated[Optional[int], typer.Option(help="With --draft-kv: visual KV entries the draft keeps per layer and KV head (default 1024).")] = None,
+    retrieve_every: Annotated[Optional[int], typer.Option(help="With --draft-kv hybridkv: re-choose the dynamic heads' chunks every R draft rounds from the draft's current queries (default: fixed at prefill).")] = None,
     tree_budget: Annotated[str, typer.Option(help="Draft-tree nodes per round: an integer >= 0 or 'auto' (the drafter sizes it); 0 = a chain.")] = "0",
     tree_topk: Annotated[int, typer.Option(help="Children expanded per draft-tree node (with --tree-budget).")] = 4,
     tree_depth: Annotated[int, typer.Option(help="Maximum draft-tree depth (with --tree-budget).")] = 8,
+    head: Annotated[Optional[str], typer.Option(help="--drafter eagle: the head directory (EAGLE-3 layout as SpecForge exports it, or EAGLE-1).")] = None,
+    draft_device: Annotated[Optional[str], typer.Option(help="--drafter eagle: run the head on this device (e.g. cuda:0) and the target on --device; only token ids and hidden states cross (Dovetail).")] = None,
+    draft_vocab: Annotated[str, typer.Option(help="Drafts score only the N most frequent target tokens (FR-Spec; draft-model, quantized-self, layer-skip): an integer >= 0 or 'auto' (65536 for vocabularies over 100k tokens); 0 = the full vocabulary.")] = "0",
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow
@@ -63,12 +68,15 @@ def generate(
         raise UserError("prompt must not be empty")
     check_drafter_args(drafter, k)
     tree = tree_options(tree_budget, tree_topk, tree_depth)
-    drafter_options = {**video_drafter_options(drafter, verify, drop_rate, draft_kv, draft_kv_budget), **tree}
+    video_options = video_drafter_options(drafter, verify, drop_rate, draft_kv, draft_kv_budget, retrieve_every)
+    drafter_options = {**video_options, **tree,
+                       **draft_vocab_options(drafter, draft_vocab)}
+    drafter_options.update(head_options(drafter, head, draft_device))
     check_media_args(video, frames, image)
     # sparrow.load checks the drafter options (e.g. the tree flags) before loading any model.
     pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
                         dtype=dtype.value, device=device, progress=not as_json, quant=quant, draft_quant=draft_quant,
-                        verifier=verify, **drafter_options)
+                        verifier=verify, compile=compile_steps, **drafter_options)
     pipe.request(prompt, **options)  # context-length checks need the tokenizer
     if compare:  # warm-up on a short prompt, so neither timed run pays one-time costs (kernels, allocator)
         pipe.generate_plain("Hello", max_new_tokens=4)
@@ -82,9 +90,10 @@ def generate(
         "acceptance_rate": result.stats.acceptance_rate, "drafter": pipe.drafter_name, "target": target,
         "draft": draft_name(drafter, draft), "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
         "temperature": temperature, "stats": result.stats.to_dict(), "quant": quant,
-        "draft_quant": draft_quant_used(pipe, draft_quant), "compiled": False,
+        "draft_quant": draft_quant_used(pipe, draft_quant), "compiled": pipe.compiled,
         "lossless_relative_to": f"the {quant}-quantized target" if quant else "the target",
         "tree": tree_record(pipe.drafter, tree),
+        "draft_vocab": draft_vocab_record(pipe.drafter),
     }
     if verify == "loose":  # LOSSY: the output may differ from the target's own output
         record.update(verifier="loose", lossy=True, lossless_relative_to=None)
@@ -135,6 +144,8 @@ def summary(record: dict[str, Any], verify: str) -> Table:
                             f"{record['tokens_per_second']:.2f} tok/s")
     if verify == "loose":
         table.add_row("verification", "loose (LOSSY: output may differ from the target's)")
+    if record["draft_vocab"] is not None:
+        table.add_row("draft vocabulary", f"the {record['draft_vocab']} most frequent tokens")
     if record["tree"] is not None:
         tree = record["tree"]
         table.add_row("draft tree", f"budget {tree['budget']}, top-k {tree['topk']}, depth {tree['depth']}")
@@ -174,6 +185,17 @@ def tree_record(drafter: Any, tree: dict[str, int | str]) -> dict[str, int | str
     return {key.removeprefix("tree_"): value for key, value in tree.items()}
 
 
+def head_options(drafter: str, head: str | None, draft_device: str | None = None) -> dict[str, str]:
+    """Validate --head (a path) and --draft-device (for --drafter eagle only); the drafter options they turn into."""
+    if draft_device is not None and drafter != "eagle":
+        raise UserError(f"--draft-device applies to --drafter eagle only, not {drafter!r}")
+    if head is None:
+        return {}
+    if drafter != "eagle":
+        raise UserError(f"--head applies to --drafter eagle only, not {drafter!r}")
+    return {"head": head} | ({"draft_device": draft_device} if draft_device is not None else {})
+
+
 def tree_options(budget: str, topk: int, depth: int) -> dict[str, int | str]:
     """Validate --tree-budget/--tree-topk/--tree-depth; the drafter options they turn into ({} for a chain)."""
     if budget != "auto" and not (budget.isdigit() and budget.isascii()):
@@ -187,9 +209,33 @@ def tree_options(budget: str, topk: int, depth: int) -> dict[str, int | str]:
     return {"tree_budget": budget if budget == "auto" else int(budget), "tree_topk": topk, "tree_depth": depth}
 
 
+def draft_vocab_options(drafter: str, value: str) -> dict[str, int | str]:
+    """Validate --draft-vocab; the drafter option it turns into ({} for the full vocabulary)."""
+    from sparrow.draft_vocab import parse_draft_vocab
+
+    size = parse_draft_vocab(value, "--draft-vocab")
+    if size is None:
+        return {}
+    accepted = REGISTRY[drafter].options() if drafter in REGISTRY else ()
+    if accepted is not None and "draft_vocab" not in accepted:
+        raise UserError(f"--draft-vocab applies to drafters with a draft LM head (draft-model, quantized-self, "
+                        f"layer-skip), not {drafter!r}")
+    return {"draft_vocab": size}
+
+
+def draft_vocab_record(drafter: Any) -> int | None:
+    """The JSON `draft_vocab` of a run: tokens the draft scored (None: the full vocabulary)."""
+    from sparrow.draft_vocab import DraftVocab
+
+    vocab = getattr(drafter, "vocab", None)
+    return len(vocab) if isinstance(vocab, DraftVocab) else None
+
+
 def video_drafter_options(drafter: str, verify: str, drop_rate: float | None, draft_kv: str | None,
-                          draft_kv_budget: int | None) -> dict:
-    """Validate --verify/--drop-rate/--draft-kv/--draft-kv-budget; the drafter options they turn into."""
+                          draft_kv_budget: int | None, retrieve_every: int | None = None) -> dict:
+    """Validate --verify/--drop-rate/--draft-kv/--draft-kv-budget/--retrieve-every; the drafter options they
+    turn into. Draft-side KV policies apply to drafters keeping a visual KV of their own: sparse (a selection of
+    the target's), visual-prune and draft-model (a draft VLM's own cache, drafters/draft_kv.py)."""
     from sparrow.drafters.kv_compress import SELECTORS
     from sparrow.drafters.visual_prune import visual_budget
     from sparrow.verifiers import VERIFIERS
@@ -202,12 +248,19 @@ def video_drafter_options(drafter: str, verify: str, drop_rate: float | None, dr
             raise UserError("--drop-rate applies to --drafter visual-prune only")
         visual_budget(1, drop_rate)
         options["drop_rate"] = drop_rate
-    if draft_kv is not None or draft_kv_budget is not None:
-        if drafter != "sparse":
-            raise UserError("--draft-kv/--draft-kv-budget apply to --drafter sparse only")
+    if draft_kv is not None or draft_kv_budget is not None or retrieve_every is not None:
+        if drafter not in ("sparse", "visual-prune", "draft-model"):
+            raise UserError(f"--draft-kv/--draft-kv-budget/--retrieve-every apply to drafters that keep a visual KV "
+                            f"cache of their own (sparse, visual-prune, draft-model with a VLM draft), not {drafter!r}")
         if draft_kv is not None and draft_kv not in SELECTORS:
             raise UserError(f"unknown --draft-kv {draft_kv!r}; expected one of: {', '.join(SELECTORS)}")
         if draft_kv_budget is not None and draft_kv_budget < 1:
             raise UserError(f"--draft-kv-budget must be an integer >= 1, got {draft_kv_budget}")
         options.update(draft_kv=draft_kv, draft_kv_budget=draft_kv_budget)
+    if retrieve_every is not None:
+        if retrieve_every < 1:
+            raise UserError(f"--retrieve-every must be an integer >= 1, got {retrieve_every}")
+        if draft_kv != "hybridkv":
+            raise UserError("--retrieve-every (per-round chunk retrieval) needs --draft-kv hybridkv")
+        options["retrieve_every"] = retrieve_every
     return options

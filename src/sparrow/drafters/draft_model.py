@@ -17,6 +17,7 @@ from torch import Tensor
 
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.draft_vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
 from sparrow.drafters.draft_loop import DraftSteps, Forward, draft_chain, drive
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
@@ -38,16 +39,20 @@ class DraftModelDrafter:
     name = "draft-model"
 
     def __init__(self, draft: CachedModel, target_vocab_size: int, num_draft_tokens: int = 6,
-                 adaptive: bool = False, tree: TreeShape | None = None, name: str = "draft-model") -> None:
+                 adaptive: bool = False, tree: TreeShape | None = None, name: str = "draft-model",
+                 vocab: DraftVocab | None = None) -> None:
         """tree: draft an EAGLE-2 dynamic tree of that shape each round instead of a chain of k tokens
-        (the drafter's name then ends in "+tree"). name: "quantized-self" for the int4 copy of the target."""
+        (the drafter's name then ends in "+tree"). name: "quantized-self" for the int4 copy of the target.
+        vocab: score only these target ids (FR-Spec; sparrow.draft_vocab), through a reduced-head view."""
         if draft.vocab_size != target_vocab_size:
             raise UserError(
                 f"draft model vocabulary ({draft.vocab_size} tokens) does not match the target's "
                 f"({target_vocab_size} tokens); the draft-model drafter needs the same tokenizer"
             )
         self.name = f"{name}+tree" if tree is not None else name
-        self.draft = draft
+        self.vocab = vocab
+        self.draft_model = draft.model  # the model itself: the view below shares it (its lock, the model caches)
+        self.draft = draft if vocab is None else runner_for(reduced_head_view(draft.model, vocab))
         self.tree = tree
         self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive)  # --fixed: exactly k
         self.tree_policy = TreePolicy() if tree is not None and adaptive else None  # --fixed: full trees, always
@@ -113,10 +118,19 @@ class DraftModelDrafter:
 
 
 def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adaptive: bool,
-          tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8) -> DraftModelDrafter:
+          tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8,
+          draft_vocab: int | str | DraftVocab | None = None, draft_kv: str | None = None,
+          draft_kv_budget: int | float | None = None, retrieve_every: int = 0) -> DraftModelDrafter:
     """Registry builder for "draft-model" (and the base of "quantized-self"): a chain of k tokens a round, or
-    with `tree_budget` > 0 (or "auto": from the measured verify cost curve) an EAGLE-2 dynamic tree."""
+    with `tree_budget` > 0 (or "auto": from the measured verify cost curve) an EAGLE-2 dynamic tree.
+    draft_vocab: N (or "auto", or a DraftVocab): the draft scores only the N most frequent target tokens.
+    draft_kv / draft_kv_budget / retrieve_every: a VLM draft keeps only a budget of its visual KV, chosen by
+    a policy (topk, mm-shiftkv, hybridkv; drafters/draft_kv.py)."""
+    from sparrow.drafters.draft_kv import draft_kv_config, with_draft_kv
+
+    kv_config = draft_kv_config(draft_kv, draft_kv_budget, retrieve_every)  # validated before any measuring
     target_runner, draft_runner = runner_for(target.model), runner_for(draft.model)
     shape = resolve_shape(tree_budget, tree_topk, tree_depth, target_runner)
-    return DraftModelDrafter(draft_runner, target_runner.vocab_size, num_draft_tokens=num_draft_tokens,
-                             adaptive=adaptive, tree=shape)
+    vocab = resolve_draft_vocab(draft_vocab, target, target_runner.vocab_size)
+    return with_draft_kv(DraftModelDrafter(draft_runner, target_runner.vocab_size, num_draft_tokens=num_draft_tokens,
+                                           adaptive=adaptive, tree=shape, vocab=vocab), kv_config)

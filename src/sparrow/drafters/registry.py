@@ -79,6 +79,7 @@ REGISTRY: dict[str, DrafterEntry] = {
     "visual-prune": DrafterEntry("sparrow.drafters.visual_prune:build", default_num_draft_tokens=8,
                                  uses_draft_model=True),
     "layer-skip": DrafterEntry("sparrow.drafters.layer_skip:build_layer_skip", default_num_draft_tokens=None),
+    "eagle": DrafterEntry("sparrow.drafters.eagle:build", default_num_draft_tokens=6),  # option head=PATH
 }
 
 
