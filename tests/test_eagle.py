@@ -23,7 +23,10 @@ from sparrow.heads import load_head, save_head
 from sparrow.heads.eagle import EagleHead, new_head
 from sparrow.heads.train import TrainReport, evaluate, extract_features, frequent_tokens, train_head
 from sparrow.models import LoadedModel
+from sparrow.engine import speculative_decode
 from sparrow.pipeline import Pipeline
+from sparrow.stopping import Stopper
+from sparrow.verifiers import build_verifier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,8 +141,11 @@ def test_unseeded_sampling_through_the_rejection_verifier(target, trained):
 
     drafter.propose = recording
     pipe = Pipeline(target, drafter, "rejection")
-    result = pipe.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS, temperature=0.7)
-    assert len(result.token_ids) == NEW_TOKENS and result.stats.num_accepted_tokens > 0
+    request = pipe.request(PROMPTS[0], max_new_tokens=NEW_TOKENS, temperature=0.7)
+    verifier = build_verifier("rejection", request.sampling)
+    decoded = speculative_decode(pipe.runner, drafter, verifier, request.prompt, request.sampling,
+                                 Stopper(request.stopping, pipe.tokenizer), torch.Generator().manual_seed(0))
+    assert decoded.stats.num_accepted_tokens > 0
     probs = torch.cat([d.probs for d in seen if len(d)])
     assert torch.allclose(probs.sum(-1), torch.ones(probs.shape[0]))
     assert float(probs[:, ~head.t2d].abs().max()) == 0.0
