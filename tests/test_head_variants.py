@@ -6,6 +6,10 @@ c) Dovetail: a gated / deeper head saves and loads (sparrow-only tensor names, `
    with the head on another device than the target only token ids and hidden states cross (two CPU placements
    here: "cpu" and "cpu:0" are different devices to torch, the same memory), and the head never calls the
    target's own modules.
+d) LongSpec: chains and trees are lossless with drafts accepted; the head's own KV stays at its window while the
+   context grows ~10x; its cross-attention reads the target's cache tensors in place; anchor-offset positions.
+e) Sparrow (tiny Qwen2.5-VL and LLaVA-OneVision): lossless with drafts accepted; the head runs no row at a visual
+   position, and its rows, attended keys and cache capacity are the same at 2 and at 8 frames.
 """
 
 from __future__ import annotations
@@ -173,8 +177,10 @@ def test_device_split_of_a_head_object_and_bad_devices(target, dovetail):
     assert head.target.embed is not target.model.get_input_embeddings()
     drafter = build_drafter("eagle", target, None, 4, head=head, draft_device=SPLIT_DEVICE)
     assert drafter.link.split
-    result = Pipeline(target, drafter).generate(PROMPTS[0], max_new_tokens=8, temperature=0.8, seed=3)
-    assert len(result.token_ids) == 8
+    options = dict(max_new_tokens=12, temperature=0.8, seed=3)
+    result = Pipeline(target, drafter).generate(PROMPTS[0], **options)
+    assert result.token_ids == Pipeline(target, None).generate_plain(PROMPTS[0], **options).token_ids
+    assert set(drafter.link.moved) == {"ids", "hidden", "probs"}  # a sampled chain also sends its q
     with pytest.raises(UserError, match="not a device torch knows"):
         build_drafter("eagle", target, None, 4, head=head, draft_device="warp-drive")
 
@@ -300,6 +306,16 @@ def test_longspec_head_round_trips_and_refuses_what_it_cannot_do(target, longspe
         load_head(tmp_path / "ls", other)
 
 
+def test_longspec_needs_a_full_attention_layer_to_read():
+    from conftest import tiny_gemma3
+
+    model = tiny_gemma3(6)  # five sliding-window layers, then one global
+    gemma = LoadedModel(model, tiny_tokenizer(), "gemma")
+    with pytest.raises(UserError, match="sliding_attention layer that keeps only a window"):
+        build_drafter("eagle", gemma, None, 4, head=new_head(model, "longspec", kv_layer=0))
+    assert build_drafter("eagle", gemma, None, 4, head=new_head(model, "longspec")).head.config.kv_layer == 5
+
+
 # Sparrow (Video-LLMs) ------------------------------------------------------------------------------------------
 
 TEXT_WINDOW = 16
@@ -343,16 +359,23 @@ def video(frames: int):
     return Video.from_array(moving_squares(frames))
 
 
-def test_sparrow_head_is_lossless_with_drafts_accepted(video_target):
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_sparrow_head_is_lossless_with_drafts_accepted(video_target, shape):
     target, head = video_target
-    pipe, plain = Pipeline(target, build_drafter("eagle", target, None, 4, head=head)), Pipeline(target, None)
-    accepted = 0
+    drafter = build_drafter("eagle", target, None, 4, head=head, **(TREE if shape == "tree" else {}))
+    pipe, plain = Pipeline(target, drafter), Pipeline(target, None)
+    accepted = trees = 0
     for question in QUESTIONS[:2]:
         for frames in (2, 8):
             result = pipe.generate(question, max_new_tokens=30, video=video(frames))
             assert result.token_ids == plain.generate_plain(question, max_new_tokens=30, video=video(frames)).token_ids
             accepted += result.stats.num_accepted_tokens
-    assert accepted > 0
+            trees += result.stats.tree_steps
+    assert accepted > 0 and (trees > 0) == (shape == "tree")
+    options = dict(max_new_tokens=24, temperature=0.8, seed=2, video=video(4))
+    expected = plain.generate_plain(QUESTIONS[1], **options).token_ids
+    assert pipe.generate(QUESTIONS[1], **options).token_ids == expected  # seeded sampling: the same tokens
+    assert drafter.cache.rows <= TEXT_WINDOW
 
 
 def test_sparrow_head_keeps_no_visual_kv_and_its_cost_does_not_grow_with_frames(video_target):
@@ -402,5 +425,5 @@ def test_sparrow_head_saves_as_eagle3_with_its_spec(video_target, tmp_path):
     assert loaded.sparrow == head.sparrow and loaded.config == head.config
     drafter = build_drafter("eagle", target, None, 4, head=str(tmp_path / "sp"))
     assert type(drafter).__name__ == "SparrowDrafter"
-    with pytest.raises(UserError, match="chains on the target's device"):
-        build_drafter("eagle", target, None, 4, head=head, **TREE)
+    with pytest.raises(UserError, match="on the target's device"):
+        build_drafter("eagle", target, None, 4, head=head, draft_device=SPLIT_DEVICE)

@@ -198,7 +198,7 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
     if head.config.arch == "longspec":
         return _longspec(head, target, num_draft_tokens, adaptive, draft_device, tree_budget, tree_topk, tree_depth)
     if getattr(head, "sparrow", None) is not None:
-        return _sparrow(head, target, num_draft_tokens, adaptive, tree_budget, draft_device)
+        return _sparrow(head, target, num_draft_tokens, adaptive, draft_device, tree_budget, tree_topk, tree_depth)
     if head.target.embed is not target.model.get_input_embeddings() and device == target_device:
         raise UserError("the EagleHead given as head= is bound to another model than the target")
     if head.fc.weight.device.type != device.type:
@@ -217,7 +217,8 @@ def _longspec(head: LongSpecHead, target: LoadedModel, num_draft_tokens: int, ad
         raise UserError("a LongSpec head reads the target's KV cache in place: it cannot run on another device")
     if head.target.embed is not target.model.get_input_embeddings():
         raise UserError("the LongSpec head given as head= is bound to another model than the target")
-    text = target.model.config.get_text_config() if hasattr(target.model.config, "get_text_config") else target.model.config
+    config = target.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = list(getattr(text, "layer_types", None) or [])
     if layer_types and layer_types[head.config.kv_layer] != "full_attention":
         raise UserError(f"the LongSpec head reads the KV cache of target layer {head.config.kv_layer}, a "
@@ -227,18 +228,19 @@ def _longspec(head: LongSpecHead, target: LoadedModel, num_draft_tokens: int, ad
     return LongSpecDrafter(head, num_draft_tokens=num_draft_tokens, adaptive=adaptive, tree=shape)
 
 
-def _sparrow(head: EagleHead, target: LoadedModel, num_draft_tokens: int, adaptive: bool, tree_budget: int | str,
-             draft_device: str | None) -> Drafter:
-    """A Sparrow head drafts text-anchored chains; the target's visual placeholder ids say which rows it skips."""
+def _sparrow(head: EagleHead, target: LoadedModel, num_draft_tokens: int, adaptive: bool, draft_device: str | None,
+             tree_budget: int | str, tree_topk: int, tree_depth: int) -> Drafter:
+    """A Sparrow head drafts text-anchored chains or trees; the target's visual placeholder ids say which rows it
+    skips."""
     from sparrow.drafters.sparrow import SparrowDrafter
     from sparrow.vision.prompt import visual_token_ids
 
-    if tree_budget not in (0, "0") or draft_device is not None:
-        raise UserError("a Sparrow head drafts chains on the target's device: leave --tree-budget and "
-                        "--draft-device unset")
+    if draft_device is not None:
+        raise UserError("a Sparrow head drafts on the target's device: leave --draft-device unset")
     if head.target.embed is not target.model.get_input_embeddings():
         raise UserError("the Sparrow head given as head= is bound to another model than the target")
-    return SparrowDrafter(head, tuple(visual_token_ids(target.model.config)), num_draft_tokens, adaptive)
+    shape = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model))
+    return SparrowDrafter(head, tuple(visual_token_ids(target.model.config)), num_draft_tokens, adaptive, shape)
 
 
 def _device(name: str) -> torch.device:

@@ -7,7 +7,9 @@ t (delivered at prefill and by `observe`), and predicts x[t + 2]; unlike it:
 * each row attends to the last `text_window` text rows only, and after every round the cache is trimmed back to
   them: the draft's cost per token is bounded by the window, not by the context or the video.
 Each round runs the pending text rows (committed tokens), drafts a chain from the last one (a draft row reads its
-parent's output), then drops the draft rows (accepted tokens are re-read with the target's features next round).
+parent's output) or an EAGLE-2 tree (`dynamic_tree` drives `TreeRunner`: a node's row reads its parent's output
+and sees the window's committed rows and its ancestors), then drops the draft rows (accepted tokens are re-read
+with the target's features next round).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import Tensor
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.draft_loop import draft_chain, drive
+from sparrow.drafters.tree_draft import TreeShape, dynamic_tree
 from sparrow.errors import UserError
 from sparrow.heads.eagle import EagleHead, HeadCache
 from sparrow.heads.longspec import window_mask
@@ -31,10 +34,11 @@ class SparrowDrafter:
     name = "eagle"
 
     def __init__(self, head: EagleHead, visual_ids: tuple[int, ...], num_draft_tokens: int = 6,
-                 adaptive: bool = False) -> None:
+                 adaptive: bool = False, tree: TreeShape | None = None) -> None:
         spec = spec_of(head)
         assert spec is not None, "SparrowDrafter needs a Sparrow head"
-        self.head, self.window = head, spec.text_window
+        self.head, self.window, self.tree = head, spec.text_window, tree
+        self.name = "eagle+tree" if tree is not None else "eagle"
         self.hidden_layers: tuple[int, ...] = head.config.target_layers
         self.visual_ids = torch.tensor(visual_ids, dtype=torch.long, device=head.fc.weight.device)
         self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive)
@@ -102,13 +106,23 @@ class SparrowDrafter:
         self.pending, self.pending_positions = self.pending[:0], self.pending_positions[:0]
         committed_rows = self.cache.rows + positions.numel()
 
+        def run_committed() -> Tensor:
+            """The pending text rows; [1, d] the output of the last row (position c - 2)."""
+            if positions.numel():
+                return self._run(committed[positions + 1], self.head.fuse(pending), positions)[-1:]
+            return self.cache.hidden[-1:]
+
+        if self.tree is not None:
+            runner = TreeRunner(self, c, run_committed)
+            draft, _ = dynamic_tree(runner, committed, self.tree, num_tokens, sampling)
+            runner.rewind(c)
+            self._keep_last(self.window)
+            return draft
+
         def answer(request: tuple[Tensor, int]) -> Tensor:
             token, i = request
             if i == 0:
-                if positions.numel():
-                    out = self._run(committed[positions + 1], self.head.fuse(pending), positions)
-                else:
-                    out = self.cache.hidden[-1:]
+                out = run_committed()
             else:
                 position = torch.full((1,), c - 2 + i, device=device)
                 out = self._run(token, self.cache.hidden[-1:], position)
@@ -127,3 +141,46 @@ class SparrowDrafter:
         # generated positions are text, even where a random model emits a placeholder id (it has no pixels)
         self._add(out.hidden, torch.ones(out.hidden.shape[1], dtype=torch.bool))
         self.length.observe(step)
+
+
+class TreeRunner:
+    """The Sparrow head as the CachedModel-like object `dynamic_tree` drives, over token slots: the first forward
+    (the last committed token) runs the pending text rows; tree nodes take slots c, c + 1, .. and each node's row
+    reads its parent's output (the last committed row for the root's children) under the tree's mask."""
+
+    def __init__(self, drafter: SparrowDrafter, committed: int, run_committed) -> None:
+        self.drafter, self.committed, self.run_committed = drafter, committed, run_committed
+        self.length = committed - 1  # dynamic_tree feeds committed[length:], the last token, first
+        self.committed_rows = drafter.cache.rows
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None) -> TargetOutput:
+        d, c, n = self.drafter, self.committed, tokens.numel()
+        if mask is None:
+            assert n == 1 and self.length == c - 1, (n, self.length, c)
+            out = self.run_committed()
+            d._keep_last(d.window)  # the window of committed rows the nodes see
+            self.committed_rows, self.length = d.cache.rows, c
+            return TargetOutput(d.head.logits(out))
+        assert positions is not None and mask.shape == (n, self.length + n), (tuple(mask.shape), n, self.length)
+        device = d.head.fc.weight.device
+        mask, fed = mask.to(device), self.length - c
+        nodes_seen = mask[:, c : self.length]  # [n, fed] earlier nodes: the ancestors
+        latest = torch.where(nodes_seen, torch.arange(fed, device=device), -1).max(1).values if fed else \
+            torch.full((n,), -1, device=device)
+        parent_rows = torch.where(latest >= 0, self.committed_rows + latest, self.committed_rows - 1)
+        row_mask = torch.cat([mask.new_ones(n, self.committed_rows), nodes_seen, mask[:, self.length :]], 1)
+        d.rows_seen += n
+        d.keys_attended += int(row_mask.sum())
+        out = d.head.run(tokens.to(device), d.cache.hidden[parent_rows], positions.to(device) - 1, row_mask, d.cache)
+        d.positions = torch.cat([d.positions, positions.to(device) - 1])
+        self.length += n
+        return TargetOutput(d.head.logits(out))
+
+    def rewind(self, length: int) -> None:
+        """Drop the tree nodes' rows (slots >= length >= c)."""
+        assert length >= self.committed, (length, self.committed)
+        rows = self.committed_rows + length - self.committed
+        self.drafter.cache.crop(rows)
+        self.drafter.positions = self.drafter.positions[:rows]
+        self.length = length

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from sparrow.errors import UserError
 from sparrow.heads.config import ARCHS, FUSIONS, HeadConfig, default_layers
 from sparrow.heads.fusion import GatedFusion
 from sparrow.heads.layers import DecoderLayer, RMSNorm, causal_mask
@@ -278,6 +279,10 @@ def new_head(model: nn.Module, arch: str = "eagle3", generator: torch.Generator 
     arch "sparrow": an EAGLE-3 head with a SparrowSpec (`sparrow.heads.sparrow_head`) for Video-LLM targets."""
     if arch == "longspec":
         from sparrow.heads.longspec import new_longspec_head
+
+        if fusion != "concat" or layers != 1 or draft_vocab is not None:
+            raise UserError("a LongSpec head is one layer over the token embedding with the target's LM head: "
+                            "fusion, layers and a draft vocabulary do not apply")
 
         return new_longspec_head(model, generator, device=device, **overrides)
     if arch == "sparrow":  # an EAGLE-3 head drafted and trained Sparrow's way (overrides: text_window, bridge_layer)
