@@ -53,6 +53,8 @@ def test_bad_pipeline_arguments(loaded_target, tokenizer):
     with pytest.raises(ValueError, match="num_draft_tokens"):
         load(loaded_target, drafter="prompt-lookup", num_draft_tokens=0)
     with pytest.raises(ValueError, match="unknown drafter"):
+        load(loaded_target, drafter="hydra")
+    with pytest.raises(ValueError, match="--drafter eagle needs a head: --head PATH"):
         load(loaded_target, drafter="eagle")
 
 

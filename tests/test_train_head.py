@@ -10,6 +10,9 @@ c) The feature cache is reused (nothing recomputed) and refused when made by oth
    or another corpus; the reduced vocabulary maps back exactly; top-k labels with k = vocabulary give the
    full-distribution loss.
 d) The CLI trains, resumes, and writes a head that `--drafter eagle --head` loads and decodes losslessly.
+e) The CLI's head variants (a gated 2-layer EAGLE-3 head, a LongSpec head): a run stopped and resumed ends
+   with the weights and log of an uninterrupted one, and the head decodes losslessly; every checkpointed variant
+   (Sparrow's spec, LongSpec's window and layer) is rebuilt exactly; bad combinations fail before loading.
 """
 
 from __future__ import annotations
@@ -259,6 +262,15 @@ def test_cli_trains_resumes_and_the_head_decodes_losslessly(target, corpus_dir, 
     (["train", "head", "--out", "x", "--arch", "eagle2"], "--arch must be one of"),
     (["train", "head", "--out", "x", "--arch", "eagle1", "--draft-vocab", "100"], "--draft-vocab applies to"),
     (["train", "head", "--out", "x", "--resume"], "holds no checkpoint"),
+    (["train", "head", "--out", "x", "--arch", "sparrow"], "train_sparrow"),
+    (["train", "head", "--out", "x", "--arch", "longspec", "--fusion", "gated"],
+     "--fusion applies to --arch eagle3 or eagle1"),
+    (["train", "head", "--out", "x", "--arch", "longspec", "--layers", "2"], "--layers applies to --arch eagle3"),
+    (["train", "head", "--out", "x", "--arch", "longspec", "--draft-vocab", "100"], "--draft-vocab applies to"),
+    (["train", "head", "--out", "x", "--arch", "longspec", "--anchor-offset", "-1"], "--anchor-offset must be"),
+    (["train", "head", "--out", "x", "--anchor-offset", "100"], "--anchor-offset applies to --arch longspec only"),
+    (["train", "head", "--out", "x", "--layers", "0"], "--layers must be an integer >= 1"),
+    (["train", "head", "--out", "x", "--fusion", "sum"], "--fusion must be one of concat, gated"),
 ])
 def test_cli_head_flags_fail_before_loading_models(args, message, tmp_path, monkeypatch):
     from sparrow.cli import app
@@ -286,3 +298,90 @@ def test_cli_time_budget_spent_during_extraction_keeps_the_cache_for_a_rerun(tar
     assert finished.exit_code == 0, finished.output
     report = json.loads(finished.stdout.strip().splitlines()[-1])
     assert report["steps"] == 3 and "corpus_seconds" not in report
+
+
+# e) the CLI's head variants ------------------------------------------------------------------------------------
+
+VARIANTS = {"eagle3-gated-2": ["--arch", "eagle3", "--fusion", "gated", "--layers", "2", "--draft-vocab",
+                               str(DRAFT_VOCAB)],
+            "longspec": ["--arch", "longspec", "--anchor-offset", "500"]}
+
+
+@pytest.fixture(scope="module")
+def target_dir(target, tmp_path_factory) -> Path:
+    model_dir = tmp_path_factory.mktemp("target")
+    target.model.save_pretrained(model_dir)
+    target.tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_cli_trains_and_resumes_head_variants_that_decode_losslessly(variant, target_dir, corpus_dir, tmp_path,
+                                                                     monkeypatch):
+    from safetensors.torch import load_file
+
+    from sparrow.cli import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def train(out: Path, steps: int) -> dict:
+        args = ["train", "head", "--out", str(out), "--target", str(target_dir), "--dtype", "float32", "--device",
+                "cpu", "--no-progress", "--data", str(corpus_dir), "--tokens", "600", "--held-out-tokens", "150",
+                "--seq-len", "48", "--held-out-percent", "25", "--distill", "1", "--distill-tokens", "16",
+                "--steps", str(steps), "--batch-size", "2", "--lr", "3e-3", "--checkpoint-every", "2",
+                "--eval-every", "3", *VARIANTS[variant]]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train(whole, 6)
+    assert train(part, 3)["steps"] == 3
+    resumed = CliRunner().invoke(app, ["train", "head", "--out", str(part), "--no-progress", "--resume",
+                                       "--steps", "6"])
+    assert resumed.exit_code == 0, resumed.output
+    report = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 6 and report["held_out"]["agreement_per_depth"]
+    weights = load_file(str(whole / "model.safetensors"))
+    assert weights.keys() == load_file(str(part / "model.safetensors")).keys()
+    for name, tensor in load_file(str(part / "model.safetensors")).items():
+        assert torch.equal(tensor, weights[name]), name
+    assert read_log(whole / "train_log.jsonl") == read_log(part / "train_log.jsonl")
+    config = json.loads((part / "config.json").read_text())
+    if variant == "longspec":
+        assert config["architectures"] == ["SparrowLongSpecHead"] and report["anchor_offset"] == 500
+        assert "feature_seconds" not in report and not (part / "features").exists()  # no feature cache
+    else:
+        assert config["fusion"] == "gated" and config["num_hidden_layers"] == 2
+        assert report["fusion"] == "gated" and report["layers"] == 2 and report["draft_vocab_size"] == DRAFT_VOCAB
+        assert any(k.startswith("gate.") for k in weights) and any(k.startswith("layers.1.") for k in weights)
+
+    other = ["--fusion", "concat"] if variant != "longspec" else ["--arch", "eagle3"]
+    refused = CliRunner().invoke(app, ["train", "head", "--out", str(part), "--resume", *other])
+    assert refused.exit_code == 2 and "--resume continues the run's head" in refused.output, refused.output
+
+    common = ["generate", "def add(a, b):", "--target", str(target_dir), "--dtype", "float32", "--device", "cpu",
+              "--max-new-tokens", "24", "--json", "--drafter", "eagle", "--head", str(part), "--compare"]
+    result = CliRunner().invoke(app, common)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["identical"] is True
+
+
+def test_every_head_variant_is_rebuilt_exactly_from_its_checkpoint(target, tmp_path):
+    from sparrow.heads.train import new_optimiser
+    from sparrow.heads.trainer import save_checkpoint
+
+    shapes = {"gated-2": dict(arch="eagle3", fusion="gated", layers=2), "eagle1-2": dict(arch="eagle1", layers=2),
+              "sparrow": dict(arch="sparrow", text_window=8, bridge_layer=1),
+              "longspec": dict(arch="longspec", window=8, kv_layer=0)}
+    for name, shape in shapes.items():
+        head = new_head(target.model, generator=torch.Generator().manual_seed(0), **shape).float()
+        settings = TrainSettings(steps=1, anchor_offset=100 if name == "longspec" else 0)
+        save_checkpoint(tmp_path / name, head, new_optimiser(head, 1e-3), torch.Generator(), 0, settings)
+        state = read_state(tmp_path / name)
+        again = resumed_head(tmp_path / name, state, target.model, torch.device("cpu"))
+        assert type(again) is type(head) and again.config == head.config, name
+        assert getattr(again, "sparrow", None) == getattr(head, "sparrow", None), name
+        assert TrainSettings(**state["settings"]) == settings
+        for key, tensor in head.state_dict().items():
+            assert torch.equal(tensor, again.state_dict()[key]), (name, key)

@@ -3,8 +3,11 @@ features,train,trainer,plot}).
 
 Stages, each resumable: the corpus (installed source files and docs, plus the target's own answers;
 OUT/corpus.*), the feature cache (the target's hidden states and top-k labels; OUT/features/), training
-(checkpoints in OUT in the EAGLE-3 layout, trainer_state.pt, train_log.jsonl), then a held-out evaluation
+(checkpoints in OUT in the head's layout, trainer_state.pt, train_log.jsonl), then a held-out evaluation
 (OUT/eval.json) and a plot (OUT/training.png). `--time-budget` stops any stage cleanly; `--resume` continues.
+Heads: eagle3 / eagle1 (with Dovetail's `--fusion gated` and `--layers N`) train on the feature cache; a longspec
+head reads the target's KV at anchor-offset positions drawn each step, so it runs the target while training
+(no feature cache). `--arch sparrow` is refused: it needs video data this corpus does not have (train_sparrow).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -26,15 +30,19 @@ train_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, ri
 DEFAULT_DRAFT_VOCAB = 32000
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_TOP_K = 32
+DEFAULT_ANCHOR_OFFSET = 30_000  # LongSpec's recipe: random offsets up to ~30k
 RUN = "run.json"  # what the resumed run needs that its checkpoint does not hold: target, dtype, top-k, cache
 
 
 @train_app.command("head")
 @cli_errors
 def head(
-    out: Annotated[Path, typer.Option(help="Run directory: the head (EAGLE-3 layout, loads with --drafter eagle --head OUT), checkpoints, features, log, plot.")],
+    out: Annotated[Path, typer.Option(help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with --drafter eagle --head OUT), checkpoints, features, log, plot.")],
     target: Annotated[Optional[str], typer.Option(help=f"Target model: preset, local dir or hub id (default {DEFAULT_TARGET}; with --resume, the run's).")] = None,
-    arch: Annotated[str, typer.Option(help="eagle3 (three fused target layers, own reduced LM head) or eagle1 (last layer, the target's LM head).")] = "eagle3",
+    arch: Annotated[Optional[str], typer.Option(help="eagle3 (three fused target layers, own reduced LM head), eagle1 (last layer, the target's LM head), longspec (sliding-window self-attention + cross-attention over the target's KV cache; trains at anchor-offset positions) or sparrow (Video-LLMs: Python API only, see the error). Default eagle3; with --resume, the run's.")] = None,
+    fusion: Annotated[Optional[str], typer.Option(help="How eagle3/eagle1 heads mix feature and token embedding: concat (EAGLE; vLLM/SGLang read it) or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). Default concat.")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="Decoder layers of an eagle3/eagle1 head (Dovetail: deeper heads; > 1 is sparrow-only: layers.1.* tensors). Default 1.")] = None,
+    anchor_offset: Annotated[Optional[int], typer.Option(help=f"longspec: shift training positions (after 0-4 sink tokens) by a random offset up to N, so short text trains long-context positions (LongSpec's anchor-offset indices; default min({DEFAULT_ANCHOR_OFFSET}, the target's max positions - the longest training sequence)).")] = None,
     draft_vocab: Annotated[Optional[int], typer.Option(help=f"eagle3: the N most frequent target tokens of the training data (FR-Spec; default {DEFAULT_DRAFT_VOCAB}, at most the vocabulary).")] = None,
     data: Annotated[Optional[list[Path]], typer.Option(help="Directory or file of .py/.md/.rst text (repeatable; default: the standard library and installed packages).")] = None,
     tokens: Annotated[int, typer.Option(help="Training tokens taken from files (self-distilled answers come on top).")] = 200_000,
@@ -58,9 +66,8 @@ def head(
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Rich progress bars on stderr.")] = True,
 ) -> None:
-    """Train an EAGLE-3 (or EAGLE-1) head on the target's own features: FR-Spec draft vocabulary, training-time
-    test, checkpoints, resume, held-out evaluation."""
-    from sparrow.heads.config import ARCHS
+    """Train a draft head on the target's own outputs: EAGLE-3 (FR-Spec draft vocabulary, training-time test),
+    EAGLE-1, Dovetail's gated / deeper variants or a LongSpec head; checkpoints, resume, held-out evaluation."""
     from sparrow.heads.data import CorpusSpec, default_roots
     from sparrow.heads.trainer import TrainSettings, read_state
 
@@ -68,19 +75,19 @@ def head(
     deadline = None if time_budget is None else started + time_budget
     check_float("--time-budget", time_budget, "a finite number of seconds > 0", lambda s: s > 0)
     check_float("--lr", lr, "a finite number > 0", lambda v: v > 0)
-    for flag, value, low in (("--steps", steps, 1), ("--top-k", top_k, 1), ("--draft-vocab", draft_vocab, 1)):
+    for flag, value, low in (("--steps", steps, 1), ("--top-k", top_k, 1), ("--draft-vocab", draft_vocab, 1),
+                             ("--layers", layers, 1), ("--anchor-offset", anchor_offset, 0)):
         check_int(flag, value, low)
-    if arch not in ARCHS:
-        raise UserError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-    if arch == "eagle1" and draft_vocab is not None:
-        raise UserError("--draft-vocab applies to --arch eagle3 only (an EAGLE-1 head drafts with the target's LM head)")
     state = read_state(out)
+    stored_arch = state["head_config"]["arch"] if resume and state is not None else None
+    _check_variant(arch or stored_arch or "eagle3", fusion, layers, draft_vocab, anchor_offset)
     if resume and state is None:
         raise UserError(f"--resume: {str(out)!r} holds no checkpoint ({out / 'trainer_state.pt'}) to continue")
     if not resume and state is not None:
         raise UserError(f"--out {str(out)!r} already holds a training run: pass --resume to continue it, or choose "
                         "another directory")
     if resume:
+        _check_resumed_variant(state, arch, fusion, layers, anchor_offset)
         spec, settings = _stored_run(out, state, steps)
         stored = json.loads((out / RUN).read_text()) if (out / RUN).is_file() else {}
         target = target or stored.get("target")
@@ -95,10 +102,66 @@ def head(
                           held_out_percent=held_out_percent,
                           distill_tokens=distill_tokens, seed=seed)
         settings = TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,
-                                 checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed)
-    run = _Run(out, target or DEFAULT_TARGET, spec, settings, state, arch, draft_vocab, top_k or DEFAULT_TOP_K,
-               features or out / "features", deadline, progress, steps_given=steps is not None)
+                                 checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed,
+                                 anchor_offset=anchor_offset or 0)
+    run = _Run(out, target or DEFAULT_TARGET, spec, settings, state, stored_arch or arch or "eagle3", draft_vocab,
+               top_k or DEFAULT_TOP_K, features or out / "features", deadline, progress, steps_given=steps is not None,
+               variant=HeadVariant(fusion or "concat", layers or 1, anchor_offset is not None))
     run.go(dtype.value, device)
+
+
+@dataclass(frozen=True)
+class HeadVariant:
+    """The shape options of a new head beyond its arch (a resumed head takes its checkpoint's)."""
+
+    fusion: str = "concat"
+    layers: int = 1
+    anchor_offset_given: bool = False  # --anchor-offset given (else LongSpec's default, fitted to the target)
+
+
+def _check_variant(arch: str, fusion: str | None, layers: int | None, draft_vocab: int | None,
+                   anchor_offset: int | None) -> None:
+    """Refuse a combination of head options that cannot be built, before any model loads."""
+    from sparrow.heads.config import FUSIONS, HEAD_ARCHS
+
+    if arch not in HEAD_ARCHS:
+        raise UserError(f"--arch must be one of {', '.join(HEAD_ARCHS)}, got {arch!r}")
+    if arch == "sparrow":
+        raise UserError("--arch sparrow needs a Video-LLM target (Qwen2.5-VL, LLaVA-OneVision) and training data with "
+                        "videos, but `sparrow train head` builds a text-only corpus (source files and docs, "
+                        "self-distilled text answers) and takes no video input: the head would never see a visual "
+                        "position. Train one from Python: new_head(model, 'sparrow'), then "
+                        "sparrow.heads.sparrow_head.video_features(...) over your videos, train_sparrow(...) and "
+                        "sparrow.heads.save_head(...); it loads with --drafter eagle --head DIR")
+    if fusion is not None and fusion not in FUSIONS:
+        raise UserError(f"--fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
+    if arch == "longspec":
+        for flag, value, default in (("--fusion", fusion, "concat"), ("--layers", layers, 1)):
+            if value is not None and value != default:
+                raise UserError(f"{flag} applies to --arch eagle3 or eagle1: a LongSpec head is one layer over the "
+                                "token embedding (no target feature to fuse) and cross-attention over the target's KV")
+        if draft_vocab is not None:
+            raise UserError("--draft-vocab applies to --arch eagle3 only (a LongSpec head drafts with the target's "
+                            "LM head)")
+        return
+    if anchor_offset is not None:
+        raise UserError(f"--anchor-offset applies to --arch longspec only (an {arch} head reads the target's hidden "
+                        "states at their real positions)")
+    if arch == "eagle1" and draft_vocab is not None:
+        raise UserError("--draft-vocab applies to --arch eagle3 only (an EAGLE-1 head drafts with the target's LM head)")
+
+
+def _check_resumed_variant(state: dict[str, Any], arch: str | None, fusion: str | None, layers: int | None,
+                           anchor_offset: int | None) -> None:
+    """With --resume the head is the checkpoint's: refuse shape options that say otherwise."""
+    config, settings = state["head_config"], state["settings"]
+    stored = {"--arch": config.get("arch"), "--fusion": config.get("fusion", "concat"),
+              "--layers": config.get("num_layers", 1), "--anchor-offset": settings.get("anchor_offset", 0)}
+    given = {"--arch": arch, "--fusion": fusion, "--layers": layers, "--anchor-offset": anchor_offset}
+    for flag, value in given.items():
+        if value is not None and value != stored[flag]:
+            raise UserError(f"--resume continues the run's head ({flag} {stored[flag]}); {flag} {value} would need a "
+                            "new run in another --out directory")
 
 
 class _Run:
@@ -106,10 +169,11 @@ class _Run:
 
     def __init__(self, out: Path, target: str, spec: Any, settings: Any, state: dict[str, Any] | None, arch: str,
                  draft_vocab: int | None, top_k: int, features: Path, deadline: float | None, progress: bool,
-                 steps_given: bool) -> None:
+                 steps_given: bool, variant: HeadVariant = HeadVariant()) -> None:
         self.out, self.target_name, self.spec, self.settings, self.state = out, target, spec, settings, state
         self.arch, self.draft_vocab, self.top_k, self.features_dir = arch, draft_vocab, top_k, features
-        self.deadline, self.progress, self.steps_given = deadline, progress, steps_given
+        self.deadline, self.progress, self.steps_given, self.variant = deadline, progress, steps_given, variant
+        self.model: Any = None  # the loaded target's transformers model (set by `go`)
         self.timings: dict[str, float] = {}
 
     def say(self, message: str) -> None:
@@ -125,6 +189,7 @@ class _Run:
 
         self.out.mkdir(parents=True, exist_ok=True)
         loaded = load_model(self.target_name, dtype=dtype, device=device, progress=self.progress)
+        self.model = loaded.model
         if self.state is None:
             run_dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
             (self.out / RUN).write_text(json.dumps({"target": self.target_name, "dtype": run_dtype,
@@ -133,6 +198,8 @@ class _Run:
         corpus = self.corpus(loaded)
         if not self.steps_given and self.state is None:  # default: 2 epochs
             self.settings = replace(self.settings, steps=max(1, math.ceil(2 * len(corpus.train) / self.settings.batch_size)))
+        if self.arch == "longspec" and self.state is None and not self.variant.anchor_offset_given:
+            self.settings = replace(self.settings, anchor_offset=_default_anchor_offset(loaded.model, corpus))
         head = self.head(loaded, corpus)
         train, held_out = self.extract(loaded, head, corpus)
         if train is None:
@@ -179,13 +246,16 @@ class _Run:
             size = min(self.draft_vocab or DEFAULT_DRAFT_VOCAB, vocab)
             ids = frequent_tokens(corpus.train, size, vocab, always=_eos_ids(loaded, vocab))
         generator = torch.Generator(device=device).manual_seed(self.settings.seed)
-        head = new_head(model, self.arch, generator, draft_vocab=ids).float()
+        shape = {} if self.arch == "longspec" else {"fusion": self.variant.fusion, "layers": self.variant.layers}
+        head = new_head(model, self.arch, generator, draft_vocab=ids, **shape).float()
         init_from_target(head, model)
         return head
 
     def extract(self, loaded: Any, head: Any, corpus: Any) -> tuple[Any, Any]:
         from sparrow.heads.features import CacheIdentity, FeatureCache, target_identity
 
+        if self.arch == "longspec":  # it reads the target's KV at positions drawn each step: no feature cache
+            return corpus.train, corpus.held_out
         identity = CacheIdentity(target_identity(loaded.model, self.target_name), head.config.target_layers,
                                  self.top_k)
         device = next(loaded.model.parameters()).device
@@ -225,7 +295,8 @@ class _Run:
                 bars.bar.update(task, completed=row["step"], info=f"loss {row['loss']:.3f}  agree "
                                 f"{row['agreement']:.3f}  held-out agree {held}")
 
-            outcome = run_training(head, train, held_out, self.settings, self.out, self.state, self.deadline, on_step)
+            outcome = run_training(head, train, held_out, self.settings, self.out, self.state, self.deadline, on_step,
+                                   model=self.model)
         self.timings.update(train_seconds=outcome.seconds,
                             steps_per_second=(outcome.step - start_step) / max(outcome.seconds, 1e-9))
         return outcome
@@ -235,11 +306,23 @@ class _Run:
         from sparrow.heads.train import evaluate_head
         from sparrow.heads.trainer import LOG, read_log
 
-        evaluation = evaluate_head(head, held_out, self.settings.ttt_steps) if len(held_out) else None
+        c = head.config
+        if not len(held_out):
+            evaluation = None
+        elif c.arch == "longspec":
+            from sparrow.heads.longspec import evaluate_longspec
+
+            evaluation = evaluate_longspec(head, loaded.model, held_out, self.settings.ttt_steps)
+        else:
+            evaluation = evaluate_head(head, held_out, self.settings.ttt_steps)
         rows = read_log(self.out / LOG)
+        shape: dict[str, Any] = (
+            {"window": c.window, "kv_layer": c.kv_layer, "anchor_offset": self.settings.anchor_offset}
+            if c.arch == "longspec" else
+            {"draft_vocab_size": c.draft_vocab_size, "target_layers": list(c.target_layers), "fusion": c.fusion,
+             "layers": c.num_layers})
         report = {
-            "target": self.target_name, "arch": head.config.arch, "draft_vocab_size": head.config.draft_vocab_size,
-            "target_layers": list(head.config.target_layers), "steps": outcome.step, "stopped": outcome.stopped,
+            "target": self.target_name, "arch": c.arch, **shape, "steps": outcome.step, "stopped": outcome.stopped,
             "train_sequences": len(corpus.train), "train_corpus_tokens": corpus.train_tokens,
             "tokens_seen": sum(r["tokens"] for r in rows), "held_out_sequences": len(held_out),
             "held_out": None if evaluation is None else {
@@ -296,18 +379,28 @@ class _Bars:
 
 def init_from_target(head: Any, model: Any) -> None:
     """Start an EAGLE-3 head's norm and LM head from the target's final norm and LM head rows of the draft
-    vocabulary (the head's output then begins as a reading of a target-like state; it trains from there)."""
+    vocabulary (the head's output then begins as a reading of a target-like state; it trains from there); a
+    LongSpec head's norm from the target's final norm."""
     import torch
 
-    if head.config.arch != "eagle3":
+    if head.config.arch not in ("eagle3", "longspec"):
         return
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     norm = getattr(decoder, "norm", None)
     with torch.no_grad():
-        weight = model.get_output_embeddings().weight
-        head.lm_head.weight.copy_(weight[head.draft_to_target].to(head.lm_head.weight))
+        if head.config.arch == "eagle3":  # a LongSpec head drafts through the target's own LM head: its norm only
+            weight = model.get_output_embeddings().weight
+            head.lm_head.weight.copy_(weight[head.draft_to_target].to(head.lm_head.weight))
         if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == head.norm.weight.shape:
             head.norm.weight.copy_(norm.weight.to(head.norm.weight))
+
+
+def _default_anchor_offset(model: Any, corpus: Any) -> int:
+    """LongSpec's offsets (up to ~30k), kept inside the target's position range for the sequences of `corpus`."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(text, "max_position_embeddings", None) or DEFAULT_ANCHOR_OFFSET
+    longest = max((t.numel() for t in [*corpus.train, *corpus.held_out]), default=0)
+    return max(0, min(DEFAULT_ANCHOR_OFFSET, limit - longest))
 
 
 def _eos_ids(loaded: Any, vocab: int) -> list[int]:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -25,7 +25,10 @@ from sparrow.errors import UserError
 from sparrow.heads.config import HeadConfig
 from sparrow.heads.eagle import EagleHead, TargetParts
 from sparrow.heads.layout import WEIGHTS, save_head
-from sparrow.heads.train import Evaluation, Features, draw_batch, evaluate_head, new_optimiser, train_step
+from sparrow.heads.train import Evaluation, StepResult, draw_batch, evaluate_head, new_optimiser, train_step
+
+if TYPE_CHECKING:
+    from sparrow.heads.longspec import LongSpecHead
 
 STATE = "trainer_state.pt"
 LOG = "train_log.jsonl"
@@ -45,6 +48,7 @@ class TrainSettings:
     checkpoint_every: int = 100
     eval_every: int = 50
     seed: int = 0  # of the data order
+    anchor_offset: int = 0  # LongSpec heads: anchor-offset positions shifted by up to this (0: none)
 
     def __post_init__(self) -> None:
         for name, value in (("--steps", self.steps), ("--batch-size", self.batch_size),
@@ -54,6 +58,8 @@ class TrainSettings:
                 raise UserError(f"{name} must be an integer >= 1, got {value}")
         if not self.lr > 0:
             raise UserError(f"--lr must be > 0, got {self.lr}")
+        if self.anchor_offset < 0:
+            raise UserError(f"--anchor-offset must be an integer >= 0, got {self.anchor_offset}")
 
 
 @dataclass(frozen=True)
@@ -66,12 +72,15 @@ class RunOutcome:
     seconds: float
 
 
-def save_checkpoint(directory: Path, head: EagleHead, optimiser: torch.optim.Optimizer, generator: torch.Generator,
-                    step: int, settings: TrainSettings) -> None:
-    """The head (serving layout) and the trainer state, the state written last (it marks a whole checkpoint)."""
+def save_checkpoint(directory: Path, head: EagleHead | LongSpecHead, optimiser: torch.optim.Optimizer,
+                    generator: torch.Generator, step: int, settings: TrainSettings) -> None:
+    """The head (its layout) and the trainer state, the state written last (it marks a whole checkpoint). The state
+    holds the head's whole config (HeadConfig or LongSpecConfig) and a Sparrow head's SparrowSpec."""
     save_head(head, directory)
+    spec = getattr(head, "sparrow", None)
     state = {"step": step, "optimiser": optimiser.state_dict(), "generator": generator.get_state(),
-             "head_config": asdict(head.config), "settings": asdict(settings)}
+             "head_config": asdict(head.config), "settings": asdict(settings),
+             "sparrow": None if spec is None else asdict(spec)}
     partial = directory / (STATE + ".partial")
     torch.save(state, partial)
     os.replace(partial, directory / STATE)
@@ -83,22 +92,38 @@ def read_state(directory: Path) -> dict[str, Any] | None:
     return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
 
 
-def resumed_head(directory: Path, state: dict[str, Any], model: nn.Module, device: torch.device) -> EagleHead:
-    """The float32 head of a checkpoint, bound to `model` (the target it was trained for)."""
+def resumed_head(directory: Path, state: dict[str, Any], model: nn.Module,
+                 device: torch.device) -> EagleHead | LongSpecHead:
+    """The float32 head of a checkpoint, bound to `model` (the target it was trained for): every variant (EAGLE-1/3
+    with their fusion and layers, a Sparrow head's spec, a LongSpec head's window and layer) as it was saved."""
     fields = dict(state["head_config"])
-    fields["target_layers"] = tuple(fields["target_layers"])
-    head = EagleHead(HeadConfig(**fields), TargetParts.of(model), device=device, dtype=torch.float32)
+    if fields.get("arch") == "longspec":
+        from sparrow.heads.longspec import LongSpecConfig, LongSpecHead
+
+        head: EagleHead | LongSpecHead = LongSpecHead(LongSpecConfig(**fields), TargetParts.of(model), device=device,
+                                                      dtype=torch.float32)
+    else:
+        fields["target_layers"] = tuple(fields["target_layers"])
+        head = EagleHead(HeadConfig(**fields), TargetParts.of(model), device=device, dtype=torch.float32)
+        if state.get("sparrow") is not None:
+            from sparrow.heads.sparrow_head import SparrowSpec
+
+            head.sparrow = SparrowSpec(**state["sparrow"])
     head.load_state_dict(load_file(str(directory / WEIGHTS), device=str(device)), strict=True)
     return head
 
 
-def run_training(head: EagleHead, train: Sequence[Features], held_out: Sequence[Features], settings: TrainSettings,
-                 directory: Path, state: dict[str, Any] | None = None, deadline: float | None = None,
-                 on_step: Callable[[dict[str, Any]], None] | None = None) -> RunOutcome:
+def run_training(head: EagleHead | LongSpecHead, train: Sequence[Any], held_out: Sequence[Any],
+                 settings: TrainSettings, directory: Path, state: dict[str, Any] | None = None,
+                 deadline: float | None = None, on_step: Callable[[dict[str, Any]], None] | None = None,
+                 model: nn.Module | None = None) -> RunOutcome:
     """Train `head` (in place) to settings.steps steps, from `state` (a checkpoint's `read_state`) or from step 0.
-    Stops early, with a checkpoint, once time.monotonic() passes `deadline`. `on_step(row)` sees each log row."""
+    Stops early, with a checkpoint, once time.monotonic() passes `deadline`. `on_step(row)` sees each log row.
+    EAGLE heads train on `Features`; a LongSpec head on token sequences ([n] ids) with its target `model` (it reads
+    the target's KV at anchor-offset positions drawn each step, so no feature cache applies)."""
     if not train:
         raise UserError("no training sequences: give more --data or --tokens")
+    step_of, evaluate_on = _trainer_of(head, settings, model)
     start = time.monotonic()
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(settings.seed)
@@ -117,12 +142,12 @@ def run_training(head: EagleHead, train: Sequence[Features], held_out: Sequence[
         for group in optimiser.param_groups:
             group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup)
         batch = [train[i] for i in draw_batch(len(train), settings.batch_size, generator)]
-        result = train_step(head, optimiser, batch, settings.ttt_steps, settings.decay, clip=settings.clip)
+        result = step_of(optimiser, batch, generator)
         step += 1
         row: dict[str, Any] = {"step": step, "loss": result.loss, "agreement": result.agreement,
                                "tokens": result.tokens, "lr": optimiser.param_groups[0]["lr"]}
         if held_out and (step % settings.eval_every == 0 or step == settings.steps):
-            evaluation = evaluate_head(head, held_out, settings.ttt_steps)
+            evaluation = evaluate_on(held_out)
             row.update(held_out_loss=evaluation.loss, held_out_agreement=list(evaluation.agreement),
                        expected_accepted=evaluation.expected_accepted)
         log.append(row)
@@ -133,6 +158,26 @@ def run_training(head: EagleHead, train: Sequence[Features], held_out: Sequence[
     save_checkpoint(directory, head, optimiser, generator, step, settings)
     head.eval().requires_grad_(False)
     return RunOutcome(step, stopped, evaluation, time.monotonic() - start)
+
+
+def _trainer_of(head: EagleHead | LongSpecHead, settings: TrainSettings, model: nn.Module | None
+                ) -> tuple[Callable[[torch.optim.Optimizer, list[Any], torch.Generator], StepResult],
+                           Callable[[Sequence[Any]], Evaluation]]:
+    """The optimiser step and the held-out evaluation of `head`'s arch (the generator: the run's data order)."""
+    if head.config.arch == "longspec":
+        from sparrow.heads.longspec import evaluate_longspec, longspec_step
+
+        if model is None:
+            raise ValueError("a LongSpec head trains with its target: pass model=")
+        return (lambda optimiser, batch, generator: longspec_step(
+                    head, model, optimiser, batch, generator, settings.anchor_offset, settings.ttt_steps + 1,
+                    settings.clip),
+                lambda held_out: evaluate_longspec(head, model, held_out, settings.ttt_steps))
+    if settings.anchor_offset:
+        raise UserError("--anchor-offset applies to --arch longspec only")
+    return (lambda optimiser, batch, generator: train_step(head, optimiser, batch, settings.ttt_steps, settings.decay,
+                                                           clip=settings.clip),
+            lambda held_out: evaluate_head(head, held_out, settings.ttt_steps))
 
 
 class _LogFile:
