@@ -95,6 +95,7 @@ def shrunk(model: nn.Module) -> nn.Module:
     for key, value in SHRUNK.items():
         setattr(config, key, value)
     config.tie_word_embeddings = False
+    config.pad_token_id = None  # a real vocabulary's padding id (Qwen2: 151643) is outside the shrunk one
     small = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
     return small.to(next(model.parameters()).device).eval()
 

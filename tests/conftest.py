@@ -61,6 +61,15 @@ def tiny_gemma3(num_layers: int = 6, seed: int = 0, sharpen: bool = True) -> tor
     return model
 
 
+def continuations(target: LoadedModel, prompts: list[str], new_tokens: int = 48) -> list[torch.Tensor]:
+    """prompt + the target's own greedy continuation, as token ids (training data for draft heads)."""
+    from sparrow.pipeline import Pipeline
+
+    plain = Pipeline(target, None)
+    new = [plain.generate_plain(p, max_new_tokens=new_tokens).token_ids for p in prompts]
+    return [torch.cat([plain.encode(p).input_ids, torch.tensor(ids)]) for p, ids in zip(prompts, new)]
+
+
 def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
     """A copy with Gaussian noise on every weight: a draft that agrees with the target often, not always."""
     other = copy.deepcopy(model)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CORPUS, tiny_model, tiny_tokenizer
+from conftest import continuations, CORPUS, tiny_model, tiny_tokenizer
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
@@ -44,13 +44,6 @@ DOVETAIL = {"eagle3-gated-2": dict(arch="eagle3", fusion="gated", layers=2),
 @pytest.fixture(scope="module")
 def target() -> LoadedModel:
     return LoadedModel(tiny_model("llama", seed=0), tiny_tokenizer(), "tiny")
-
-
-def continuations(target: LoadedModel, prompts: list[str], new_tokens: int = 48) -> list[torch.Tensor]:
-    """prompt + the target's own greedy continuation, as token ids."""
-    plain = Pipeline(target, None)
-    new = [plain.generate_plain(p, max_new_tokens=new_tokens).token_ids for p in prompts]
-    return [torch.cat([plain.encode(p).input_ids, torch.tensor(ids)]) for p, ids in zip(prompts, new)]
 
 
 @pytest.fixture(scope="module")

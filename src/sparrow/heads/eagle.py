@@ -34,7 +34,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from sparrow.errors import UserError
 from sparrow.heads.config import ARCHS, FUSIONS, HeadConfig, default_layers
 from sparrow.heads.fusion import GatedFusion
-from sparrow.heads.layers import DecoderLayer, RMSNorm, causal_mask
+from sparrow.heads.layers import DecoderLayer, RMSNorm, causal_mask, init_parameters
 
 
 @dataclass(frozen=True)
@@ -156,14 +156,7 @@ class EagleHead(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None, std: float = 0.02) -> None:
         """Random initial weights (normal(0, std) linears, unit norms, zero biases); the identity draft vocab map."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                device = generator.device if generator is not None else None
-                module.weight.copy_(torch.randn(module.weight.shape, generator=generator, device=device) * std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+        init_parameters(self, generator, std)
         if self.config.arch == "eagle3":
             self.set_draft_vocab(torch.arange(self.config.draft_vocab_size))
 

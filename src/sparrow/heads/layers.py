@@ -100,3 +100,16 @@ def causal_mask(n: int, past: int, device: torch.device | str) -> Tensor:
     """[n, past + n] bool: row i sees the past and rows <= i."""
     rows = torch.arange(n, device=device)[:, None]
     return torch.arange(past + n, device=device)[None] <= past + rows
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, generator: torch.Generator | None, std: float = 0.02) -> None:
+    """A head's random initial weights: normal(0, std) linear weights, zero biases, unit RMSNorm weights."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            device = generator.device if generator is not None else None
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator, device=device) * std)
+            if layer.bias is not None:
+                layer.bias.zero_()
+        elif isinstance(layer, RMSNorm):
+            layer.weight.fill_(1.0)

@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from sparrow.errors import UserError
 from sparrow.heads.eagle import TargetParts
-from sparrow.heads.layers import MLP, Attention, RMSNorm, _rotate
+from sparrow.heads.layers import MLP, Attention, RMSNorm, _rotate, init_parameters
 from sparrow.heads.train import (Evaluation, StepResult, TrainReport, anchor_offset_positions, draw_batch,
                                  new_optimiser)
 
@@ -136,12 +136,7 @@ class LongSpecHead(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None, std: float = 0.02) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                device = generator.device if generator is not None else None
-                module.weight.copy_(torch.randn(module.weight.shape, generator=generator, device=device) * std)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+        init_parameters(self, generator, std)
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """[n] positions -> cos, sin [n, head_dim] (the target's rotary embedding) in the head's dtype."""
