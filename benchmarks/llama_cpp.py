@@ -66,6 +66,8 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-plain-fp32": ({"drafter": "prompt-lookup", "dtype": "float32"}, True),
     "sparrow-plain-auto": ({"drafter": "prompt-lookup", "dtype": "auto"}, True),
     "sparrow-draft-model-draft-int4": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "int4"}, False),
+    "sparrow-draft-model-draft-int4-vocab-auto": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "int4",
+                                                   "draft_vocab": "auto"}, False),
     "sparrow-plain-int4": ({"drafter": "draft-model", "dtype": "auto", "quant": "int4", "draft_quant": "int4"}, True),
     "sparrow-int4-target+draft-int4": ({"drafter": "draft-model", "dtype": "auto", "quant": "int4",
                                         "draft_quant": "int4"}, False),
@@ -628,6 +630,7 @@ def reference_config(config: str) -> str | None:
     if config.startswith("openvino-spec"):
         return "openvino-plain"
     return {"sparrow-draft-model-draft-int4": "sparrow-plain-auto",
+            "sparrow-draft-model-draft-int4-vocab-auto": "sparrow-plain-auto",
             "sparrow-int4-target+draft-int4": "sparrow-plain-int4"}.get(config)
 
 
