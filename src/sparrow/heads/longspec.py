@@ -297,11 +297,7 @@ def evaluate_longspec(head: LongSpecHead, model: nn.Module, sequences: Sequence[
             per_depth.append(agreement)
         if per_depth:
             agreements.append(per_depth)
-    if not losses:
-        return Evaluation(0.0, (), 0)
-    depth = min(len(a) for a in agreements)
-    mean = tuple(sum(a[j] for a in agreements) / len(agreements) for j in range(depth))
-    return Evaluation(sum(losses) / len(losses), mean, len(losses))
+    return Evaluation.mean_of(losses, agreements)
 
 
 def save_longspec(head: LongSpecHead, directory: str | Path) -> Path:

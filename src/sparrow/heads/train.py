@@ -271,6 +271,15 @@ class Evaluation:
     agreement: tuple[float, ...]  # top-1 agreement at draft depth 1 .. ttt_steps (target-fed context)
     sequences: int
 
+    @staticmethod
+    def mean_of(losses: list[float], agreements: list[list[float]]) -> Evaluation:
+        """The mean loss and per-depth agreement over sequences (depths: as many as every sequence reached)."""
+        if not losses:
+            return Evaluation(0.0, (), 0)
+        depth = min(len(a) for a in agreements)
+        mean = tuple(sum(a[j] for a in agreements) / len(agreements) for j in range(depth))
+        return Evaluation(sum(losses) / len(losses), mean, len(losses))
+
     @property
     def expected_accepted(self) -> float:
         """Tokens per round a chain of ttt_steps drafts would commit if depth j were accepted with the agreement
@@ -291,11 +300,7 @@ def evaluate_head(head: EagleHead, features: Sequence[Features], ttt_steps: int 
         loss, depths = ttt_loss(head, f, ttt_steps)
         losses.append(float(loss))
         agreements.append(depths)
-    if not losses:
-        return Evaluation(0.0, (), 0)
-    depth = min(len(a) for a in agreements)
-    mean = tuple(sum(a[j] for a in agreements) / len(agreements) for j in range(depth))
-    return Evaluation(sum(losses) / len(losses), mean, len(losses))
+    return Evaluation.mean_of(losses, agreements)
 
 
 @torch.no_grad()
