@@ -91,13 +91,14 @@ def test_reduced_head_logits_equal_the_full_head_on_the_set_and_are_minus_inf_el
     assert reduced_head_view(model, vocab).get_output_embeddings() is view.get_output_embeddings()  # built once
 
 
-@pytest.mark.parametrize("bits", ["int8", "int4"])
+@pytest.mark.parametrize("bits", ["int8", "int4", "w8a8"])
 def test_a_quantized_head_stays_quantized_with_the_same_rows(pair, vocab, bits):
-    from sparrow.quantization import QuantizedLinear, quantized_copy
+    from sparrow.quantization import DynamicInt8Linear, QuantizedLinear, quantized_copy
 
     quantized = quantized_copy(pair[0], bits, group_size=64, keep_dense=True).model
     odd = DraftVocab(vocab.ids[:-8], 320)  # 200 rows: int4 packing needs a multiple of 16, so they stay dense
-    for kept, kind in ((vocab, QuantizedLinear), (odd, QuantizedLinear if bits == "int8" else nn.Linear)):
+    same = DynamicInt8Linear if bits == "w8a8" else QuantizedLinear
+    for kept, kind in ((vocab, same), (odd, nn.Linear if bits == "int4" else same)):
         view = reduced_head_view(quantized, kept)
         project = view.get_output_embeddings().project
         assert type(project) is kind
@@ -117,6 +118,7 @@ SPECS = {
     "draft-model-tree": ("draft-model", {"tree_budget": 8, "tree_topk": 2, "tree_depth": 4}),
     "quantized-self": ("quantized-self", {"bits": "int8"}),
     "quantized-self-int4": ("quantized-self", {"bits": "int4", "group_size": 64}),
+    "quantized-self-w8a8": ("quantized-self", {"bits": "w8a8"}),
     "layer-skip": ("layer-skip", {"skip_set": "mlp=1", "backoff": False}),
 }
 

@@ -188,7 +188,7 @@ def test_measure_on_a_small_shape(monkeypatch, activations):
     monkeypatch.setattr(hardware, "MIN_BF16_SPEEDUP", 0.0)
     record = hardware.measure(rows=(1, 8), shape=(64, 128), bf16_instructions=activations == "bfloat16",
                               working_set=1 << 20)
-    assert set(record["costs"]) == {"float32", "bfloat16", "int8", "int4"}
+    assert set(record["costs"]) == {"float32", "bfloat16", "int8", "int4", "w8a8"}
     assert record["quant_activations"] == activations
     assert all(cost > 0 for row in record["costs"].values() for cost in row.values())
     assert hardware._valid_costs(record["costs"]) and record["shape"] == [64, 128]

@@ -104,7 +104,7 @@ def test_layers_the_kernel_cannot_take_are_skipped_or_refused():
     assert Q.quantize_model(ragged, 8).sparrow_quantization.skipped == ("0",)
 
 
-@pytest.mark.parametrize("bits", ["int4", "int8"])
+@pytest.mark.parametrize("bits", ["int4", "int8", "w8a8"])
 def test_quantized_self_greedy_equals_plain(target, plain, bits):
     before = snapshot(target.model)
     for verifier in ("greedy", "rejection"):
@@ -116,18 +116,18 @@ def test_quantized_self_greedy_equals_plain(target, plain, bits):
     assert all(torch.equal(before[k], after[k]) for k in before)  # the target's weights are never modified
 
 
-@pytest.mark.parametrize("bits", ["int4", "int8"])
+@pytest.mark.parametrize("bits", ["int4", "int8", "w8a8"])
 def test_quantized_draft_model_greedy_equals_plain(target, plain, bits):
     draft = LoadedModel(perturbed(target.model, 0.05, seed=1), target.tokenizer, "close")
     pipe = sparrow.load(target, drafter="draft-model", draft=draft, num_draft_tokens=4, draft_quant=bits)
-    assert pipe.drafter.draft.model.sparrow_quantization.bits == Q.parse_quant(bits)
+    assert pipe.drafter.draft.model.sparrow_quantization.name == Q.parse_quant(bits)
     assert pipe.drafter.length.curve is not None  # load() is adaptive by default: the cost curve
     assert pipe.runner.model is target.model  # the target stays unquantized
     drafted, accepted = run_all(pipe, plain)
     assert accepted > 0
 
 
-@pytest.mark.parametrize("quant", ["int4", "int8"])
+@pytest.mark.parametrize("quant", ["int4", "int8", "w8a8"])
 def test_quantized_target_speculative_equals_its_own_plain_decoding(target, quant):
     for drafter, draft in [("draft-model", target), ("prompt-lookup", None)]:
         pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=4, quant=quant, draft_quant=(
@@ -140,6 +140,36 @@ def test_quantized_target_speculative_equals_its_own_plain_decoding(target, quan
             assert result.token_ids == expected, (drafter, prompt)
             accepted += result.stats.num_accepted_tokens
         assert accepted > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_is_close_to_dense_and_each_token_ignores_the_others(dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96, bias=True).to(dtype)
+    layer = Q.DynamicInt8Linear.from_linear(linear)
+    x = torch.randn(32, 256, dtype=dtype)
+    x[::3, 5] *= 40  # an outlier channel in some tokens: their range, not the batch's, must set their scale
+    full = layer(x)
+    assert full.dtype == dtype and ((full.float() - linear(x).float()).norm() / linear(x).float().norm()) < 0.05
+    for start, size in [(0, 1), (3, 1), (4, 2), (7, 5), (11, 8), (20, 12)]:
+        assert torch.equal(layer(x[start:start + size]), full[start:start + size])  # bit for bit
+    assert torch.equal(layer(x[None, :4]), full[None, :4]) and torch.equal(layer(torch.zeros(2, 256, dtype=dtype)),
+                                                                           linear.bias.expand(2, -1))
+    # the control: fbgemm's own per-call activation range makes a token depend on its neighbours
+    rows = torch.cat([x.float(), torch.zeros(32, layer.pads.shape[1])], dim=1)
+    alone = torch.ops.quantized.linear_dynamic(rows[:1], layer.params, layer.reduce_range)
+    assert not torch.equal(alone, torch.ops.quantized.linear_dynamic(rows, layer.params, layer.reduce_range)[:1])
+
+
+def test_w8a8_refuses_other_devices_and_round_trips_the_disk_cache(target, tmp_path):
+    with pytest.raises(ValueError, match="w8a8 runs on the CPU only"):
+        Q.check_device("w8a8", torch.device("cuda"), torch.float32)
+    built = Q.quantize_model(target.model, "w8a8", cache_entry=tmp_path / "w8a8")
+    loaded = Q.quantize_model(target.model, "w8a8", cache_entry=tmp_path / "w8a8")
+    assert loaded.sparrow_quantization.from_disk and not built.sparrow_quantization.from_disk
+    assert Q.describe(loaded).startswith("w8a8") and len(loaded.sparrow_quantization.quantized) == 15  # lm_head too
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    assert torch.equal(loaded(ids).logits, built(ids).logits)
 
 
 def test_quantized_copy_is_built_once_and_reused_from_disk(target, tmp_path, monkeypatch):

@@ -282,8 +282,12 @@ def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
 
 def _project(head: nn.Module, ids: Tensor) -> nn.Module:
     """The rows `ids` of `head` as a layer of the same kind (a weight-only quantized head stays quantized)."""
-    from sparrow.quantization import QuantizedLinear, kernel_takes
+    from sparrow.quantization import DynamicInt8Linear, QuantizedLinear, kernel_takes
 
+    if isinstance(head, DynamicInt8Linear):  # the int8 rows and their scales: the same values
+        bias = head.bias[ids] if head.bias is not None else None
+        return DynamicInt8Linear(head.in_features, ids.numel(), head.int8_weight()[ids], head.scales[ids], bias,
+                                 head.reduce_range)
     if isinstance(head, QuantizedLinear):
         if head.dense is None:
             raise UserError("draft_vocab: the draft's LM head is quantized without its dense weights; "
@@ -297,7 +301,7 @@ def _project(head: nn.Module, ids: Tensor) -> nn.Module:
     if type(head) is nn.Linear:
         return _linear(head.weight[ids], head.bias[ids] if head.bias is not None else None)
     raise UserError(f"draft_vocab: the draft's LM head is a {type(head).__name__}; a reduced vocabulary needs "
-                    "an nn.Linear (or sparrow's QuantizedLinear) head")
+                    "an nn.Linear (or sparrow's QuantizedLinear / DynamicInt8Linear) head")
 
 
 _HEADS: weakref.WeakKeyDictionary[nn.Module, dict[str, ReducedHead]] = weakref.WeakKeyDictionary()

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = 2  # bump when the cached record's layout or the benchmark changes
+FORMAT = 3  # bump when the cached record's layout or the benchmark changes
 BENCH_SHAPE = (8960, 1536)  # [out_features, in_features]: Qwen2.5-1.5B's MLP gate/up projection
 BENCH_ROWS = (1, 8)  # a plain decoding step; verifying a draft of 8 tokens
 MIN_BF16_SPEEDUP = 1.1  # bfloat16 is picked over float32 only when at least this much faster
@@ -168,10 +168,10 @@ def _faster_dense(costs: dict[str, dict[str, float]]) -> float:
 def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_SHAPE, *, bf16_instructions: bool,
             quant: bool = True, working_set: int | None = None) -> dict[str, object]:
     """Milliseconds per ``x @ W.T`` with W of ``shape``, x of ``rows`` rows, on the CPU with torch's threads:
-    ``{"float32": {"1": ms, "8": ms}, "bfloat16": {...}, "int8": {...}, "int4": {...}}``. The weight-only
-    kernels compute in the dtype picked from the first two (as a quantized draft would), named by
-    ``quant_activations``."""
-    from sparrow.quantization import kernel_takes, pack_int4, quantize_int4, quantize_int8
+    ``{"float32": {"1": ms, "8": ms}, "bfloat16": {...}, "int8": {...}, "int4": {...}, "w8a8": {...}}``. The
+    weight-only kernels compute in the dtype picked from the first two (as a quantized draft would), named by
+    ``quant_activations``; w8a8 (int8 weights and per-token int8 activations, fbgemm) takes that dtype too."""
+    from sparrow.quantization import DynamicInt8Linear, kernel_takes, pack_int4, quantize_int4, quantize_int8
 
     start = time.perf_counter()
     out_features, in_features = shape
@@ -209,6 +209,11 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
             p4 = pack_int4(q4, cpu)
             w4 = _copies(lambda: (p4.clone(), INT4_GROUP_SIZE, scales_zeros.to(act)), size // 2, working_set)
             quantized["int4"] = (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, *next(w4)), act)
+        if quant:
+            q8, scales = quantize_int8(weight)
+            linears = _copies(lambda: (DynamicInt8Linear(in_features, out_features, q8, scales, None, True),),
+                              size, working_set)
+            quantized["w8a8"] = (lambda x: next(linears)[0](x), act)
         if quantized:
             timed(quantized)
     return {"costs": costs, "quant_activations": _name(act), "unit": "ms per matmul",

@@ -1,4 +1,4 @@
-"""Weight-only quantized copies of a model: int8 per output channel, or int4 in groups.
+"""Quantized copies of a model: weight-only int8 per output channel or int4 in groups, or w8a8.
 
 A thin wrapper over torch's own packed kernels (no hand-written kernels):
 
@@ -6,6 +6,9 @@ A thin wrapper over torch's own packed kernels (no hand-written kernels):
 * int4: ``aten._weight_int4pack_mm_for_cpu`` on the CPU, ``aten._weight_int4pack_mm`` (tinygemm)
   on CUDA: asymmetric, one (scale, zero) pair per group of ``group_size`` input channels,
   ``w ~= (q - 8) * scale + zero`` with ``q`` in 0..15 (torchao's ``int4_weight_only`` layout).
+* w8a8 (CPU only): int8 weights per output channel *and* int8 activations quantized per token at run
+  time, multiplied in integers by fbgemm (``quantized.linear_dynamic``, the x86 VNNI kernels behind
+  ``torch.ao``'s dynamic quantization). See ``DynamicInt8Linear`` for why it stays batch-invariant.
 
 ``quantize_model`` returns a *copy*: every ``nn.Linear`` whose shape the kernel takes becomes a
 ``QuantizedLinear``; everything else (embeddings, norms, layers the kernel can't take) is shared
@@ -25,6 +28,7 @@ import hashlib
 import json
 import struct
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +41,8 @@ from sparrow.models import LoadedModel, PRESETS, cache
 from sparrow.models.presets import default_cache_dir
 from sparrow.errors import UserError
 
-QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4}
+QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4, "w8a8": 8}  # format -> bits per weight
+W8A8 = "w8a8"
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 128
 CUDA_INT4_INNER_K_TILES = 8  # tinygemm tiling: K must be a multiple of 16 * inner_k_tiles
@@ -48,14 +53,14 @@ WEIGHTS_FILE = "weights.safetensors"  # the packed weights inside a quantized ca
 DENSE_FROM_TOKENS = 16  # with a dense fallback, forwards of >= this many tokens (prefill) use it
 
 
-def parse_quant(quant: str | int | None, argument: str = "quant") -> int | None:
-    """'int8' / 'int4' / 8 / 4 -> bits; None -> None. Raises ValueError naming `argument`."""
+def parse_quant(quant: str | int | None, argument: str = "quant") -> str | None:
+    """'int8' / 'int4' / 'w8a8' / 8 / 4 -> the format's name; None -> None. Raises UserError naming `argument`."""
     if quant is None:
         return None
-    if isinstance(quant, int) and not isinstance(quant, bool) and quant in QUANT_BITS.values():
-        return quant
+    if isinstance(quant, int) and not isinstance(quant, bool) and quant in (4, 8):
+        return f"int{quant}"
     if isinstance(quant, str) and quant.lower() in QUANT_BITS:
-        return QUANT_BITS[quant.lower()]
+        return quant.lower()
     raise UserError(f"invalid {argument} {quant!r}: expected one of {', '.join(QUANT_BITS)}")
 
 
@@ -70,23 +75,29 @@ def check_quant_args(drafter: str, quant: str | None, draft_quant: str | None, h
         raise UserError(f"draft_quant needs a draft model, and drafter {drafter!r} has none")
 
 
-def check_device(bits: int, device: torch.device, dtype: torch.dtype) -> None:
+def check_device(fmt: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse, with a clear message, devices and dtypes torch has no packed kernel for."""
+    if fmt == W8A8 and device.type != "cpu":
+        raise UserError(f"w8a8 runs on the CPU only (fbgemm's int8 kernels), not {device.type}; "
+                        "use int8 or int4 (weight-only) there")
     if device.type not in ("cpu", "cuda"):
-        raise UserError(f"int{bits} weight-only quantization runs on cpu or cuda, not {device.type}")
-    if device.type == "cuda" and bits == 4 and torch.cuda.get_device_capability(device) < (8, 0):
+        raise UserError(f"{fmt} weight-only quantization runs on cpu or cuda, not {device.type}")
+    if device.type == "cuda" and fmt == "int4" and torch.cuda.get_device_capability(device) < (8, 0):
         raise UserError("int4 weight-only quantization on CUDA needs compute capability >= 8.0 (tinygemm, bfloat16)")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise UserError(f"weight-only quantization needs a floating-point model, got {dtype}")
+        raise UserError(f"quantization needs a floating-point model, got {dtype}")
 
 
-def kernel_takes(bits: int, out_features: int, in_features: int, group_size: int, device: torch.device) -> bool:
+def kernel_takes(bits: int | str, out_features: int, in_features: int, group_size: int, device: torch.device) -> bool:
     """Whether the packed kernel accepts a [out_features, in_features] weight.
 
     int8 on the CPU needs K % 16 == 0 (and 16-byte-aligned weights, see _load_cached): in bfloat16
     the kernel crashes (SIGSEGV) on forwards of 4+ tokens otherwise (torch 2.14, avx512). int4 on the CPU
-    packs N in blocks of 16 output rows (`_convert_weight_to_int4pack_for_cpu` refuses other N)."""
-    if bits == 8:
+    packs N in blocks of 16 output rows (`_convert_weight_to_int4pack_for_cpu` refuses other N).
+    w8a8 (fbgemm) takes any shape."""
+    if bits == W8A8:
+        return True
+    if bits in (8, "int8"):
         return device.type != "cpu" or in_features % CPU_INT8_K_MULTIPLE == 0
     k_multiple = 16 * CUDA_INT4_INNER_K_TILES if device.type == "cuda" else group_size
     n_multiple = 8 if device.type == "cuda" else CPU_INT4_N_MULTIPLE
@@ -186,19 +197,95 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}{group}"
 
 
+def _vnni() -> bool:
+    """Whether the CPU multiplies u8 x s8 without int16 saturation (VNNI): then w8a8 uses all 8 activation bits."""
+    from sparrow.hardware import cpu_info
+
+    return any(flag in cpu_info().flags for flag in ("avx512_vnni", "avx_vnni"))
+
+
+class DynamicInt8Linear(nn.Module):
+    """y = x W^T + b in integers: int8 W (one scale per output channel), int8 x quantized per token at run time.
+
+    fbgemm's dynamic linear picks ONE activation range per call (the whole [tokens, K] input), which would
+    make a token's output depend on the other tokens of the forward, so a multi-token verify would not
+    equal one-token decoding. Each row is therefore divided by its own max |x| and given extra input
+    columns, +1, -1 and zeros up to a multiple of 16 (fbgemm runs ~2x slower on ragged K), whose weights are
+    zero: every call then sees exactly the range [-1, 1], each row is
+    quantized on its own, the int32 accumulation is exact in any blocking, and the row is scaled back
+    after. A token's output is bit-identical whatever else the forward holds (tests/test_quantization.py),
+    so speculation is lossless relative to this copy. Activations lose what 8 bits per token lose
+    (7 bits without VNNI, where fbgemm's u8 x s8 pairs would otherwise saturate)."""
+
+    def __init__(self, in_features: int, out_features: int, qweight: Tensor, scales: Tensor, bias: Tensor | None,
+                 reduce_range: bool) -> None:
+        super().__init__()
+        assert qweight.shape == (out_features, in_features) and qweight.dtype == torch.int8, qweight.shape
+        self.in_features, self.out_features, self.reduce_range = in_features, out_features, reduce_range
+        self.bias = bias  # shared with the source layer (read-only), or None
+        pad = 2 + (-(in_features + 2)) % 16
+        padded = torch.cat([qweight, qweight.new_zeros(out_features, pad)], dim=1)  # [N, K + pad]
+        with warnings.catch_warnings():  # torch marks its quantized tensor types deprecated; fbgemm is the x86 kernel
+            warnings.simplefilter("ignore")
+            qw = torch._make_per_channel_quantized_tensor(padded, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0)
+            self.params = torch.ops.quantized.linear_prepack(qw, None)
+        self.register_buffer("scales", scales.float())  # [N]
+        self.register_buffer("pads", torch.tensor([[1.0, -1.0] + [0.0] * (pad - 2)]), persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> DynamicInt8Linear:
+        q, scales = quantize_int8(linear.weight)
+        return cls(linear.in_features, linear.out_features, q, scales, linear.bias, reduce_range=not _vnni())
+
+    def int8_weight(self) -> Tensor:
+        """The int8 [N, K] weight (read back from fbgemm's packing)."""
+        qw, _ = torch.ops.quantized.linear_unpack(self.params)
+        return qw.int_repr()[:, : self.in_features].contiguous()
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {"packed": self.int8_weight(), "scales": self.scales}
+
+    @property
+    def weight(self) -> Tensor:
+        """A data-less [out_features, in_features] stand-in (see QuantizedLinear.weight)."""
+        return torch.empty(self.out_features, self.in_features, dtype=torch.float32, device="meta")
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape  # [..., in_features]
+        x2 = x.reshape(-1, self.in_features).float()
+        peak = x2.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)  # [T, 1]
+        rows = torch.cat([x2 / peak, self.pads.expand(x2.shape[0], -1)], dim=-1)  # [T, K + pad], range exactly [-1, 1]
+        y = (torch.ops.quantized.linear_dynamic(rows, self.params, self.reduce_range) * peak).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
+
+
+def _layer_tensors(layer: nn.Module) -> dict[str, Tensor]:
+    """What the disk cache keeps of a quantized layer."""
+    return layer.tensors() if isinstance(layer, DynamicInt8Linear) else dict(layer.named_buffers())
+
+
 @dataclass(frozen=True)
 class QuantizationInfo:
     """Set as `model.sparrow_quantization` on every quantized copy."""
 
-    bits: int
+    format: str  # "int8", "int4" or "w8a8"
     group_size: int
-    quantized: tuple[str, ...]  # names of the layers replaced by QuantizedLinear
+    quantized: tuple[str, ...]  # names of the layers replaced by QuantizedLinear / DynamicInt8Linear
     skipped: tuple[str, ...]  # nn.Linear layers the kernel can't take (kept dense, shared)
     from_disk: bool  # loaded from the disk cache rather than quantized now
 
     @property
+    def bits(self) -> int:
+        return QUANT_BITS[self.format]
+
+    @property
     def name(self) -> str:
-        return f"int{self.bits}"
+        return self.format
 
 
 def _shared_copy(model: nn.Module) -> nn.Module:
@@ -216,14 +303,15 @@ def _stderr(message: str) -> None:
     print(f"sparrow: {message}", file=sys.stderr, flush=True)
 
 
-def _cache_meta(layers: dict[str, nn.Linear], bits: int, group_size: int, device: torch.device) -> dict[str, str]:
+def _cache_meta(layers: dict[str, nn.Linear], fmt: str, group_size: int, device: torch.device) -> dict[str, str]:
     """What a cache entry must have been built for: anything else (another torch: another packed
     layout; another model's layers) rebuilds it."""
     shapes = hashlib.sha256(repr(sorted((n, m.out_features, m.in_features) for n, m in layers.items())).encode())
     dtype = next(iter(layers.values())).weight.dtype
-    return {"kind": "quantized", "format": str(FORMAT_VERSION), "bits": str(bits), "group_size": str(group_size),
-            "device_type": device.type, "dtype": str(dtype), "torch": torch.__version__,
+    meta = {"kind": "quantized", "format": str(FORMAT_VERSION), "bits": str(QUANT_BITS[fmt]),
+            "group_size": str(group_size), "device_type": device.type, "dtype": str(dtype), "torch": torch.__version__,
             "layers_sha256": shapes.hexdigest()}
+    return meta if fmt != W8A8 else {**meta, "quant_format": fmt}
 
 
 _SAFETENSORS_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "BF16": torch.bfloat16,
@@ -270,12 +358,20 @@ def _save_cached(directory: Path, tensors: dict[str, Tensor]) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / WEIGHTS_FILE))
 
 
-def _quantize_layers(model: nn.Module, take: dict[str, nn.Linear], bits: int, group_size: int, keep_dense: bool,
+def _quantize_layers(model: nn.Module, take: dict[str, nn.Linear], fmt: str, group_size: int, keep_dense: bool,
                      cached: dict[str, Tensor] | None) -> nn.Module:
-    """A shared copy of `model` with the `take` layers replaced by QuantizedLinear (from `cached` if given)."""
+    """A shared copy of `model` with the `take` layers replaced by QuantizedLinear or DynamicInt8Linear
+    (from `cached` if given)."""
     clone = _shared_copy(model)
+    bits = QUANT_BITS[fmt]
+    reduce_range = fmt == W8A8 and not _vnni()
     for name, linear in take.items():
-        if cached is not None:
+        if fmt == W8A8 and cached is not None:
+            layer = DynamicInt8Linear(linear.in_features, linear.out_features, cached[f"{name}.packed"],
+                                      cached[f"{name}.scales"], linear.bias, reduce_range)
+        elif fmt == W8A8:
+            layer = DynamicInt8Linear.from_linear(linear)
+        elif cached is not None:
             layer = QuantizedLinear(linear.in_features, linear.out_features, bits, group_size,
                                     cached[f"{name}.packed"], cached[f"{name}.scales"], linear.bias,
                                     linear.weight if keep_dense else None)
@@ -286,13 +382,13 @@ def _quantize_layers(model: nn.Module, take: dict[str, nn.Linear], bits: int, gr
 
 
 def _buffers(clone: nn.Module, take: dict[str, nn.Linear]) -> dict[str, Tensor]:
-    return {f"{n}.{b}": t for n in take for b, t in clone.get_submodule(n).named_buffers()}
+    return {f"{n}.{b}": t for n in take for b, t in _layer_tensors(clone.get_submodule(n)).items()}
 
 
-def quantize_model(model: nn.Module, bits: int | str, group_size: int = DEFAULT_GROUP_SIZE,
+def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT_GROUP_SIZE,
                    cache_entry: Path | str | None = None, keep_dense: bool = False,
                    report: Callable[[str], None] | None = None) -> nn.Module:
-    """A weight-only quantized copy of `model` (int8 or int4); `model` itself is left untouched.
+    """A quantized copy of `model` (int8, int4 or w8a8); `model` itself is left untouched.
 
     Every nn.Linear the kernel can take (lm_head included) is quantized; the rest is shared.
     With `cache_entry` (a directory, see sparrow.models.cache), the packed weights are read from it
@@ -302,41 +398,42 @@ def quantize_model(model: nn.Module, bits: int | str, group_size: int = DEFAULT_
     use the source's dense weights: for drafts only (the output of a draft never changes the result),
     since it keeps the source weights alive and makes the copy's numerics depend on the forward's length.
     """
-    bits = parse_quant(bits, "bits")
-    if bits is None:
-        raise UserError("bits must be int8 or int4")
-    if bits == 4 and group_size not in INT4_GROUP_SIZES:
+    fmt = parse_quant(quant, "quant")
+    if fmt is None:
+        raise UserError(f"quant must be one of {', '.join(QUANT_BITS)}")
+    if fmt == "int4" and group_size not in INT4_GROUP_SIZES:
         raise UserError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     first = next(model.parameters())
-    check_device(bits, first.device, first.dtype)
+    check_device(fmt, first.device, first.dtype)
     linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
-    take = {n: m for n, m in linears.items() if kernel_takes(bits, m.out_features, m.in_features, group_size,
+    kind = W8A8 if fmt == W8A8 else QUANT_BITS[fmt]
+    take = {n: m for n, m in linears.items() if kernel_takes(kind, m.out_features, m.in_features, group_size,
                                                               m.weight.device)}
     if not take:
-        raise UserError(f"int{bits} (group size {group_size}): the kernel takes none of the model's linear layers "
+        raise UserError(f"{fmt} (group size {group_size}): the kernel takes none of the model's linear layers "
                          f"(int4 needs in_features divisible by the group size and out_features by 8; "
                          f"int8 on the CPU in_features divisible by {CPU_INT8_K_MULTIPLE})")
     cached = None
     if cache_entry is None:
-        clone = _quantize_layers(model, take, bits, group_size, keep_dense, None)
+        clone = _quantize_layers(model, take, fmt, group_size, keep_dense, None)
     else:
         entry = Path(cache_entry).expanduser()
-        with cache.open_entry(entry, _cache_meta(take, bits, group_size, first.device), report or _stderr) as slot:
+        with cache.open_entry(entry, _cache_meta(take, fmt, group_size, first.device), report or _stderr) as slot:
             cached = _load_cached(entry / WEIGHTS_FILE, first.device) if slot.ready else None
             if cached is not None and any(f"{n}.{b}" not in cached for n in take for b in ("packed", "scales")):
                 cached = None
-            clone = _quantize_layers(model, take, bits, group_size, keep_dense, cached)
+            clone = _quantize_layers(model, take, fmt, group_size, keep_dense, cached)
             if cached is None:
                 slot.commit(lambda directory: _save_cached(directory, _buffers(clone, take)))
-    clone.sparrow_quantization = QuantizationInfo(bits, group_size, tuple(take), tuple(sorted(set(linears) - set(take))),
+    clone.sparrow_quantization = QuantizationInfo(fmt, group_size, tuple(take), tuple(sorted(set(linears) - set(take))),
                                                   from_disk=cached is not None)
     return clone.eval()
 
 
-_COPIES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int, bool], nn.Module]] = weakref.WeakKeyDictionary()
+_COPIES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int, bool], nn.Module]] = weakref.WeakKeyDictionary()
 
 
-def quantized_cache_entry(loaded: LoadedModel, bits: int, group_size: int,
+def quantized_cache_entry(loaded: LoadedModel, quant: int | str, group_size: int,
                           cache_dir: Path | str | None = None) -> Path | None:
     """Disk cache entry (a directory) of a preset's quantized copy, under <sparrow cache>/quantized/;
     None for other models (nothing names their weights reliably)."""
@@ -345,7 +442,8 @@ def quantized_cache_entry(loaded: LoadedModel, bits: int, group_size: int,
     first = next(loaded.model.parameters())
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     dtype = str(first.dtype).removeprefix("torch.")
-    return root / "quantized" / f"{loaded.name.strip().lower()}-{dtype}-int{bits}-g{group_size}-{first.device.type}"
+    fmt = parse_quant(quant)
+    return root / "quantized" / f"{loaded.name.strip().lower()}-{dtype}-{fmt}-g{group_size}-{first.device.type}"
 
 
 def quantized_copy(loaded: LoadedModel, quant: str | int, group_size: int = DEFAULT_GROUP_SIZE,
@@ -354,21 +452,21 @@ def quantized_copy(loaded: LoadedModel, quant: str | int, group_size: int = DEFA
     """The quantized copy of `loaded`, built once per (model, bits, group size, keep_dense) in this
     process, and for presets read from / written to the disk cache. keep_dense: for drafts only.
     `report`: see quantize_model."""
-    bits = parse_quant(quant)
-    if bits is None:
-        raise UserError("quant must be int8 or int4")
+    fmt = parse_quant(quant)
+    if fmt is None:
+        raise UserError(f"quant must be one of {', '.join(QUANT_BITS)}")
     if getattr(loaded.model, "sparrow_quantization", None) is not None:
         raise UserError(f"{loaded.name!r} is already quantized ({loaded.model.sparrow_quantization.name})")
     copies = _COPIES.setdefault(loaded.model, {})
-    key = (bits, group_size, keep_dense)
+    key = (fmt, group_size, keep_dense)
     if key not in copies:
-        entry = quantized_cache_entry(loaded, bits, group_size, cache_dir)
-        copies[key] = quantize_model(loaded.model, bits, group_size, cache_entry=entry, keep_dense=keep_dense,
+        entry = quantized_cache_entry(loaded, fmt, group_size, cache_dir)
+        copies[key] = quantize_model(loaded.model, fmt, group_size, cache_entry=entry, keep_dense=keep_dense,
                                      report=report)
         if entry is not None and cache.status(entry).state == "complete":
             with contextlib.suppress(OSError):  # sparrow's first cache format: a bare file beside the entry
                 entry.with_name(entry.name + ".safetensors").unlink(missing_ok=True)
-    return LoadedModel(model=copies[key], tokenizer=loaded.tokenizer, name=f"{loaded.name} (int{bits})",
+    return LoadedModel(model=copies[key], tokenizer=loaded.tokenizer, name=f"{loaded.name} ({fmt})",
                        processor=loaded.processor)
 
 
@@ -385,7 +483,7 @@ def describe(model: nn.Module) -> str:
     info = getattr(model, "sparrow_quantization", None)
     if info is None:
         return str(next(model.parameters()).dtype).removeprefix("torch.")
-    group = f"g{info.group_size}, " if info.bits == 4 else ""
+    group = f"g{info.group_size}, " if info.format == "int4" else ""
     return f"{info.name} ({group}{len(info.quantized)} layers)"
 
 
@@ -398,5 +496,5 @@ def summary(model: nn.Module) -> dict[str, object]:
             "skipped_layers": list(info.skipped)}
 
 
-__all__ = ["QUANT_BITS", "check_quant_args", "QuantizedLinear", "QuantizationInfo", "quantize_model", "quantized_copy",
+__all__ = ["QUANT_BITS", "W8A8", "check_quant_args", "QuantizedLinear", "DynamicInt8Linear", "QuantizationInfo", "quantize_model", "quantized_copy",
            "quantized_cache_entry", "parse_quant", "weight_bytes", "describe", "summary"]

@@ -74,11 +74,11 @@ def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any) ->
 
 
 def draft_hint(benchmark: dict[str, Any] | None) -> str | None:
-    """Which weight-only format a draft model runs fastest at one row, when one beats the dense dtype."""
+    """Which quantized format a draft model runs fastest at one row, when one beats the dense dtype."""
     if benchmark is None:
         return None
     costs, dense = benchmark["costs"], benchmark["quant_activations"]
-    quants = [name for name in ("int8", "int4") if name in costs]
+    quants = [name for name in ("int8", "int4", "w8a8") if name in costs]
     if not quants or dense not in costs:
         return None
     best = min(quants, key=lambda name: costs[name]["1"])
