@@ -7,7 +7,16 @@ OUT/corpus.*), the feature cache (the target's hidden states and top-k labels; O
 (OUT/eval.json) and a plot (OUT/training.png). `--time-budget` stops any stage cleanly; `--resume` continues.
 Heads: eagle3 / eagle1 (with Dovetail's `--fusion gated` and `--layers N`) train on the feature cache; a longspec
 head reads the target's KV at anchor-offset positions drawn each step, so it runs the target while training
-(no feature cache). `--arch sparrow` is refused: it needs video data this corpus does not have (train_sparrow).
+(no feature cache).
+
+`--arch sparrow` (Video-LLM targets: a Qwen2.5-VL or LLaVA-OneVision directory) trains a Sparrow head
+(`sparrow.heads.sparrow_head`: no visual KV, a window of text rows, the target's hidden states reused, visual rows
+bridged to an intermediate layer while training, multi-token prediction) on videos instead of the text corpus
+(`sparrow.heads.video_data`): each of `--videos` (default: Debian's opencv-doc sample videos), `--frames` frames
+sampled uniformly, asked a fixed set of generic questions; the answers are the target's own greedy continuations
+(OUT/video_corpus.json, kept as they come), a share of the (video, question) pairs is held out. Features are
+computed in memory (no feature cache: full logits over a video's positions); training, checkpoints, the time budget,
+`--resume` (answers reused, features recomputed), the held-out evaluation and the plot are the text path's.
 """
 
 from __future__ import annotations
@@ -31,6 +40,12 @@ DEFAULT_DRAFT_VOCAB = 32000
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_TOP_K = 32
 DEFAULT_ANCHOR_OFFSET = 30_000  # LongSpec's recipe: random offsets up to ~30k
+DEFAULT_TOKENS, DEFAULT_SEQ_LEN, DEFAULT_DISTILL = 200_000, 512, 32  # the text corpus' --tokens, --seq-len, --distill
+DEFAULT_FRAMES = 8  # = sparrow.vision.prompt.DEFAULT_FRAMES (`sparrow generate --frames`)
+DEFAULT_TEXT_WINDOW = 32  # = SparrowSpec's
+SPARROW_EPOCHS = 10  # default steps of --arch sparrow: few (video, question) pairs, long sequences
+TEXT_CORPUS_OPTIONS = ("data", "tokens", "held_out_tokens", "seq_len", "distill", "top_k", "features")
+VIDEO_OPTIONS = ("videos", "frames", "text_window")
 RUN = "run.json"  # what the resumed run needs that its checkpoint does not hold: target, dtype, top-k, cache
 
 
@@ -38,20 +53,23 @@ RUN = "run.json"  # what the resumed run needs that its checkpoint does not hold
 @cli_errors
 def head(
     out: Annotated[Path, typer.Option(help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with --drafter eagle --head OUT), checkpoints, features, log, plot.")],
-    target: Annotated[Optional[str], typer.Option(help=f"Target model: preset, local dir or hub id (default {DEFAULT_TARGET}; with --resume, the run's).")] = None,
-    arch: Annotated[Optional[str], typer.Option(help="eagle3 (three fused target layers, own reduced LM head), eagle1 (last layer, the target's LM head), longspec (sliding-window self-attention + cross-attention over the target's KV cache; trains at anchor-offset positions) or sparrow (Video-LLMs: Python API only, see the error). Default eagle3; with --resume, the run's.")] = None,
-    fusion: Annotated[Optional[str], typer.Option(help="How eagle3/eagle1 heads mix feature and token embedding: concat (EAGLE; vLLM/SGLang read it) or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). Default concat.")] = None,
-    layers: Annotated[Optional[int], typer.Option(help="Decoder layers of an eagle3/eagle1 head (Dovetail: deeper heads; > 1 is sparrow-only: layers.1.* tensors). Default 1.")] = None,
+    target: Annotated[Optional[str], typer.Option(help=f"Target model: preset, local dir or hub id (default {DEFAULT_TARGET}; --arch sparrow: a Qwen2.5-VL or LLaVA-OneVision directory or hub id; with --resume, the run's).")] = None,
+    arch: Annotated[Optional[str], typer.Option(help="eagle3 (three fused target layers, own reduced LM head), eagle1 (last layer, the target's LM head), longspec (sliding-window self-attention + cross-attention over the target's KV cache; trains at anchor-offset positions) or sparrow (Video-LLM targets, Qwen2.5-VL / LLaVA-OneVision: an EAGLE-3 head with no visual KV and a text window, trained on the target's answers about --videos). Default eagle3; with --resume, the run's.")] = None,
+    fusion: Annotated[Optional[str], typer.Option(help="How eagle3/eagle1/sparrow heads mix feature and token embedding: concat (EAGLE; vLLM/SGLang read it) or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). Default concat.")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="Decoder layers of an eagle3/eagle1/sparrow head (Dovetail: deeper heads; > 1 is sparrow-only: layers.1.* tensors). Default 1.")] = None,
     anchor_offset: Annotated[Optional[int], typer.Option(help=f"longspec: shift training positions (after 0-4 sink tokens) by a random offset up to N, so short text trains long-context positions (LongSpec's anchor-offset indices; default min({DEFAULT_ANCHOR_OFFSET}, the target's max positions - the longest training sequence)).")] = None,
-    draft_vocab: Annotated[Optional[int], typer.Option(help=f"eagle3: the N most frequent target tokens of the training data (FR-Spec; default {DEFAULT_DRAFT_VOCAB}, at most the vocabulary).")] = None,
+    draft_vocab: Annotated[Optional[int], typer.Option(help=f"eagle3, sparrow: the N most frequent target tokens of the training data (FR-Spec; default {DEFAULT_DRAFT_VOCAB}, at most the vocabulary).")] = None,
+    videos: Annotated[Optional[list[Path]], typer.Option(help="sparrow: a video file (any the video reader takes, e.g. .mp4/.avi), a directory of video files, or a directory of frame images (repeatable; default: opencv-doc's sample videos under /usr/share/doc/opencv-doc/examples/data).")] = None,
+    frames: Annotated[Optional[int], typer.Option(help=f"sparrow: frames sampled uniformly from each video (default {DEFAULT_FRAMES}).")] = None,
+    text_window: Annotated[Optional[int], typer.Option(help=f"sparrow: text rows each head row attends to (Sparrow's text-anchored window; default {DEFAULT_TEXT_WINDOW}).")] = None,
     data: Annotated[Optional[list[Path]], typer.Option(help="Directory or file of .py/.md/.rst text (repeatable; default: the standard library and installed packages).")] = None,
-    tokens: Annotated[int, typer.Option(help="Training tokens taken from files (self-distilled answers come on top).")] = 200_000,
+    tokens: Annotated[Optional[int], typer.Option(help=f"Training tokens taken from files (self-distilled answers come on top; default {DEFAULT_TOKENS}).")] = None,
     held_out_tokens: Annotated[Optional[int], typer.Option(help="Held-out tokens from other files (default: tokens / 20, at least 2 sequences).")] = None,
-    held_out_percent: Annotated[int, typer.Option(help="Share of files (by a hash of their path) held out for evaluation.")] = 5,
-    seq_len: Annotated[int, typer.Option(help="Tokens per training sequence.")] = 512,
-    distill: Annotated[int, typer.Option(help="Self-distilled sequences: the target's greedy answers to prompts built from training files (held out: a tenth).")] = 32,
-    distill_tokens: Annotated[int, typer.Option(help="New tokens per self-distilled answer.")] = 128,
-    steps: Annotated[Optional[int], typer.Option(help="Optimiser steps in total (default: 2 epochs of the training sequences).")] = None,
+    held_out_percent: Annotated[int, typer.Option(help="Share of files (by a hash of their path) held out for evaluation; sparrow: of the (video, question) pairs (at least one).")] = 5,
+    seq_len: Annotated[Optional[int], typer.Option(help=f"Tokens per training sequence (default {DEFAULT_SEQ_LEN}).")] = None,
+    distill: Annotated[Optional[int], typer.Option(help=f"Self-distilled sequences: the target's greedy answers to prompts built from training files (held out: a tenth; default {DEFAULT_DISTILL}).")] = None,
+    distill_tokens: Annotated[int, typer.Option(help="New tokens per self-distilled answer (sparrow: per answer about a video).")] = 128,
+    steps: Annotated[Optional[int], typer.Option(help=f"Optimiser steps in total (default: 2 epochs of the training sequences; sparrow: {SPARROW_EPOCHS} epochs of its training pairs).")] = None,
     time_budget: Annotated[Optional[float], typer.Option(help="Seconds for the whole command; stops cleanly (checkpoint, cache) when spent; --resume continues.")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 4,
     ttt_steps: Annotated[int, typer.Option(help="Training-time-test depth: draft steps trained on the head's own features (EAGLE-3).")] = 3,
@@ -67,7 +85,8 @@ def head(
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Rich progress bars on stderr.")] = True,
 ) -> None:
     """Train a draft head on the target's own outputs: EAGLE-3 (FR-Spec draft vocabulary, training-time test),
-    EAGLE-1, Dovetail's gated / deeper variants or a LongSpec head; checkpoints, resume, held-out evaluation."""
+    EAGLE-1, Dovetail's gated / deeper variants, a LongSpec head, or (Video-LLM targets) a Sparrow head trained on
+    the target's answers about --videos; checkpoints, resume, held-out evaluation."""
     from sparrow.heads.data import CorpusSpec, default_roots
     from sparrow.heads.trainer import TrainSettings, read_state
 
@@ -76,16 +95,27 @@ def head(
     check_float("--time-budget", time_budget, "a finite number of seconds > 0", lambda s: s > 0)
     check_float("--lr", lr, "a finite number > 0", lambda v: v > 0)
     for flag, value, low in (("--steps", steps, 1), ("--top-k", top_k, 1), ("--draft-vocab", draft_vocab, 1),
-                             ("--layers", layers, 1), ("--anchor-offset", anchor_offset, 0)):
+                             ("--layers", layers, 1), ("--anchor-offset", anchor_offset, 0), ("--frames", frames, 1),
+                             ("--text-window", text_window, 1)):
         check_int(flag, value, low)
     state = read_state(out)
-    stored_arch = state["head_config"]["arch"] if resume and state is not None else None
+    stored_arch = _arch_of(state) if resume and state is not None else None
     _check_variant(arch or stored_arch or "eagle3", fusion, layers, draft_vocab, anchor_offset)
+    _check_data_options(arch or stored_arch or "eagle3", {
+        name for name, value in (("data", data), ("tokens", tokens), ("held_out_tokens", held_out_tokens),
+                                 ("seq_len", seq_len), ("distill", distill), ("top_k", top_k), ("features", features),
+                                 ("videos", videos), ("frames", frames), ("text_window", text_window))
+        if value is not None})
     if resume and state is None:
         raise UserError(f"--resume: {str(out)!r} holds no checkpoint ({out / 'trainer_state.pt'}) to continue")
     if not resume and state is not None:
         raise UserError(f"--out {str(out)!r} already holds a training run: pass --resume to continue it, or choose "
                         "another directory")
+    if (arch or stored_arch) == "sparrow":
+        _sparrow(out, target, state, resume, steps, time_budget, started, dtype, device, progress, draft_vocab,
+                 HeadVariant(fusion or "concat", layers or 1), videos, frames, text_window, held_out_percent,
+                 distill_tokens, lr, batch_size, ttt_steps, checkpoint_every, eval_every, seed, arch, fusion, layers)
+        return
     if resume:
         _check_resumed_variant(state, arch, fusion, layers, anchor_offset)
         spec, settings = _stored_run(out, state, steps)
@@ -96,6 +126,9 @@ def head(
         if dtype == DType.auto and stored.get("dtype"):
             dtype = DType(stored["dtype"])
     else:
+        tokens = DEFAULT_TOKENS if tokens is None else tokens
+        seq_len = DEFAULT_SEQ_LEN if seq_len is None else seq_len
+        distill = DEFAULT_DISTILL if distill is None else distill
         spec = CorpusSpec(roots=tuple(str(p) for p in data) if data else tuple(map(str, default_roots())),
                           tokens=tokens, held_out_tokens=held_out_tokens if held_out_tokens is not None
                           else max(tokens // 20, 2 * seq_len), sequence_length=seq_len, distill=distill,
@@ -126,13 +159,6 @@ def _check_variant(arch: str, fusion: str | None, layers: int | None, draft_voca
 
     if arch not in HEAD_ARCHS:
         raise UserError(f"--arch must be one of {', '.join(HEAD_ARCHS)}, got {arch!r}")
-    if arch == "sparrow":
-        raise UserError("--arch sparrow needs a Video-LLM target (Qwen2.5-VL, LLaVA-OneVision) and training data with "
-                        "videos, but `sparrow train head` builds a text-only corpus (source files and docs, "
-                        "self-distilled text answers) and takes no video input: the head would never see a visual "
-                        "position. Train one from Python: new_head(model, 'sparrow'), then "
-                        "sparrow.heads.sparrow_head.video_features(...) over your videos, train_sparrow(...) and "
-                        "sparrow.heads.save_head(...); it loads with --drafter eagle --head DIR")
     if fusion is not None and fusion not in FUSIONS:
         raise UserError(f"--fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
     if arch == "longspec":
@@ -145,8 +171,9 @@ def _check_variant(arch: str, fusion: str | None, layers: int | None, draft_voca
                             "LM head)")
         return
     if anchor_offset is not None:
-        raise UserError(f"--anchor-offset applies to --arch longspec only (an {arch} head reads the target's hidden "
-                        "states at their real positions)")
+        article = "a" if arch == "sparrow" else "an"
+        raise UserError(f"--anchor-offset applies to --arch longspec only ({article} {arch} head reads the target's "
+                        "hidden states at their real positions)")
     if arch == "eagle1" and draft_vocab is not None:
         raise UserError("--draft-vocab applies to --arch eagle3 only (an EAGLE-1 head drafts with the target's LM head)")
 
@@ -155,13 +182,116 @@ def _check_resumed_variant(state: dict[str, Any], arch: str | None, fusion: str 
                            anchor_offset: int | None) -> None:
     """With --resume the head is the checkpoint's: refuse shape options that say otherwise."""
     config, settings = state["head_config"], state["settings"]
-    stored = {"--arch": config.get("arch"), "--fusion": config.get("fusion", "concat"),
+    stored = {"--arch": _arch_of(state), "--fusion": config.get("fusion", "concat"),
               "--layers": config.get("num_layers", 1), "--anchor-offset": settings.get("anchor_offset", 0)}
     given = {"--arch": arch, "--fusion": fusion, "--layers": layers, "--anchor-offset": anchor_offset}
     for flag, value in given.items():
         if value is not None and value != stored[flag]:
             raise UserError(f"--resume continues the run's head ({flag} {stored[flag]}); {flag} {value} would need a "
                             "new run in another --out directory")
+
+
+def _arch_of(state: dict[str, Any]) -> str:
+    """The --arch of a checkpointed head (a Sparrow head is an EAGLE-3 head with a SparrowSpec)."""
+    return "sparrow" if state.get("sparrow") is not None else state["head_config"]["arch"]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_data_options(arch: str, given: set[str]) -> None:
+    """The text corpus' options with --arch sparrow, or the video options with another arch: refused, not ignored."""
+    if arch == "sparrow":
+        for name in TEXT_CORPUS_OPTIONS:
+            if name in given:
+                raise UserError(f"{_flag(name)} applies to the text corpus of --arch eagle3, eagle1 or longspec; "
+                                "--arch sparrow trains on the target's answers about --videos (see --frames, "
+                                "--distill-tokens, --held-out-percent)")
+        return
+    for name in VIDEO_OPTIONS:
+        if name in given:
+            raise UserError(f"{_flag(name)} applies to --arch sparrow only (a Video-LLM target's draft head)")
+
+
+def _text_only_target(target: str) -> str | None:
+    """Why `target` is known to be text-only before loading it (a preset, a GGUF file, a model directory whose
+    config has no vision_config), else None (a Video-LLM directory, or a hub id: checked once loaded)."""
+    from sparrow.models.presets import PRESETS
+
+    if target.strip().lower() in PRESETS:
+        return "a text-only preset"
+    path = Path(target).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return "a GGUF file (text-only)"
+    config = path / "config.json"
+    if path.is_dir() and config.is_file():
+        try:
+            record = json.loads(config.read_text())
+        except (OSError, ValueError):
+            return None
+        if record.get("vision_config") is None:
+            kind = ",".join(record.get("architectures") or []) or record.get("model_type") or "a model"
+            return f"a text-only model ({kind}, no vision_config)"
+    return None
+
+
+def _check_video_target(target: str | None) -> None:
+    if target is None:
+        raise _video_target_error(DEFAULT_TARGET, "the default, a text-only preset (give --target)")
+    why = _text_only_target(target)
+    if why is not None:
+        raise _video_target_error(target, why)
+
+
+def _video_target_error(target: str, why: str) -> UserError:
+    return UserError(f"--arch sparrow needs a Video-LLM --target: a directory (or hub id) of a Qwen2.5-VL or "
+                     f"LLaVA-OneVision model with its processor; --target {target!r} is {why}")
+
+
+def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume: bool, steps: int | None,
+             time_budget: float | None, started: float, dtype: DType, device: str | None, progress: bool,
+             draft_vocab: int | None, variant: HeadVariant, videos: list[Path] | None, frames: int | None,
+             text_window: int | None, held_out_percent: int, distill_tokens: int, lr: float, batch_size: int,
+             ttt_steps: int, checkpoint_every: int, eval_every: int, seed: int, arch: str | None,
+             fusion: str | None, layers: int | None) -> None:
+    """`sparrow train head --arch sparrow`: checks before any model loads, then a _SparrowRun."""
+    from dataclasses import replace
+
+    from sparrow.heads.trainer import TrainSettings
+    from sparrow.heads.video_data import VideoSpec, default_videos, stored_spec, video_sources
+
+    if resume:
+        assert state is not None
+        _check_resumed_variant(state, arch, fusion, layers, None)
+        for name, value in (("videos", videos), ("frames", frames), ("text_window", text_window),
+                            ("draft_vocab", draft_vocab)):
+            if value is not None:
+                raise UserError(f"--resume continues the run's head and videos; {_flag(name)} would need a new run "
+                                "in another --out directory")
+        spec = stored_spec(out)
+        if spec is None:
+            raise UserError(f"--resume: {str(out)!r} has a Sparrow checkpoint but no video_corpus.json; it was not "
+                            "made by `sparrow train head --arch sparrow`")
+        stored = json.loads((out / RUN).read_text()) if (out / RUN).is_file() else {}
+        target = target or stored.get("target")
+        if dtype == DType.auto and stored.get("dtype"):
+            dtype = DType(stored["dtype"])
+        settings = TrainSettings(**state["settings"])
+        settings = replace(settings, steps=steps) if steps is not None else settings
+    else:
+        _check_video_target(target)
+        spec = VideoSpec(tuple(video_sources(videos)) if videos else tuple(str(p) for p in default_videos()),
+                         frames=frames or DEFAULT_FRAMES, answer_tokens=distill_tokens,
+                         held_out_percent=held_out_percent, seed=seed)
+        settings = TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,
+                                 checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed)
+    _check_video_target(target)
+    deadline = None if time_budget is None else started + time_budget
+    run = _SparrowRun(out, target, spec, settings, state, "sparrow", draft_vocab, DEFAULT_TOP_K, out / "features",
+                      deadline, progress, steps_given=steps is not None, variant=variant)
+    run.text_window = text_window or DEFAULT_TEXT_WINDOW
+    run.go(dtype.value, device)
 
 
 class _Run:
@@ -344,6 +474,121 @@ class _Run:
 
     def bars(self) -> _Bars:
         return _Bars(self.progress)
+
+
+class _SparrowRun(_Run):
+    """`--arch sparrow`: the target's answers about videos, in-memory video features, then the shared training
+    (run_training: checkpoints, time budget, resume), a held-out evaluation and the plot."""
+
+    text_window = DEFAULT_TEXT_WINDOW
+
+    def go(self, dtype: str, device: str | None) -> None:
+        from dataclasses import replace
+
+        from sparrow.heads.video_data import load_answers, read_videos, sample_features, self_distilled_answers
+        from sparrow.models import load_model
+
+        spec = self.spec
+        self.out.mkdir(parents=True, exist_ok=True)
+        videos = read_videos(spec)  # unreadable videos fail before the model loads
+        loaded = load_model(self.target_name, dtype=dtype, device=device, progress=self.progress)
+        if not loaded.is_vlm:
+            raise _video_target_error(self.target_name, "a text-only model (no processor for videos)")
+        self.model = loaded.model
+        if self.state is None:
+            run_dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+            record = {"target": self.target_name, "dtype": run_dtype, "arch": "sparrow", "top_k": None, "features": None}
+            (self.out / RUN).write_text(json.dumps(record) + "\n")
+        kept = len(load_answers(spec, self.out, self.target_name))
+        start = time.monotonic()
+        with self.bars() as bars:
+            samples = self_distilled_answers(spec, loaded, self.out, self.target_name,
+                                             lambda d, t: bars.callback("answers", d, t), self.out_of_time, videos)
+        if samples is None:
+            self.say(f"time budget spent while the target answered; its answers so far are kept in "
+                     f"{self.out / 'video_corpus.json'}: rerun the same command to continue")
+            return
+        if kept < len(samples):  # the target answered (not all reused from video_corpus.json)
+            self.timings["answer_seconds"] = time.monotonic() - start
+        train_count = sum(not s.held_out for s in samples)
+        self.say(f"videos: {len(spec.videos)} x {len(spec.questions)} questions, {spec.frames} frames each: "
+                 f"{train_count} training / {len(samples) - train_count} held-out (video, question) pairs")
+        if not self.steps_given and self.state is None:
+            self.settings = replace(self.settings, steps=max(1, math.ceil(SPARROW_EPOCHS * train_count
+                                                                          / self.settings.batch_size)))
+        head = self.sparrow_head(loaded, samples)
+        start = time.monotonic()
+        with self.bars() as bars:
+            features = sample_features(loaded, head, samples, spec, lambda d, t: bars.callback("features", d, t),
+                                       self.out_of_time, videos)
+        if features is None:
+            self.say("time budget spent during feature extraction (features are not cached for --arch sparrow; the "
+                     "answers are): rerun the same command to continue")
+            return
+        self.timings["feature_seconds"] = time.monotonic() - start
+        train = [f for f, s in zip(features, samples) if not s.held_out]
+        held_out = [f for f, s in zip(features, samples) if s.held_out]
+        outcome = self.train(head, train, held_out)
+        self.finish_sparrow(head, train, held_out, outcome, samples)
+
+    def sparrow_head(self, loaded: Any, samples: Any) -> Any:
+        import torch
+
+        from sparrow.heads.eagle import new_head
+        from sparrow.heads.train import frequent_tokens
+        from sparrow.heads.trainer import resumed_head
+
+        model = loaded.model
+        device = next(model.parameters()).device
+        if self.state is not None:
+            self.say(f"resuming from step {self.state['step']} in {self.out}")
+            return resumed_head(self.out, self.state, model, device)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        texts = [torch.tensor(s.answer, dtype=torch.long) for s in samples]
+        texts += [torch.tensor(loaded.tokenizer(q)["input_ids"], dtype=torch.long) for q in self.spec.questions]
+        ids = frequent_tokens([t for t in texts if t.numel()], min(self.draft_vocab or DEFAULT_DRAFT_VOCAB, vocab),
+                              vocab, always=_eos_ids(loaded, vocab))
+        generator = torch.Generator(device=device).manual_seed(self.settings.seed)
+        head = new_head(model, "sparrow", generator, draft_vocab=ids, fusion=self.variant.fusion,
+                        layers=self.variant.layers, text_window=self.text_window).float()
+        init_from_target(head, model)
+        return head
+
+    def finish_sparrow(self, head: Any, train: Any, held_out: Any, outcome: Any, samples: Any) -> None:
+        from sparrow.heads.plot import plot_training
+        from sparrow.heads.sparrow_head import evaluate_sparrow, spec_of
+        from sparrow.heads.trainer import LOG, read_log
+
+        c, sparrow = head.config, spec_of(head)
+        evaluation = evaluate_sparrow(head, held_out, self.settings.ttt_steps) if held_out else None
+        rows = read_log(self.out / LOG)
+        report = {
+            "target": self.target_name, "arch": "sparrow", "draft_vocab_size": c.draft_vocab_size,
+            "target_layers": list(c.target_layers), "fusion": c.fusion, "layers": c.num_layers,
+            "text_window": sparrow.text_window, "bridge_layer": sparrow.bridge_layer,
+            "steps": outcome.step, "stopped": outcome.stopped, "videos": list(self.spec.videos),
+            "frames": self.spec.frames, "questions": list(self.spec.questions),
+            "train_sequences": len(train), "train_positions": sum(f.tokens.numel() for f in train),
+            "held_out_sequences": len(held_out),
+            "held_out_pairs": [{"video": s.video, "question": s.question} for s in samples if s.held_out],
+            "tokens_seen": sum(r["tokens"] for r in rows),
+            "first_loss": rows[0]["loss"] if rows else None, "last_loss": rows[-1]["loss"] if rows else None,
+            "held_out": None if evaluation is None else {
+                "loss": evaluation.loss, "agreement_per_depth": list(evaluation.agreement),
+                "expected_tokens_per_round": evaluation.expected_accepted},
+            **self.timings,
+        }
+        (self.out / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
+        if rows:
+            plot_training(rows, self.out / "training.png", f"sparrow head for {self.target_name}")
+        stop = "" if outcome.stopped == "done" else f" (stopped: {outcome.stopped}; --resume continues)"
+        self.say(f"step {outcome.step}/{self.settings.steps}{stop}; head saved to {self.out} "
+                 f"(use: --drafter eagle --head {self.out} with a --video)")
+        if evaluation is not None:
+            depths = ", ".join(f"{a:.3f}" for a in evaluation.agreement)
+            self.say(f"held-out ({len(held_out)} (video, question) pairs): loss {evaluation.loss:.3f}, top-1 "
+                     f"agreement by depth [{depths}], expected tokens per round {evaluation.expected_accepted:.2f}")
+        typer.echo(json.dumps(report))
 
 
 class _Bars:

@@ -14,6 +14,9 @@ The head is an EAGLE-3 head (`sparrow.heads.eagle`; same tensors, so it saves in
   inference, where they do not exist); they teach `fc` and the layer to read semantic-rich visual states.
 * Multi-token prediction (MTP): the text rows are trained for `ttt_steps` draft depths on the head's own outputs
   (EAGLE-3's training-time test), the exposure bias Sparrow's MTP addresses.
+
+From Python: `train_sparrow` on `video_features`; from the command line, `sparrow train head --arch sparrow` (the
+target's answers about videos: `sparrow.heads.video_data`; steps: `sparrow_step` in `sparrow.heads.trainer`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from transformers import DynamicCache
 from sparrow.errors import UserError
 from sparrow.heads.eagle import EagleHead, new_head
 from sparrow.heads.longspec import window_mask
-from sparrow.heads.train import TrainReport
+from sparrow.heads.train import Evaluation, StepResult, TrainReport
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,14 @@ def sparrow_loss(head: EagleHead, f: VideoFeatures, ttt_steps: int, decay: float
     """Step 0 over every row (text rows on their features, visual rows bridged; text-anchored mask), steps
     1 .. ttt_steps - 1 over the text rows on their own outputs. Soft cross-entropy against the target at the
     label position, weighted decay^j (visual rows: bridge_weight). Returns the loss and the depth-1 agreement."""
+    total, agreements = sparrow_depth_loss(head, f, ttt_steps, decay, bridge_weight)
+    return total, agreements[0]
+
+
+def sparrow_depth_loss(head: EagleHead, f: VideoFeatures, ttt_steps: int, decay: float = 0.8,
+                       bridge_weight: float = 0.5) -> tuple[Tensor, tuple[float, ...]]:
+    """`sparrow_loss` with the top-1 agreement of the text rows at each draft depth 1 .. ttt_steps (of the rows
+    that have a label at that depth)."""
     spec, n = spec_of(head), f.tokens.numel()
     device = head.fc.weight.device
     m = n - 1
@@ -125,7 +136,7 @@ def sparrow_loss(head: EagleHead, f: VideoFeatures, ttt_steps: int, decay: float
     ce = cross(out, rows + 1)
     total = ce[text].mean() + (bridge_weight * ce[~text].mean() if bool((~text).any()) else 0.0)
     best = f.logits[rows + 1].argmax(-1)
-    agreement = float((draft_ids[head.draft_logits(out[text]).argmax(-1)] == best[text]).float().mean())
+    agreements = [float((draft_ids[head.draft_logits(out[text]).argmax(-1)] == best[text]).float().mean())]
     at = text.nonzero().flatten()  # the text rows, in order
     r = at.numel()
     keys, values, hidden = [k[:, at]], [v[:, at]], out[at]
@@ -142,8 +153,10 @@ def sparrow_loss(head: EagleHead, f: VideoFeatures, ttt_steps: int, decay: float
         keys.append(k)
         values.append(v)
         total = total + decay**j * cross(out, label_rows)[valid].mean()
+        drafted = draft_ids[head.draft_logits(out[valid]).argmax(-1)]
+        agreements.append(float((drafted == f.logits[label_rows[valid]].argmax(-1)).float().mean()))
         hidden = out
-    return total, agreement
+    return total, tuple(agreements)
 
 
 def train_sparrow(head: EagleHead, features: Sequence[VideoFeatures], steps: int, lr: float = 1e-3,
@@ -169,3 +182,46 @@ def train_sparrow(head: EagleHead, features: Sequence[VideoFeatures], steps: int
         seen += f.tokens.numel() - 1
     head.eval().requires_grad_(False)
     return TrainReport(tuple(losses), tuple(agreements), seen, time.perf_counter() - start)
+
+
+def _on_device(f: VideoFeatures, device: torch.device) -> VideoFeatures:
+    """`f` on `device` (features kept on the CPU between steps; hidden states in their own dtype)."""
+    if f.tokens.device == device:
+        return f
+    return VideoFeatures(f.tokens.to(device), f.visual.to(device), f.hidden.to(device), f.bridged.to(device),
+                         f.logits.to(device))
+
+
+def sparrow_step(head: EagleHead, optimiser: torch.optim.Optimizer, batch: Sequence[VideoFeatures], ttt_steps: int,
+                 decay: float = 0.8, clip: float = 0.5, bridge_weight: float = 0.5) -> StepResult:
+    """One AdamW step on the mean Sparrow loss of `batch` (gradients clipped to norm `clip`): the step of
+    `sparrow.heads.trainer.run_training` for a Sparrow head."""
+    head.train()
+    optimiser.zero_grad(set_to_none=True)
+    device = head.fc.weight.device
+    step_loss = step_agreement = 0.0
+    tokens = 0
+    for f in batch:
+        loss, agreements = sparrow_depth_loss(head, _on_device(f, device), ttt_steps, decay, bridge_weight)
+        (loss / len(batch)).backward()
+        step_loss += float(loss.detach()) / len(batch)
+        step_agreement += agreements[0] / len(batch)
+        tokens += f.tokens.numel() - 1
+    parameters = [p for group in optimiser.param_groups for p in group["params"]]
+    nn.utils.clip_grad_norm_(parameters, clip)
+    optimiser.step()
+    return StepResult(step_loss, step_agreement, tokens)
+
+
+@torch.no_grad()
+def evaluate_sparrow(head: EagleHead, features: Sequence[VideoFeatures], ttt_steps: int = 3,
+                     bridge_weight: float = 0.5) -> Evaluation:
+    """Loss and per-depth top-1 agreement of a Sparrow head on held-out video features (left in eval mode)."""
+    head.eval()
+    device = head.fc.weight.device
+    losses, agreements = [], []
+    for f in features:
+        loss, depths = sparrow_depth_loss(head, _on_device(f, device), ttt_steps, bridge_weight=bridge_weight)
+        losses.append(float(loss))
+        agreements.append(list(depths))
+    return Evaluation.mean_of(losses, agreements)

@@ -119,8 +119,9 @@ def run_training(head: EagleHead | LongSpecHead, train: Sequence[Any], held_out:
                  model: nn.Module | None = None) -> RunOutcome:
     """Train `head` (in place) to settings.steps steps, from `state` (a checkpoint's `read_state`) or from step 0.
     Stops early, with a checkpoint, once time.monotonic() passes `deadline`. `on_step(row)` sees each log row.
-    EAGLE heads train on `Features`; a LongSpec head on token sequences ([n] ids) with its target `model` (it reads
-    the target's KV at anchor-offset positions drawn each step, so no feature cache applies)."""
+    EAGLE heads train on `Features`, a Sparrow head on `sparrow_head.VideoFeatures`; a LongSpec head on token
+    sequences ([n] ids) with its target `model` (it reads the target's KV at anchor-offset positions drawn each
+    step, so no feature cache applies)."""
     if not train:
         raise UserError("no training sequences: give more --data or --tokens")
     step_of, evaluate_on = _trainer_of(head, settings, model)
@@ -175,6 +176,12 @@ def _trainer_of(head: EagleHead | LongSpecHead, settings: TrainSettings, model: 
                 lambda held_out: evaluate_longspec(head, model, held_out, settings.ttt_steps))
     if settings.anchor_offset:
         raise UserError("--anchor-offset applies to --arch longspec only")
+    if getattr(head, "sparrow", None) is not None:  # a Sparrow head trains on VideoFeatures (sparrow_head)
+        from sparrow.heads.sparrow_head import evaluate_sparrow, sparrow_step
+
+        return (lambda optimiser, batch, generator: sparrow_step(head, optimiser, batch, settings.ttt_steps,
+                                                                 settings.decay, settings.clip),
+                lambda held_out: evaluate_sparrow(head, held_out, settings.ttt_steps))
     return (lambda optimiser, batch, generator: train_step(head, optimiser, batch, settings.ttt_steps, settings.decay,
                                                            clip=settings.clip),
             lambda held_out: evaluate_head(head, held_out, settings.ttt_steps))
