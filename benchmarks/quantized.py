@@ -4,9 +4,10 @@ One process, greedy, chat template, 128 new tokens, code / edit (repeat) / summa
 
 * plain-bf16: plain decoding of the bf16 target (the baseline of every speedup);
 * quantized-self-int4 / -int8: a weight-only copy of the target drafts, the bf16 target verifies;
-* draft-model-bf16 / -int4: the 0.5B draft, dense or int4;
-* plain-int8 / plain-int4: plain decoding of a weight-only quantized target;
-* int4-target+draft-int4: the int4 target with the int4 0.5B draft (lossless relative to the int4 target);
+* draft-model-bf16 / -int4 / -w8a8: the 0.5B draft, dense, int4 or w8a8 (int8 weights and activations);
+* plain-int8 / plain-int4 / plain-w8a8: plain decoding of a quantized target;
+* int4-target+draft-int4 / w8a8-target+draft-w8a8: a quantized target with the 0.5B draft in the same format
+  (lossless relative to that quantized target);
 * llama.cpp (optional): plain decoding of the same GGUF through llama-cpp-python when it is installed.
 
 Writes one JSONL row per (prompt, method, repeat) and a markdown table rendered from the rows
@@ -27,6 +28,7 @@ import platform
 import resource
 import statistics
 import time
+from typing import Any
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,8 +41,8 @@ from sparrow.quantization import quantized_copy
 
 HERE = Path(__file__).parent
 ONE_PER_KIND = ("code-prime", "edit-garden", "summary-harbour")
-LOSSLESS = {"quantized-self-int4", "quantized-self-int8", "draft-model-bf16", "draft-model-int4"}
-REFERENCE = {"int4-target+draft-int4": "plain-int4"}  # speculative on a quantized target: its own plain decoding
+LOSSLESS = {"quantized-self-int4", "quantized-self-int8", "draft-model-bf16", "draft-model-int4", "draft-model-w8a8"}
+REFERENCE = {"int4-target+draft-int4": "plain-int4", "w8a8-target+draft-w8a8": "plain-w8a8"}  # speculative on a quantized target: its own plain decoding
 
 
 def load_prompts(path: Path, ids: tuple[str, ...] | None) -> list[dict]:
@@ -49,22 +51,37 @@ def load_prompts(path: Path, ids: tuple[str, ...] | None) -> list[dict]:
     return [p for p in prompts if ids is None or p["id"] in ids]
 
 
-def build_pipes(target: LoadedModel, draft: LoadedModel, k: int) -> dict[str, Pipeline]:
-    q4, q8 = quantized_copy(target, "int4"), quantized_copy(target, "int8")
-    draft4 = quantized_copy(draft, "int4", keep_dense=True)
-    dm_int4 = build_drafter("draft-model", target, draft4, k, adaptive=True)
-    follow_cost_curve(dm_int4, Pipeline(target, None).runner)
-    q4_dm = build_drafter("draft-model", q4, draft4, k, adaptive=True)
-    follow_cost_curve(q4_dm, Pipeline(q4, None).runner)
+def build_pipes(target: LoadedModel, draft: LoadedModel, k: int, methods: set[str] | None = None
+                ) -> dict[str, Pipeline]:
+    """Every method's pipeline (or those in `methods`; the copies they need are built lazily)."""
+    makers = _makers(target, draft, k)
+    return {m: make() for m, make in makers.items() if methods is None or m in methods}
+
+
+def _makers(target: LoadedModel, draft: LoadedModel, k: int) -> dict[str, Any]:
+    def lossless(draft_model: LoadedModel) -> Pipeline:
+        drafter = build_drafter("draft-model", target, draft_model, k, adaptive=True)
+        follow_cost_curve(drafter, Pipeline(target, None).runner)
+        return Pipeline(target, drafter)
+
+    def on_quantized(fmt: str) -> Pipeline:
+        quantized = quantized_copy(target, fmt)
+        drafter = build_drafter("draft-model", quantized, quantized_copy(draft, fmt, keep_dense=True), k, adaptive=True)
+        follow_cost_curve(drafter, Pipeline(quantized, None).runner)
+        return Pipeline(quantized, drafter)
+
     return {
-        "plain-bf16": Pipeline(target, None),
-        "quantized-self-int4": Pipeline(target, build_drafter("quantized-self", target, None, k, adaptive=True, bits="int4")),
-        "quantized-self-int8": Pipeline(target, build_drafter("quantized-self", target, None, k, adaptive=True, bits="int8")),
-        "draft-model-bf16": Pipeline(target, build_drafter("draft-model", target, draft, k)),
-        "draft-model-int4": Pipeline(target, dm_int4),
-        "plain-int8": Pipeline(q8, None),
-        "plain-int4": Pipeline(q4, None),
-        "int4-target+draft-int4": Pipeline(q4, q4_dm),
+        "plain-bf16": lambda: Pipeline(target, None),
+        "quantized-self-int4": lambda: Pipeline(target, build_drafter("quantized-self", target, None, k, adaptive=True, bits="int4")),
+        "quantized-self-int8": lambda: Pipeline(target, build_drafter("quantized-self", target, None, k, adaptive=True, bits="int8")),
+        "draft-model-bf16": lambda: Pipeline(target, build_drafter("draft-model", target, draft, k)),
+        "draft-model-int4": lambda: lossless(quantized_copy(draft, "int4", keep_dense=True)),
+        "draft-model-w8a8": lambda: lossless(quantized_copy(draft, "w8a8")),
+        "plain-int8": lambda: Pipeline(quantized_copy(target, "int8"), None),
+        "plain-int4": lambda: Pipeline(quantized_copy(target, "int4"), None),
+        "plain-w8a8": lambda: Pipeline(quantized_copy(target, "w8a8"), None),
+        "int4-target+draft-int4": lambda: on_quantized("int4"),
+        "w8a8-target+draft-w8a8": lambda: on_quantized("w8a8"),
     }
 
 
@@ -172,7 +189,8 @@ def main() -> None:
     start = time.perf_counter()
     target = load_model(args.target, dtype="bfloat16", device=args.device)
     draft = load_model(args.draft, dtype="bfloat16", device=args.device)
-    pipes = build_pipes(target, draft, args.k)
+    wanted = None if not args.methods else {*args.methods.split(","), "plain-bf16"}
+    pipes = build_pipes(target, draft, args.k, wanted)
     setup_seconds = time.perf_counter() - start
     if args.methods:
         pipes = {m: p for m, p in pipes.items() if m in args.methods.split(",") or m == "plain-bf16"}

@@ -129,17 +129,19 @@ def test_quantized_draft_model_greedy_equals_plain(target, plain, bits):
 
 @pytest.mark.parametrize("quant", ["int4", "int8", "w8a8"])
 def test_quantized_target_speculative_equals_its_own_plain_decoding(target, quant):
-    for drafter, draft in [("draft-model", target), ("prompt-lookup", None)]:
+    trees = [("draft-model", target, {"tree_budget": 8, "tree_topk": 2, "tree_depth": 4})] if quant == "w8a8" else []
+    for drafter, draft, options in [("draft-model", target, {}), ("prompt-lookup", None, {}), *trees]:
         pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=4, quant=quant, draft_quant=(
-            "int4" if draft is not None else None))
+            "int4" if draft is not None else None), **options)
         assert pipe.runner.model.sparrow_quantization.name == quant
-        accepted = 0
+        accepted = tree_steps = 0
         for prompt in PROMPTS:
             expected = pipe.generate_plain(prompt, max_new_tokens=40).token_ids
             result = pipe.generate(prompt, max_new_tokens=40)
             assert result.token_ids == expected, (drafter, prompt)
             accepted += result.stats.num_accepted_tokens
-        assert accepted > 0
+            tree_steps += result.stats.tree_steps
+        assert accepted > 0 and (tree_steps > 0) == bool(options)  # trees verified through row-wise attention
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -159,6 +161,25 @@ def test_w8a8_is_close_to_dense_and_each_token_ignores_the_others(dtype):
     rows = torch.cat([x.float(), torch.zeros(32, layer.pads.shape[1])], dim=1)
     alone = torch.ops.quantized.linear_dynamic(rows[:1], layer.params, layer.reduce_range)
     assert not torch.equal(alone, torch.ops.quantized.linear_dynamic(rows, layer.params, layer.reduce_range)[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_w8a8_verify_forward_equals_one_token_steps_bit_for_bit(dtype):
+    from transformers import DynamicCache
+
+    copy = Q.quantize_model(kernel_friendly_model("qwen2", seed=0).to(dtype), "w8a8")
+    assert copy.config._attn_implementation == "sparrow_rowwise"  # row-wise attention in short forwards
+    ids = torch.randint(0, 320, (1, 30), generator=torch.Generator().manual_seed(0))
+    prompt, block = ids[:, :20], ids[:, 20:]
+    with torch.inference_mode():
+        cache = DynamicCache()
+        copy(prompt, past_key_values=cache)
+        steps = torch.cat([copy(block[:, i:i + 1], past_key_values=cache).logits for i in range(10)], dim=1)
+        cache = DynamicCache()
+        copy(prompt, past_key_values=cache)
+        verify = torch.cat([copy(block[:, :4], past_key_values=cache).logits,
+                            copy(block[:, 4:], past_key_values=cache).logits], dim=1)
+    assert torch.equal(steps, verify)
 
 
 def test_w8a8_refuses_other_devices_and_round_trips_the_disk_cache(target, tmp_path):

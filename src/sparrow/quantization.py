@@ -213,9 +213,10 @@ class DynamicInt8Linear(nn.Module):
     columns, +1, -1 and zeros up to a multiple of 16 (fbgemm runs ~2x slower on ragged K), whose weights are
     zero: every call then sees exactly the range [-1, 1], each row is
     quantized on its own, the int32 accumulation is exact in any blocking, and the row is scaled back
-    after. A token's output is bit-identical whatever else the forward holds (tests/test_quantization.py),
-    so speculation is lossless relative to this copy. Activations lose what 8 bits per token lose
-    (7 bits without VNNI, where fbgemm's u8 x s8 pairs would otherwise saturate)."""
+    after. A token's output is bit-identical whatever else the forward holds (tests/test_quantization.py).
+    A w8a8 copy also attends row by row in short forwards (`sparrow.rowwise_attention`), so a verify forward
+    equals one-token decoding of the copy bit for bit and speculation is lossless relative to it. Activations
+    lose what 8 bits per token lose (7 bits without VNNI, where fbgemm's u8 x s8 pairs would saturate)."""
 
     def __init__(self, in_features: int, out_features: int, qweight: Tensor, scales: Tensor, bias: Tensor | None,
                  reduce_range: bool) -> None:
@@ -425,6 +426,10 @@ def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT
             clone = _quantize_layers(model, take, fmt, group_size, keep_dense, cached)
             if cached is None:
                 slot.commit(lambda directory: _save_cached(directory, _buffers(clone, take)))
+    if fmt == W8A8:  # its int8 activations would amplify the last-bit differences of batched attention
+        from sparrow.rowwise_attention import use_rowwise
+
+        use_rowwise(clone)
     clone.sparrow_quantization = QuantizationInfo(fmt, group_size, tuple(take), tuple(sorted(set(linears) - set(take))),
                                                   from_disk=cached is not None)
     return clone.eval()
