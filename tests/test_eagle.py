@@ -202,6 +202,23 @@ def test_eagle3_head_round_trips_in_the_specforge_layout(target, trained, tmp_pa
     assert by_path.hidden_layers == head.config.target_layers
 
 
+def test_a_preset_finds_the_head_train_head_keeps_for_it(target, trained, tmp_path, monkeypatch):
+    from sparrow.heads import default_head_dir
+
+    monkeypatch.setenv("SPARROW_CACHE", str(tmp_path))
+    as_preset = LoadedModel(target.model, target.tokenizer, "smollm2-135m")  # a preset's name: a default head dir
+    with pytest.raises(UserError, match="no head trained for 'smollm2-135m' yet: `sparrow train head --target "
+                                        "smollm2-135m` trains one into"):
+        build_drafter("eagle", as_preset, None, 4)
+    with pytest.raises(UserError, match="--drafter eagle needs a head for 'tiny': --head PATH"):
+        build_drafter("eagle", target, None, 4)  # not a preset: nothing to look up
+    head, _ = trained["eagle3"]
+    save_head(head, default_head_dir("smollm2-135m"))
+    assert default_head_dir("smollm2-135m") == tmp_path / "heads" / "smollm2-135m"
+    found = build_drafter("eagle", as_preset, None, 4)
+    assert drafts_of(as_preset, found.head) == drafts_of(target, head)
+
+
 def test_eagle1_head_round_trips(target, trained, tmp_path):
     head, _ = trained["eagle1"]
     save_head(head, tmp_path / "e1")

@@ -52,7 +52,7 @@ RUN = "run.json"  # what the resumed run needs that its checkpoint does not hold
 @train_app.command("head")
 @cli_errors
 def head(
-    out: Annotated[Path, typer.Option(help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with --drafter eagle --head OUT), checkpoints, features, log, plot.")],
+    out: Annotated[Optional[Path], typer.Option(help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with --drafter eagle --head OUT), checkpoints, features, log, plot. Default for a preset target: <sparrow cache>/heads/<preset>, where --drafter eagle finds it without --head.")] = None,
     target: Annotated[Optional[str], typer.Option(help=f"Target model: preset, local dir or hub id (default {DEFAULT_TARGET}; --arch sparrow: a Qwen2.5-VL or LLaVA-OneVision directory or hub id; with --resume, the run's).")] = None,
     arch: Annotated[Optional[str], typer.Option(help="eagle3 (three fused target layers, own reduced LM head), eagle1 (last layer, the target's LM head), longspec (sliding-window self-attention + cross-attention over the target's KV cache; trains at anchor-offset positions) or sparrow (Video-LLM targets, Qwen2.5-VL / LLaVA-OneVision: an EAGLE-3 head with no visual KV and a text window, trained on the target's answers about --videos). Default eagle3; with --resume, the run's.")] = None,
     fusion: Annotated[Optional[str], typer.Option(help="How eagle3/eagle1/sparrow heads mix feature and token embedding: concat (EAGLE; vLLM/SGLang read it) or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). Default concat.")] = None,
@@ -98,6 +98,12 @@ def head(
                              ("--layers", layers, 1), ("--anchor-offset", anchor_offset, 0), ("--frames", frames, 1),
                              ("--text-window", text_window, 1)):
         check_int(flag, value, low)
+    if out is None:
+        from sparrow.heads.layout import default_head_dir
+
+        out = default_head_dir(target or DEFAULT_TARGET)
+        if out is None:
+            raise UserError(f"--out is needed for --target {target!r}: only presets have a default head directory")
     state = read_state(out)
     stored_arch = _arch_of(state) if resume and state is not None else None
     _check_variant(arch or stored_arch or "eagle3", fusion, layers, draft_vocab, anchor_offset)
@@ -432,7 +438,6 @@ class _Run:
         return outcome
 
     def finish(self, loaded: Any, head: Any, held_out: Any, outcome: Any, corpus: Any) -> None:
-        from sparrow.heads.plot import plot_training
         from sparrow.heads.train import evaluate_head
         from sparrow.heads.trainer import LOG, read_log
 
@@ -460,15 +465,23 @@ class _Run:
                 "expected_tokens_per_round": evaluation.expected_accepted},
             **self.timings,
         }
+        self._publish(report, rows, f"{head.config.arch} head for {self.target_name}", outcome, evaluation,
+                      f"--drafter eagle --head {self.out}", f"{len(held_out)} sequences")
+
+    def _publish(self, report: dict[str, Any], rows: list[dict], title: str, outcome: Any, evaluation: Any,
+                 use: str, held_out: str) -> None:
+        """eval.json and the plot written; where the head is and how it did on the held-out set said; the
+        report printed as one JSON line."""
+        from sparrow.heads.plot import plot_training
+
         (self.out / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
         if rows:
-            plot_training(rows, self.out / "training.png", f"{head.config.arch} head for {self.target_name}")
+            plot_training(rows, self.out / "training.png", title)
         stop = "" if outcome.stopped == "done" else f" (stopped: {outcome.stopped}; --resume continues)"
-        self.say(f"step {outcome.step}/{self.settings.steps}{stop}; head saved to {self.out} "
-                 f"(use: --drafter eagle --head {self.out})")
+        self.say(f"step {outcome.step}/{self.settings.steps}{stop}; head saved to {self.out} (use: {use})")
         if evaluation is not None:
             depths = ", ".join(f"{a:.3f}" for a in evaluation.agreement)
-            self.say(f"held-out ({len(held_out)} sequences): loss {evaluation.loss:.3f}, top-1 agreement by depth "
+            self.say(f"held-out ({held_out}): loss {evaluation.loss:.3f}, top-1 agreement by depth "
                      f"[{depths}], expected tokens per round {evaluation.expected_accepted:.2f}")
         typer.echo(json.dumps(report))
 
@@ -555,7 +568,6 @@ class _SparrowRun(_Run):
         return head
 
     def finish_sparrow(self, head: Any, train: Any, held_out: Any, outcome: Any, samples: Any) -> None:
-        from sparrow.heads.plot import plot_training
         from sparrow.heads.sparrow_head import evaluate_sparrow, spec_of
         from sparrow.heads.trainer import LOG, read_log
 
@@ -578,17 +590,8 @@ class _SparrowRun(_Run):
                 "expected_tokens_per_round": evaluation.expected_accepted},
             **self.timings,
         }
-        (self.out / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
-        if rows:
-            plot_training(rows, self.out / "training.png", f"sparrow head for {self.target_name}")
-        stop = "" if outcome.stopped == "done" else f" (stopped: {outcome.stopped}; --resume continues)"
-        self.say(f"step {outcome.step}/{self.settings.steps}{stop}; head saved to {self.out} "
-                 f"(use: --drafter eagle --head {self.out} with a --video)")
-        if evaluation is not None:
-            depths = ", ".join(f"{a:.3f}" for a in evaluation.agreement)
-            self.say(f"held-out ({len(held_out)} (video, question) pairs): loss {evaluation.loss:.3f}, top-1 "
-                     f"agreement by depth [{depths}], expected tokens per round {evaluation.expected_accepted:.2f}")
-        typer.echo(json.dumps(report))
+        self._publish(report, rows, f"sparrow head for {self.target_name}", outcome, evaluation,
+                      f"--drafter eagle --head {self.out} with a --video", f"{len(held_out)} (video, question) pairs")
 
 
 class _Bars:

@@ -20,6 +20,8 @@ draft ids (and a sampled chain's q) out.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
@@ -180,6 +182,21 @@ class EagleDrafter:
             self.tree_policy.observe(step, self._forwards)
 
 
+def _trained_head(target: str) -> Path:
+    """The head `sparrow train head --target PRESET` keeps for a preset target (its latest checkpoint)."""
+    from sparrow.heads.layout import default_head_dir
+
+    where = default_head_dir(target)
+    if where is not None and (where / "config.json").is_file():
+        return where
+    if where is None:
+        raise UserError(f"--drafter eagle needs a head for {target!r}: --head PATH (a directory with config.json and "
+                        "model.safetensors, exported by SpecForge or saved by `sparrow train head`)")
+    raise UserError(f"no head trained for {target!r} yet: `sparrow train head --target {target}` trains one into "
+                    f"{where} (where --drafter eagle finds it; it shows its time estimate as it goes and stops "
+                    "cleanly with --time-budget S, --resume continues), or pass --head PATH")
+
+
 def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int, adaptive: bool,
           head: str | EagleHead | LongSpecHead | None = None, tree_budget: int | str = 0, tree_topk: int = 4,
           tree_depth: int = 8, draft_device: str | None = None) -> Drafter:
@@ -189,8 +206,7 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
     SparrowSpec) with `SparrowDrafter` (chains). draft_device: run the head there (loaded onto it; a head given
     must already be placed there), the target where it is (Dovetail's split; EAGLE heads only)."""
     if head is None:
-        raise UserError("--drafter eagle needs a head: --head PATH (a directory with config.json and "
-                        "model.safetensors, e.g. exported by SpecForge or saved by sparrow)")
+        head = str(_trained_head(target.name))
     target_device = next(target.model.parameters()).device
     device = _device(draft_device) if draft_device is not None else target_device
     if isinstance(head, str):

@@ -62,6 +62,18 @@ def head_config_json(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
     return record
 
 
+def default_head_dir(target: str, cache_dir: str | Path | None = None) -> Path | None:
+    """Where `sparrow train head --target PRESET` trains (and `--drafter eagle` without --head finds) the preset's
+    head: <sparrow cache>/heads/<preset>; None for targets that are not presets (nothing names them reliably)."""
+    from sparrow.models import PRESETS
+    from sparrow.models.presets import default_cache_dir
+
+    name = target.strip().lower()
+    if name not in PRESETS:
+        return None
+    return (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "heads" / name
+
+
 def save_head(head: EagleHead, directory: str | Path) -> Path:
     """Write `head` to `directory` (created) in its layout; returns the directory."""
     if head.config.arch == "longspec":  # sparrow-only layouts
