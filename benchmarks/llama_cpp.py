@@ -71,6 +71,7 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-plain-int4": ({"drafter": "draft-model", "dtype": "auto", "quant": "int4", "draft_quant": "int4"}, True),
     "sparrow-int4-target+draft-int4": ({"drafter": "draft-model", "dtype": "auto", "quant": "int4",
                                         "draft_quant": "int4"}, False),
+    "sparrow-int4-target+prompt-lookup": ({"drafter": "prompt-lookup", "dtype": "auto", "quant": "int4"}, False),
     "sparrow-draft-model-draft-w8a8": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "w8a8"}, False),
     # w8a8 targets: int8 weights and per-token int8 activations (fbgemm); float32 between the integer matmuls
     "sparrow-plain-w8a8": ({"drafter": "draft-model", "dtype": "float32", "quant": "w8a8", "draft_quant": "w8a8"},
@@ -641,6 +642,7 @@ def reference_config(config: str) -> str | None:
     return {"sparrow-draft-model-draft-int4": "sparrow-plain-auto",
             "sparrow-draft-model-draft-int4-vocab-auto": "sparrow-plain-auto",
             "sparrow-int4-target+draft-int4": "sparrow-plain-int4",
+            "sparrow-int4-target+prompt-lookup": "sparrow-plain-int4",
             "sparrow-draft-model-draft-w8a8": "sparrow-plain-auto",
             "sparrow-w8a8-target+draft-w8a8": "sparrow-plain-w8a8",
             "sparrow-w8a8-target+draft-w8a8-vocab-auto": "sparrow-plain-w8a8",

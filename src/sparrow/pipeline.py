@@ -304,8 +304,8 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     draft: preset, path or hub id, a LoadedModel, None (no draft), or "default" (qwen2.5-coder-0.5b for
     draft-model / cross-vocab / auto; none for visual-prune, which then drafts with the pruned target).
 
-    quant: int8 | int4 weight-only target (lossless only relative to the quantized target).
-    draft_quant: int8 | int4 draft model, or the bits of the "quantized-self" copy (default int4).
+    quant: int8 | int4 weight-only or w8a8 (CPU) target (lossless only relative to the quantized target).
+    draft_quant: int8 | int4 | w8a8 draft model, or the format of the "quantized-self" copy (default int4).
     compile: static KV cache and torch.compile'd decode / verify steps for the target and the draft of
     draft-model / quantized-self (`sparrow.compiled`; text LMs without sliding-window layers).
     """
