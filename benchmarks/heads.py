@@ -1,0 +1,113 @@
+"""A trained head against plain decoding and prompt lookup, on the foundation prompts, in one process.
+
+    python benchmarks/heads.py --target smollm2-135m --out benchmarks/results/heads/smollm2-135m
+
+The head is the one `sparrow train head --target PRESET` keeps for the preset (or `--head DIR`). Rows (JSONL, one
+per config x prompt) and a markdown table rendered from them: tokens/s (prefill included), speedup over plain
+decoding in the same process, tokens per target forward (accepted drafts + the bonus token), the draft's cost per
+drafted token as a fraction of a target forward, and whether the output equals plain decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from quantized import ONE_PER_KIND, load_prompts  # noqa: E402
+
+CONFIGS = {  # name -> sparrow.load keyword arguments (None: plain decoding)
+    "plain": None,
+    "eagle-chain": {"drafter": "eagle"},
+    "eagle-tree": {"drafter": "eagle", "tree_budget": "auto"},
+    "prompt-lookup": {"drafter": "prompt-lookup"},
+}
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import sparrow
+    from sparrow.models import load_model
+
+    torch.set_num_threads(args.threads)
+    target = load_model(args.target, dtype=args.dtype)
+    prompts = load_prompts(args.prompts, ONE_PER_KIND if args.prompt_ids is None else tuple(args.prompt_ids.split(",")))
+    head = {} if args.head is None else {"head": args.head}
+    pipes = {name: sparrow.load(target, **(options or {"drafter": "prompt-lookup"}), **(head if options and
+                                options["drafter"] == "eagle" else {}))
+             for name, options in CONFIGS.items()}
+    rows, plain = [], {}
+    for p in prompts:
+        for name, pipe in pipes.items():
+            generate = pipe.generate_plain if CONFIGS[name] is None else pipe.generate
+            generate(p["prompt"], max_new_tokens=8, chat=True)  # warm-up
+            result = generate(p["prompt"], max_new_tokens=args.max_new_tokens, chat=True)
+            s = result.stats
+            n = len(result.token_ids)
+            verify_per_forward = s.verify_seconds / max(s.steps, 1)
+            row = {"config": name, "prompt_id": p["id"], "tokens": n, "seconds": result.seconds,
+                   "tokens_per_second": n / result.seconds, "steps": s.steps,
+                   "tokens_per_forward": n / max(s.steps, 1) if CONFIGS[name] else 1.0,
+                   "drafted": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
+                   "draft_cost_fraction": (s.draft_seconds / s.num_draft_tokens / verify_per_forward
+                                           if s.num_draft_tokens and verify_per_forward else None),
+                   "token_ids": result.token_ids}
+            if name == "plain":
+                plain[p["id"]] = row
+            row["speedup"] = row["tokens_per_second"] / plain[p["id"]]["tokens_per_second"]
+            row["identical"] = result.token_ids == plain[p["id"]]["token_ids"]
+            rows.append(row)
+            print(f"{p['id']:16s} {name:14s} {row['tokens_per_second']:6.2f} tok/s {row['speedup']:.2f}x "
+                  f"tokens/forward {row['tokens_per_forward']:.2f} identical {row['identical']}", flush=True)
+    return rows
+
+
+def render(rows: list[dict], meta: dict) -> str:
+    out = [f"{meta['target']}, {meta['cpu']}, {meta['threads']} threads, {meta['dtype']}, greedy, chat template, "
+           f"{meta['max_new_tokens']} new tokens at most, torch {meta['torch']}", "",
+           "| config | mean tok/s | mean speedup | tokens per forward | draft cost / target forward | identical |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for name in CONFIGS:
+        group = [r for r in rows if r["config"] == name]
+        costs = [r["draft_cost_fraction"] for r in group if r["draft_cost_fraction"] is not None]
+        out.append(f"| {name} | {statistics.mean(r['tokens_per_second'] for r in group):.2f} | "
+                   f"{statistics.mean(r['speedup'] for r in group):.2f}x | "
+                   f"{statistics.mean(r['tokens_per_forward'] for r in group):.2f} | "
+                   f"{f'{statistics.mean(costs):.2f}' if costs else '-'} | "
+                   f"{sum(r['identical'] for r in group)}/{len(group)} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--head", default=None, help="head directory (default: the preset's trained head)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-ids", default=None)
+    parser.add_argument("--prompts", type=Path, default=HERE / "prompts.json")
+    parser.add_argument("--out", type=Path, required=True, help="writes OUT.jsonl and OUT.md")
+    args = parser.parse_args()
+    from sparrow.hardware import cpu_info
+
+    meta = {"target": args.target, "cpu": cpu_info().model, "threads": args.threads, "dtype": args.dtype,
+            "max_new_tokens": args.max_new_tokens, "torch": torch.__version__, "python": platform.python_version()}
+    rows = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out.with_suffix(".jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps({**meta, **r}) + "\n")
+    table = render(rows, meta)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
