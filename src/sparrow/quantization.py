@@ -234,9 +234,11 @@ class DynamicInt8Linear(nn.Module):
         self.register_buffer("pads", torch.tensor([[1.0, -1.0] + [0.0] * (pad - 2)]), persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> DynamicInt8Linear:
+    def from_linear(cls, linear: nn.Linear, reduce_range: bool | None = None) -> DynamicInt8Linear:
+        """reduce_range: 7-bit activations (default: where the CPU has no VNNI)."""
         q, scales = quantize_int8(linear.weight)
-        return cls(linear.in_features, linear.out_features, q, scales, linear.bias, reduce_range=not _vnni())
+        reduce_range = not _vnni() if reduce_range is None else reduce_range
+        return cls(linear.in_features, linear.out_features, q, scales, linear.bias, reduce_range)
 
     def int8_weight(self) -> Tensor:
         """The int8 [N, K] weight (read back from fbgemm's packing)."""
@@ -371,7 +373,7 @@ def _quantize_layers(model: nn.Module, take: dict[str, nn.Linear], fmt: str, gro
             layer = DynamicInt8Linear(linear.in_features, linear.out_features, cached[f"{name}.packed"],
                                       cached[f"{name}.scales"], linear.bias, reduce_range)
         elif fmt == W8A8:
-            layer = DynamicInt8Linear.from_linear(linear)
+            layer = DynamicInt8Linear.from_linear(linear, reduce_range)
         elif cached is not None:
             layer = QuantizedLinear(linear.in_features, linear.out_features, bits, group_size,
                                     cached[f"{name}.packed"], cached[f"{name}.scales"], linear.bias,
