@@ -277,8 +277,9 @@ def test_greedy_equals_plain(target, drafts, baselines, draft, k, options):
         accepted += result.stats.num_accepted_tokens
     if options["backoff"]:
         return
-    if draft == "trained":
-        assert accepted >= 10  # a memorising pair agrees on much of the text (a random draft: about 0)
+    if draft == "trained":  # a memorising pair agrees on much of the text (a random draft: about 0); the adaptive
+        # length follows measured timings, so how much it drafts (and gets accepted) varies with the machine
+        assert accepted >= (1 if adaptive else 10)
     if draft == "half" and "min_confidence" not in options:
         assert 0 < accepted < drafted  # partial acceptance: rejections and rollbacks happen
 
