@@ -12,18 +12,26 @@ directories) and a folder of videos (or synthetic moving-square videos), one pro
 * visual-prune-kv, draft-model-kv: the same two with a draft-side KV policy on the draft's own cache
   (`--draft-kv`, `--budget` visual entries per layer and KV head, `--retrieve-every` for hybridkv);
 * loose: visual-prune drafts, LOSSY loose verification (LVSpec-style), reported with its fidelity
-  (identical outputs, token agreement) against plain decoding.
+  (identical outputs, token agreement) against plain decoding;
+* sparrow-head: `--drafter eagle` with a Sparrow head (`--head DIR`, e.g. from `sparrow train head --arch sparrow`;
+  without it a randomly initialised one, labelled untrained): text-anchored window attention, no visual KV.
 
 Per (video, frame count, method): decode-only speedup (tokens / (seconds - prefill)), end-to-end speedup
 (prefill included), mean accepted tokens per target forward, peak memory (CUDA: max allocated; CPU: the
 process's peak RSS, which only grows, so it is not a per-method number), the draft's own KV cache after the
 run (draft-model, visual-prune, sparse; prompt plus generated tokens) and, for lossless methods,
-whether the output is identical to plain decoding. One JSONL row per run, a markdown table per frame
+whether the output is identical to plain decoding, and the drafter's cost: milliseconds per drafted token, and
+for sparrow-head the keys each head row attended to on average (bounded by its text window, whatever the number
+of frames). A target directory made by `benchmarks/vlm_proxy.py` (a PROXY.json beside its config: the real
+qwen2.5-coder-1.5b language model with a random vision tower) labels every row with what it is. One JSONL row per run, a markdown table per frame
 count (`<out>.jsonl`, `<out>.md`).
 
     python benchmarks/video.py --target Qwen/Qwen2.5-VL-7B-Instruct --draft Qwen/Qwen2.5-VL-3B-Instruct \
         --videos clips/ --frames 8 16 32 64 --out benchmarks/results/video_qwen7b
     python benchmarks/video.py --tiny qwen2.5-vl --out benchmarks/results/video_tiny   # CPU smoke run
+    python benchmarks/vlm_proxy.py   # real language model, random vision tower (see there); then, e.g.:
+    python benchmarks/video.py --target ~/.cache/sparrow/proxy/qwen2.5-vl-coder-1.5b --methods plain visual-prune \
+        sparrow-head --head HEAD_DIR --videos /usr/share/doc/opencv-doc/examples/data/vtest.avi --frames 8 32 64
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import torch
 from sparrow.drafters import build_drafter
 from sparrow.drafters.kv_compress import build_selector
 from sparrow.drafters.visual_prune import visual_span
+from sparrow.hardware import cpu_info
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline
 from sparrow.verifiers.loose import fidelity
@@ -52,7 +61,7 @@ from sparrow.vision.video import Video, read_video
 HERE = Path(__file__).parent
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm")
 METHODS = ("plain", "visual-prune", "visual-prune-kv", "sparse", "sparse-mm-shiftkv", "sparse-hybridkv", "draft-model",
-           "draft-model-kv", "loose")
+           "draft-model-kv", "loose", "sparrow-head")
 QUESTION = "Describe what happens in this video in detail."
 
 
@@ -100,6 +109,8 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, args) -> dict[
                                     **(policy if name == "visual-prune-kv" else {}))
         elif name == "draft-model-kv":
             drafter = build_drafter("draft-model", target, draft, k, adaptive=args.adaptive, **policy)
+        elif name == "sparrow-head":
+            drafter = build_drafter("eagle", target, None, k, adaptive=args.adaptive, head=sparrow_head(target, args))
         elif name.startswith("sparse"):
             policy = name.removeprefix("sparse-") if name != "sparse" else "topk"
             drafter = build_drafter("sparse", target, None, k, adaptive=args.adaptive, budget=args.budget,
@@ -111,6 +122,16 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, args) -> dict[
             drafter.capture.stop()
         pipes[name] = Pipeline(target, drafter, "loose" if name == "loose" else "auto")
     return pipes
+
+
+def sparrow_head(target: LoadedModel, args):
+    """The --head directory, or a randomly initialised Sparrow head from a seeded generator (labelled untrained)."""
+    if args.head is not None:
+        return str(args.head)
+    from sparrow.heads import new_head
+
+    generator = torch.Generator(device=target.model.device).manual_seed(args.head_seed)
+    return new_head(target.model, "sparrow", generator=generator)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -134,6 +155,8 @@ def run_once(pipe: Pipeline, video: Video, max_new_tokens: int) -> dict:
             capture.stop()
     stats = result.stats
     decode = max(result.seconds - stats.prefill_seconds, 1e-9)
+    drafter = pipe.drafter
+    rows_seen = getattr(drafter, "rows_seen", 0)
     pruning = getattr(pipe.drafter, "last_pruning", None)
     return {
         "token_ids": result.token_ids, "new_tokens": result.new_tokens, "seconds": result.seconds,
@@ -143,14 +166,21 @@ def run_once(pipe: Pipeline, video: Video, max_new_tokens: int) -> dict:
         "acceptance_rate": stats.acceptance_rate, "peak_memory_mb": peak_memory_mb(device),
         "draft_visual_tokens": int(pruning.kept.numel()) if pruning is not None else None,
         "draft_kv_mib": draft_kv_mib(pipe.drafter),
+        "draft_ms_per_token": 1000 * stats.draft_seconds / stats.num_draft_tokens if stats.num_draft_tokens else None,
+        "target_ms_per_forward": 1000 * stats.verify_seconds / stats.steps if stats.steps else None,
+        "head_keys_per_row": drafter.keys_attended / rows_seen if rows_seen else None,
+        "head_cache_rows": drafter.cache.rows if hasattr(drafter, "keys_attended") else None,
     }
 
 
 def draft_kv_mib(drafter) -> float | None:
     """MiB of the keys and values in the drafter's own cache (None: it keeps none, e.g. plain decoding)."""
     from sparrow.drafters.draft_kv import kv_bytes
+    from sparrow.heads.eagle import HeadCache
 
     cache = getattr(drafter, "cache", None)  # sparse
+    if isinstance(cache, HeadCache):  # a Sparrow head: its text rows only
+        return sum(t.numel() * t.element_size() for t in (cache.keys, cache.values)) / 2**20
     if cache is None and drafter is not None and hasattr(drafter, "draft"):
         cache = getattr(getattr(drafter.draft, "runner", drafter.draft), "cache", None)
     return kv_bytes(cache) / 2**20 if cache is not None else None
@@ -169,7 +199,8 @@ def render(rows: list[dict]) -> str:
         visual = statistics.mean(r["visual_tokens"] for r in plain)
         out += [f"\n### {frames} frames ({visual:.0f} visual tokens)\n",
                 "| method | decode speedup | end-to-end speedup | mean accepted | identical to plain | "
-                "peak memory MiB | draft visual tokens | draft KV MiB |", "|---|---|---|---|---|---|---|---|"]
+                "peak memory MiB | draft visual tokens | draft KV MiB | draft ms/token | target ms/forward |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for method in dict.fromkeys(r["method"] for r in rows):
             group = by[(frames, method)]
             if not group:
@@ -184,10 +215,16 @@ def render(rows: list[dict]) -> str:
                 ident += f" (LOSSY; token agreement {agreement:.3f})"
             mem = max(r["peak_memory_mb"] for r in group)
             kept = [r["draft_visual_tokens"] for r in group if r["draft_visual_tokens"] is not None]
-            kept = f"{statistics.mean(kept):.0f}" if kept else "all" if method in ("draft-model",) else "-"
+            kept = f"{statistics.mean(kept):.0f}" if kept else "all" if method in ("draft-model",) else (
+                "0" if method == "sparrow-head" else "-")
             kv = [r["draft_kv_mib"] for r in group if r.get("draft_kv_mib") is not None]
             kv = f"{statistics.mean(kv):.3g}" if kv else "-"
-            out.append(f"| {method} | {dec:.2f}x | {e2e:.2f}x | {acc:.2f} | {ident} | {mem:.0f} | {kept} | {kv} |")
+            draft_ms = [r["draft_ms_per_token"] for r in group if r.get("draft_ms_per_token") is not None]
+            draft_ms = f"{statistics.mean(draft_ms):.0f}" if draft_ms else "-"
+            target_ms = [r["target_ms_per_forward"] for r in group if r.get("target_ms_per_forward") is not None]
+            target_ms = f"{statistics.mean(target_ms):.0f}" if target_ms else "-"
+            out.append(f"| {method} | {dec:.2f}x | {e2e:.2f}x | {acc:.2f} | {ident} | {mem:.0f} | {kept} | {kv} | "
+                       f"{draft_ms} | {target_ms} |")
     return "\n".join(out)
 
 
@@ -224,6 +261,8 @@ def main() -> None:
                         help="policy of visual-prune-kv / draft-model-kv")
     parser.add_argument("--retrieve-every", type=int, default=0,
                         help="hybridkv: re-choose dynamic heads' chunks every R rounds (0: fixed at prefill)")
+    parser.add_argument("--head", type=Path, help="sparrow-head: a Sparrow head directory (default: untrained)")
+    parser.add_argument("--head-seed", type=int, default=0, help="sparrow-head without --head: init seed")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None)
@@ -245,11 +284,15 @@ def main() -> None:
 
     rows = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"target": args.tiny and f"tiny random {args.tiny}" or args.target, "draft": args.draft or (
+    proxy = Path(args.target or "", "PROXY.json").expanduser()
+    meta = {"target": args.tiny and f"tiny random {args.tiny}" or args.target,
+            "target_is": json.loads(proxy.read_text())["what"] if proxy.is_file() else None,
+            "head": (str(args.head) if args.head else f"untrained (random init, seed {args.head_seed})")
+            if "sparrow-head" in pipes else None, "draft": args.draft or (
         args.tiny and "perturbed copy of the tiny target"), "device": str(pipes["plain"].runner.device),
         "dtype": args.dtype, "k": args.k, "adaptive": args.adaptive, "drop_rate": args.drop_rate,
         "budget": args.budget, "draft_kv": args.draft_kv, "retrieve_every": args.retrieve_every,
-        "max_new_tokens": args.max_new_tokens, "machine": platform.machine(),
+        "max_new_tokens": args.max_new_tokens, "machine": platform.machine(), "cpu": cpu_info().model,
         "torch": torch.__version__, "threads": torch.get_num_threads()}
     warm = sample(videos[0][1], min(args.frames))
     for pipe in pipes.values():  # one-time costs (allocator, kernels) outside the timed runs

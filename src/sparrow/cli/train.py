@@ -368,7 +368,6 @@ class _Run:
         import torch
 
         from sparrow.heads.eagle import new_head
-        from sparrow.heads.train import frequent_tokens
         from sparrow.heads.trainer import resumed_head
 
         model = loaded.model
@@ -376,16 +375,21 @@ class _Run:
         if self.state is not None:
             self.say(f"resuming from step {self.state['step']} in {self.out}")
             return resumed_head(self.out, self.state, model, device)
-        vocab = model.get_output_embeddings().weight.shape[0]
-        ids = None
-        if self.arch == "eagle3":
-            size = min(self.draft_vocab or DEFAULT_DRAFT_VOCAB, vocab)
-            ids = frequent_tokens(corpus.train, size, vocab, always=_eos_ids(loaded, vocab))
+        ids = self.draft_vocabulary(loaded, corpus.train) if self.arch == "eagle3" else None
         generator = torch.Generator(device=device).manual_seed(self.settings.seed)
         shape = {} if self.arch == "longspec" else {"fusion": self.variant.fusion, "layers": self.variant.layers}
         head = new_head(model, self.arch, generator, draft_vocab=ids, **shape).float()
         init_from_target(head, model)
         return head
+
+    def draft_vocabulary(self, loaded: Any, sequences: Any) -> Any:
+        """FR-Spec: the target ids of the draft vocabulary, the --draft-vocab (default DEFAULT_DRAFT_VOCAB, at most
+        the target's vocabulary) most frequent tokens of `sequences` ([n] target ids each), EOS ids included."""
+        from sparrow.heads.train import frequent_tokens
+
+        vocab = loaded.model.get_output_embeddings().weight.shape[0]
+        size = min(self.draft_vocab or DEFAULT_DRAFT_VOCAB, vocab)
+        return frequent_tokens(sequences, size, vocab, always=_eos_ids(loaded, vocab))
 
     def extract(self, loaded: Any, head: Any, corpus: Any) -> tuple[Any, Any]:
         from sparrow.heads.features import CacheIdentity, FeatureCache, target_identity
@@ -548,7 +552,6 @@ class _SparrowRun(_Run):
         import torch
 
         from sparrow.heads.eagle import new_head
-        from sparrow.heads.train import frequent_tokens
         from sparrow.heads.trainer import resumed_head
 
         model = loaded.model
@@ -556,11 +559,9 @@ class _SparrowRun(_Run):
         if self.state is not None:
             self.say(f"resuming from step {self.state['step']} in {self.out}")
             return resumed_head(self.out, self.state, model, device)
-        vocab = model.get_output_embeddings().weight.shape[0]
         texts = [torch.tensor(s.answer, dtype=torch.long) for s in samples]
         texts += [torch.tensor(loaded.tokenizer(q)["input_ids"], dtype=torch.long) for q in self.spec.questions]
-        ids = frequent_tokens([t for t in texts if t.numel()], min(self.draft_vocab or DEFAULT_DRAFT_VOCAB, vocab),
-                              vocab, always=_eos_ids(loaded, vocab))
+        ids = self.draft_vocabulary(loaded, [t for t in texts if t.numel()])
         generator = torch.Generator(device=device).manual_seed(self.settings.seed)
         head = new_head(model, "sparrow", generator, draft_vocab=ids, fusion=self.variant.fusion,
                         layers=self.variant.layers, text_window=self.text_window).float()
