@@ -7,8 +7,10 @@ M-RoPE; qwen2.5-coder-1.5b has the same layer shapes and head size 128, so its w
 the three M-RoPE components coincide and the proxy decodes exactly like the preset (checked below). The vision
 tower has Qwen2.5-VL's widths (1280 hidden, 16 heads, patch 14, 2x2 merge, window attention) but only
 `--vision-depth` blocks, initialised from a seeded generator, and the merger's output is rescaled so a visual
-token's embedding has the RMS of a text token's: the language model then sees inputs of a realistic size that
-carry no learned meaning. Decoding cost (what speculative decoding changes) depends on the language model and
+token's embedding has `--visual-scale` times the RMS of a text token's: inputs that carry no learned meaning.
+At 1.0 the language model answered vtest.avi with degenerate repetition ("IPIOPIO...", 8 frames) or unrelated
+Chinese prose (32 frames); at 0.1 it wrote English about "the video" at 8 frames (default; 0.03 gave repetition
+again), so the decoded text, and what drafters can predict of it, is closer to a VLM's. Decoding cost (what speculative decoding changes) depends on the language model and
 on the number of visual tokens, not on what the tower learned.
 
     python benchmarks/vlm_proxy.py --out ~/.cache/sparrow/proxy/qwen2.5-vl-coder-1.5b
@@ -54,9 +56,9 @@ def proxy_config(text_config: dict, tokenizer, vision_depth: int):
 
 
 @torch.no_grad()
-def randomise_vision(visual: torch.nn.Module, generator: torch.Generator, text_rms: float) -> float:
+def randomise_vision(visual: torch.nn.Module, generator: torch.Generator, target_rms: float) -> float:
     """Seeded init of the tower (normal 0.02 weights, zero biases, unit norms); the merger's last linear layer is
-    scaled so visual embeddings have the text embeddings' RMS. Returns that scale."""
+    scaled so visual embeddings have RMS `target_rms`. Returns that scale."""
     for name, p in visual.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
@@ -70,13 +72,13 @@ def randomise_vision(visual: torch.nn.Module, generator: torch.Generator, text_r
     out = getattr(out, "pooler_output", out)
     rms = out.float().pow(2).mean().sqrt().item()
     last = [m for m in visual.merger.modules() if isinstance(m, torch.nn.Linear)][-1]
-    scale = text_rms / rms
+    scale = target_rms / rms
     last.weight.mul_(scale)
     last.bias.mul_(scale)
     return scale
 
 
-def build(out: Path, base: str, vision_depth: int, seed: int) -> Path:
+def build(out: Path, base: str, vision_depth: int, seed: int, visual_scale: float) -> Path:
     from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor,
                               Qwen2VLVideoProcessor)
 
@@ -87,7 +89,7 @@ def build(out: Path, base: str, vision_depth: int, seed: int) -> Path:
     model.model.language_model.load_state_dict(lm.model.model.state_dict())
     model.lm_head.load_state_dict(lm.model.lm_head.state_dict())
     text_rms = lm.model.get_input_embeddings().weight.float().pow(2).mean().sqrt().item()
-    scale = randomise_vision(model.model.visual, torch.Generator().manual_seed(seed), text_rms)
+    scale = randomise_vision(model.model.visual, torch.Generator().manual_seed(seed), visual_scale * text_rms)
     model.generation_config.eos_token_id = lm.model.generation_config.eos_token_id
     model = model.to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +102,7 @@ def build(out: Path, base: str, vision_depth: int, seed: int) -> Path:
         tokenizer=tok, chat_template=TEMPLATE).save_pretrained(out)
     (out / "PROXY.json").write_text(json.dumps({
         "what": "real language model, random vision tower", "language_model": base, "vision_depth": vision_depth,
-        "vision_seed": seed, "merger_scale": scale, "text_embedding_rms": text_rms,
+        "vision_seed": seed, "visual_scale": visual_scale, "merger_scale": scale, "text_embedding_rms": text_rms,
         "max_pixels_per_frame": pixels}, indent=2))
     return out
 
@@ -125,9 +127,11 @@ def main() -> None:
     parser.add_argument("--base", default="qwen2.5-coder-1.5b", help="preset or directory of the language model")
     parser.add_argument("--vision-depth", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--visual-scale", type=float, default=0.1,
+                        help="RMS of a visual token's embedding as a share of a text token's")
     parser.add_argument("--no-check", action="store_true", help="skip the text-equality check")
     args = parser.parse_args()
-    out = build(args.out.expanduser(), args.base, args.vision_depth, args.seed)
+    out = build(args.out.expanduser(), args.base, args.vision_depth, args.seed, args.visual_scale)
     print(f"wrote {out}")
     if not args.no_check:
         check_text(out, args.base)
