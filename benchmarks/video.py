@@ -56,7 +56,7 @@ from sparrow.hardware import cpu_info
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline
 from sparrow.verifiers.loose import fidelity
-from sparrow.vision.video import Video, read_video
+from sparrow.vision.video import IMAGE_SUFFIXES, Video, read_video
 
 HERE = Path(__file__).parent
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm")
@@ -78,9 +78,11 @@ def synthetic_video(num_frames: int, size: int, seed: int) -> np.ndarray:
 
 
 def videos_from(folder: Path | None, count: int, size: int, max_frames: int) -> list[tuple[str, object]]:
-    """(name, source) pairs: files / frame directories of `folder`, else `count` synthetic videos."""
+    """(name, source) pairs: files / frame directories (subdirectories holding two or more images) of `folder`,
+    else `count` synthetic videos."""
     if folder is not None:
-        items = sorted(p for p in folder.iterdir() if p.suffix.lower() in VIDEO_SUFFIXES or p.is_dir())
+        items = sorted(p for p in folder.iterdir() if p.suffix.lower() in VIDEO_SUFFIXES or p.is_dir() and sum(
+            f.suffix.lower() in IMAGE_SUFFIXES for f in p.iterdir()) >= 2)
         if not items:
             raise ValueError(f"--videos: no video files or frame directories in {folder}")
         return [(p.name, p) for p in items]
