@@ -40,6 +40,7 @@ from long_prompts import build_prompt, documentation
 from sparrow.attention_capture import QueryCapture
 from sparrow.cached_model import CachedModel
 from sparrow.drafters import REGISTRY, build_drafter
+from sparrow.drafters.draft_kv import kv_bytes
 from sparrow.drafters.longspec import LongSpecDrafter, WindowCache
 from sparrow.drafters.sparse import DEFAULT_BUDGET, SparseDrafter
 from sparrow.heads.eagle import new_head
@@ -146,14 +147,6 @@ def build(method: str, target, draft, sparse_default, longspec_seed: int = 0) ->
             head = new_head(target.model, "longspec", generator=generator)
         return build_drafter("eagle", target, None, None, adaptive=True, head=head)
     return build_drafter(method, target, draft if method == "draft-model" else None, None, adaptive=True)
-
-
-def kv_bytes(cache) -> int | None:
-    """Bytes of a transformers cache's keys and values over all layers (None without a cache)."""
-    if cache is None:
-        return None
-    tensors = (getattr(layer, name, None) for layer in cache.layers for name in ("keys", "values"))
-    return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
 
 
 def window_bytes(cache: WindowCache) -> int:

@@ -23,7 +23,8 @@ run (draft-model, visual-prune, sparse; prompt plus generated tokens) and, for l
 whether the output is identical to plain decoding, and the drafter's cost: milliseconds per drafted token, and
 for sparrow-head the keys each head row attended to on average (bounded by its text window, whatever the number
 of frames). A target directory made by `benchmarks/vlm_proxy.py` (a PROXY.json beside its config: the real
-qwen2.5-coder-1.5b language model with a random vision tower) labels every row with what it is. One JSONL row per run, a markdown table per frame
+qwen2.5-coder-1.5b language model with a random vision tower) labels every row with what it is. One JSONL
+row per run, a markdown table per frame
 count (`<out>.jsonl`, `<out>.md`).
 
     python benchmarks/video.py --target Qwen/Qwen2.5-VL-7B-Instruct --draft Qwen/Qwen2.5-VL-3B-Instruct \
