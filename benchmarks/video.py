@@ -52,6 +52,7 @@ import torch
 
 from sparrow.drafters import build_drafter
 from sparrow.drafters.kv_compress import build_selector
+from sparrow.drafters.sparrow import SparrowDrafter
 from sparrow.drafters.visual_prune import visual_span
 from sparrow.hardware import cpu_info
 from sparrow.models import LoadedModel, load_model
@@ -158,8 +159,7 @@ def run_once(pipe: Pipeline, video: Video, max_new_tokens: int) -> dict:
             capture.stop()
     stats = result.stats
     decode = max(result.seconds - stats.prefill_seconds, 1e-9)
-    drafter = pipe.drafter
-    rows_seen = getattr(drafter, "rows_seen", 0)
+    head = pipe.drafter if isinstance(pipe.drafter, SparrowDrafter) else None
     pruning = getattr(pipe.drafter, "last_pruning", None)
     return {
         "token_ids": result.token_ids, "new_tokens": result.new_tokens, "seconds": result.seconds,
@@ -171,8 +171,8 @@ def run_once(pipe: Pipeline, video: Video, max_new_tokens: int) -> dict:
         "draft_kv_mib": draft_kv_mib(pipe.drafter),
         "draft_ms_per_token": 1000 * stats.draft_seconds / stats.num_draft_tokens if stats.num_draft_tokens else None,
         "target_ms_per_forward": 1000 * stats.verify_seconds / stats.steps if stats.steps else None,
-        "head_keys_per_row": drafter.keys_attended / rows_seen if rows_seen else None,
-        "head_cache_rows": drafter.cache.rows if hasattr(drafter, "keys_attended") else None,
+        "head_keys_per_row": head.keys_attended / head.rows_seen if head is not None and head.rows_seen else None,
+        "head_cache_rows": head.cache.rows if head is not None else None,
     }
 
 
