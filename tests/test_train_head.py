@@ -105,6 +105,18 @@ def test_corpus_is_deterministic_split_by_file_and_skips_benchmarks(target, corp
         spec(corpus_dir, tokens=0)
 
 
+def test_batched_self_distillation_gives_the_sequential_answers(target):
+    """transformers' batched greedy generate over left-padded prompts of different lengths (float32) gives the
+    answers sparrow's own plain decoding gives one prompt at a time."""
+    from sparrow.heads.data import self_distilled
+
+    snippets = SNIPPETS[:5]
+    one = self_distilled(target, snippets, 12)
+    batched = self_distilled(target, snippets, 12, batch_size=3)
+    assert len({t.numel() for t in one}) > 1  # the prompts differ in length: padding is exercised
+    assert [t.tolist() for t in batched] == [t.tolist() for t in one]
+
+
 # b) training ---------------------------------------------------------------------------------------------------
 
 
@@ -270,6 +282,9 @@ def test_cli_trains_resumes_and_the_head_decodes_losslessly(target, corpus_dir, 
     (["train", "head", "--out", "x", "--arch", "longspec", "--anchor-offset", "-1"], "--anchor-offset must be"),
     (["train", "head", "--out", "x", "--anchor-offset", "100"], "--anchor-offset applies to --arch longspec only"),
     (["train", "head", "--out", "x", "--layers", "0"], "--layers must be an integer >= 1"),
+    (["train", "head", "--out", "x", "--distill-batch", "0"], "--distill-batch must be an integer >= 1"),
+    (["train", "head", "--out", "x", "--arch", "longspec", "--intermediate-size", "64"],
+     "--intermediate-size applies to --arch eagle3"),
     (["train", "head", "--out", "x", "--fusion", "sum"], "--fusion must be one of concat, gated"),
 ])
 def test_cli_head_flags_fail_before_loading_models(args, message, tmp_path, monkeypatch):
@@ -303,7 +318,7 @@ def test_cli_time_budget_spent_during_extraction_keeps_the_cache_for_a_rerun(tar
 # e) the CLI's head variants ------------------------------------------------------------------------------------
 
 VARIANTS = {"eagle3-gated-2": ["--arch", "eagle3", "--fusion", "gated", "--layers", "2", "--draft-vocab",
-                               str(DRAFT_VOCAB)],
+                               str(DRAFT_VOCAB), "--intermediate-size", "40", "--distill-batch", "2"],
             "longspec": ["--arch", "longspec", "--anchor-offset", "500"]}
 
 
@@ -352,7 +367,7 @@ def test_cli_trains_and_resumes_head_variants_that_decode_losslessly(variant, ta
         assert config["architectures"] == ["SparrowLongSpecHead"] and report["anchor_offset"] == 500
         assert "feature_seconds" not in report and not (part / "features").exists()  # no feature cache
     else:
-        assert config["fusion"] == "gated" and config["num_hidden_layers"] == 2
+        assert config["fusion"] == "gated" and config["num_hidden_layers"] == 2 and config["intermediate_size"] == 40
         assert report["fusion"] == "gated" and report["layers"] == 2 and report["draft_vocab_size"] == DRAFT_VOCAB
         assert any(k.startswith("gate.") for k in weights) and any(k.startswith("layers.1.") for k in weights)
 

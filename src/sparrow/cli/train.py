@@ -57,6 +57,7 @@ def head(
     arch: Annotated[Optional[str], typer.Option(help="eagle3 (three fused target layers, own reduced LM head), eagle1 (last layer, the target's LM head), longspec (sliding-window self-attention + cross-attention over the target's KV cache; trains at anchor-offset positions) or sparrow (Video-LLM targets, Qwen2.5-VL / LLaVA-OneVision: an EAGLE-3 head with no visual KV and a text window, trained on the target's answers about --videos). Default eagle3; with --resume, the run's.")] = None,
     fusion: Annotated[Optional[str], typer.Option(help="How eagle3/eagle1/sparrow heads mix feature and token embedding: concat (EAGLE; vLLM/SGLang read it) or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). Default concat.")] = None,
     layers: Annotated[Optional[int], typer.Option(help="Decoder layers of an eagle3/eagle1/sparrow head (Dovetail: deeper heads; > 1 is sparrow-only: layers.1.* tensors). Default 1.")] = None,
+    intermediate_size: Annotated[Optional[int], typer.Option(help="MLP width of an eagle3/eagle1/sparrow head's decoder layer (default: the target's, as SpecForge's heads; smaller heads draft cheaper on a CPU).")] = None,
     anchor_offset: Annotated[Optional[int], typer.Option(help=f"longspec: shift training positions (after 0-4 sink tokens) by a random offset up to N, so short text trains long-context positions (LongSpec's anchor-offset indices; default min({DEFAULT_ANCHOR_OFFSET}, the target's max positions - the longest training sequence)).")] = None,
     draft_vocab: Annotated[Optional[int], typer.Option(help=f"eagle3, sparrow: the N most frequent target tokens of the training data (FR-Spec; default {DEFAULT_DRAFT_VOCAB}, at most the vocabulary).")] = None,
     videos: Annotated[Optional[list[Path]], typer.Option(help="sparrow: a video file (any the video reader takes, e.g. .mp4/.avi), a directory of video files, or a directory of frame images (repeatable; default: opencv-doc's sample videos under /usr/share/doc/opencv-doc/examples/data).")] = None,
@@ -69,6 +70,7 @@ def head(
     seq_len: Annotated[Optional[int], typer.Option(help=f"Tokens per training sequence (default {DEFAULT_SEQ_LEN}).")] = None,
     distill: Annotated[Optional[int], typer.Option(help=f"Self-distilled sequences: the target's greedy answers to prompts built from training files (held out: a tenth; default {DEFAULT_DISTILL}).")] = None,
     distill_tokens: Annotated[int, typer.Option(help="New tokens per self-distilled answer (sparrow: per answer about a video).")] = 128,
+    distill_batch: Annotated[Optional[int], typer.Option(help="Self-distilled answers generated together (transformers' batched greedy generate over left-padded prompts); default 32 on a GPU, 1 (sparrow's plain decoding, one at a time) on a CPU.")] = None,
     steps: Annotated[Optional[int], typer.Option(help=f"Optimiser steps in total (default: 2 epochs of the training sequences; sparrow: {SPARROW_EPOCHS} epochs of its training pairs).")] = None,
     time_budget: Annotated[Optional[float], typer.Option(help="Seconds for the whole command; stops cleanly (checkpoint, cache) when spent; --resume continues.")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 4,
@@ -92,10 +94,14 @@ def head(
 
     started = time.monotonic()
     deadline = None if time_budget is None else started + time_budget
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True  # the head trains in float32: TF32 matmuls on a GPU (no-op on a CPU)
     check_float("--time-budget", time_budget, "a finite number of seconds > 0", lambda s: s > 0)
     check_float("--lr", lr, "a finite number > 0", lambda v: v > 0)
     for flag, value, low in (("--steps", steps, 1), ("--top-k", top_k, 1), ("--draft-vocab", draft_vocab, 1),
-                             ("--layers", layers, 1), ("--anchor-offset", anchor_offset, 0), ("--frames", frames, 1),
+                             ("--layers", layers, 1), ("--intermediate-size", intermediate_size, 1),
+                             ("--distill-batch", distill_batch, 1), ("--anchor-offset", anchor_offset, 0), ("--frames", frames, 1),
                              ("--text-window", text_window, 1)):
         check_int(flag, value, low)
     if out is None:
@@ -106,7 +112,7 @@ def head(
             raise UserError(f"--out is needed for --target {target!r}: only presets have a default head directory")
     state = read_state(out)
     stored_arch = _arch_of(state) if resume and state is not None else None
-    _check_variant(arch or stored_arch or "eagle3", fusion, layers, draft_vocab, anchor_offset)
+    _check_variant(arch or stored_arch or "eagle3", fusion, layers, draft_vocab, anchor_offset, intermediate_size)
     _check_data_options(arch or stored_arch or "eagle3", {
         name for name, value in (("data", data), ("tokens", tokens), ("held_out_tokens", held_out_tokens),
                                  ("seq_len", seq_len), ("distill", distill), ("top_k", top_k), ("features", features),
@@ -119,11 +125,11 @@ def head(
                         "another directory")
     if (arch or stored_arch) == "sparrow":
         _sparrow(out, target, state, resume, steps, time_budget, started, dtype, device, progress, draft_vocab,
-                 HeadVariant(fusion or "concat", layers or 1), videos, frames, text_window, held_out_percent,
+                 HeadVariant(fusion or "concat", layers or 1, intermediate_size=intermediate_size), videos, frames, text_window, held_out_percent,
                  distill_tokens, lr, batch_size, ttt_steps, checkpoint_every, eval_every, seed, arch, fusion, layers)
         return
     if resume:
-        _check_resumed_variant(state, arch, fusion, layers, anchor_offset)
+        _check_resumed_variant(state, arch, fusion, layers, anchor_offset, intermediate_size)
         spec, settings = _stored_run(out, state, steps)
         stored = json.loads((out / RUN).read_text()) if (out / RUN).is_file() else {}
         target = target or stored.get("target")
@@ -145,7 +151,8 @@ def head(
                                  anchor_offset=anchor_offset or 0)
     run = _Run(out, target or DEFAULT_TARGET, spec, settings, state, stored_arch or arch or "eagle3", draft_vocab,
                top_k or DEFAULT_TOP_K, features or out / "features", deadline, progress, steps_given=steps is not None,
-               variant=HeadVariant(fusion or "concat", layers or 1, anchor_offset is not None))
+               variant=HeadVariant(fusion or "concat", layers or 1, anchor_offset is not None, intermediate_size),
+               distill_batch=distill_batch)
     run.go(dtype.value, device)
 
 
@@ -156,10 +163,16 @@ class HeadVariant:
     fusion: str = "concat"
     layers: int = 1
     anchor_offset_given: bool = False  # --anchor-offset given (else LongSpec's default, fitted to the target)
+    intermediate_size: int | None = None  # the decoder layer's MLP width (None: the target's)
+
+    def shape(self) -> dict[str, Any]:
+        """new_head's keyword arguments for this variant."""
+        size = {} if self.intermediate_size is None else {"intermediate_size": self.intermediate_size}
+        return {"fusion": self.fusion, "layers": self.layers, **size}
 
 
 def _check_variant(arch: str, fusion: str | None, layers: int | None, draft_vocab: int | None,
-                   anchor_offset: int | None) -> None:
+                   anchor_offset: int | None, intermediate_size: int | None = None) -> None:
     """Refuse a combination of head options that cannot be built, before any model loads."""
     from sparrow.heads.config import FUSIONS, HEAD_ARCHS
 
@@ -168,7 +181,8 @@ def _check_variant(arch: str, fusion: str | None, layers: int | None, draft_voca
     if fusion is not None and fusion not in FUSIONS:
         raise UserError(f"--fusion must be one of {', '.join(FUSIONS)}, got {fusion!r}")
     if arch == "longspec":
-        for flag, value, default in (("--fusion", fusion, "concat"), ("--layers", layers, 1)):
+        for flag, value, default in (("--fusion", fusion, "concat"), ("--layers", layers, 1),
+                                     ("--intermediate-size", intermediate_size, None)):
             if value is not None and value != default:
                 raise UserError(f"{flag} applies to --arch eagle3 or eagle1: a LongSpec head is one layer over the "
                                 "token embedding (no target feature to fuse) and cross-attention over the target's KV")
@@ -185,12 +199,14 @@ def _check_variant(arch: str, fusion: str | None, layers: int | None, draft_voca
 
 
 def _check_resumed_variant(state: dict[str, Any], arch: str | None, fusion: str | None, layers: int | None,
-                           anchor_offset: int | None) -> None:
+                           anchor_offset: int | None, intermediate_size: int | None = None) -> None:
     """With --resume the head is the checkpoint's: refuse shape options that say otherwise."""
     config, settings = state["head_config"], state["settings"]
     stored = {"--arch": _arch_of(state), "--fusion": config.get("fusion", "concat"),
-              "--layers": config.get("num_layers", 1), "--anchor-offset": settings.get("anchor_offset", 0)}
-    given = {"--arch": arch, "--fusion": fusion, "--layers": layers, "--anchor-offset": anchor_offset}
+              "--layers": config.get("num_layers", 1), "--anchor-offset": settings.get("anchor_offset", 0),
+              "--intermediate-size": config.get("intermediate_size")}
+    given = {"--arch": arch, "--fusion": fusion, "--layers": layers, "--anchor-offset": anchor_offset,
+             "--intermediate-size": intermediate_size}
     for flag, value in given.items():
         if value is not None and value != stored[flag]:
             raise UserError(f"--resume continues the run's head ({flag} {stored[flag]}); {flag} {value} would need a "
@@ -305,10 +321,11 @@ class _Run:
 
     def __init__(self, out: Path, target: str, spec: Any, settings: Any, state: dict[str, Any] | None, arch: str,
                  draft_vocab: int | None, top_k: int, features: Path, deadline: float | None, progress: bool,
-                 steps_given: bool, variant: HeadVariant = HeadVariant()) -> None:
+                 steps_given: bool, variant: HeadVariant = HeadVariant(), distill_batch: int | None = None) -> None:
         self.out, self.target_name, self.spec, self.settings, self.state = out, target, spec, settings, state
         self.arch, self.draft_vocab, self.top_k, self.features_dir = arch, draft_vocab, top_k, features
         self.deadline, self.progress, self.steps_given, self.variant = deadline, progress, steps_given, variant
+        self.distill_batch = distill_batch  # None: by device (`corpus`)
         self.model: Any = None  # the loaded target's transformers model (set by `go`)
         self.timings: dict[str, float] = {}
 
@@ -357,7 +374,8 @@ class _Run:
             return corpus
         start = time.monotonic()
         with self.bars() as bars:
-            corpus = build_corpus(self.spec, loaded, bars.callback)
+            batch = self.distill_batch or (32 if loaded.model.device.type == "cuda" else 1)
+            corpus = build_corpus(self.spec, loaded, bars.callback, batch)
         save_corpus(corpus, self.spec, self.out)
         self.timings["corpus_seconds"] = time.monotonic() - start
         self.say(f"corpus: {len(corpus.train)} training sequences ({corpus.train_tokens} tokens, "
@@ -377,7 +395,7 @@ class _Run:
             return resumed_head(self.out, self.state, model, device)
         ids = self.draft_vocabulary(loaded, corpus.train) if self.arch == "eagle3" else None
         generator = torch.Generator(device=device).manual_seed(self.settings.seed)
-        shape = {} if self.arch == "longspec" else {"fusion": self.variant.fusion, "layers": self.variant.layers}
+        shape = {} if self.arch == "longspec" else self.variant.shape()
         head = new_head(model, self.arch, generator, draft_vocab=ids, **shape).float()
         init_from_target(head, model)
         return head
@@ -563,8 +581,8 @@ class _SparrowRun(_Run):
         texts += [torch.tensor(loaded.tokenizer(q)["input_ids"], dtype=torch.long) for q in self.spec.questions]
         ids = self.draft_vocabulary(loaded, [t for t in texts if t.numel()])
         generator = torch.Generator(device=device).manual_seed(self.settings.seed)
-        head = new_head(model, "sparrow", generator, draft_vocab=ids, fusion=self.variant.fusion,
-                        layers=self.variant.layers, text_window=self.text_window).float()
+        head = new_head(model, "sparrow", generator, draft_vocab=ids, text_window=self.text_window,
+                        **self.variant.shape()).float()
         init_from_target(head, model)
         return head
 
