@@ -44,7 +44,8 @@ DEFAULT_TOKENS, DEFAULT_SEQ_LEN, DEFAULT_DISTILL = 200_000, 512, 32  # the text 
 DEFAULT_FRAMES = 8  # = sparrow.vision.prompt.DEFAULT_FRAMES (`sparrow generate --frames`)
 DEFAULT_TEXT_WINDOW = 32  # = SparrowSpec's
 SPARROW_EPOCHS = 10  # default steps of --arch sparrow: few (video, question) pairs, long sequences
-TEXT_CORPUS_OPTIONS = ("data", "tokens", "held_out_tokens", "seq_len", "distill", "top_k", "features")
+TEXT_CORPUS_OPTIONS = ("data", "tokens", "held_out_tokens", "seq_len", "distill", "distill_batch", "top_k",
+                       "features")
 VIDEO_OPTIONS = ("videos", "frames", "text_window")
 RUN = "run.json"  # what the resumed run needs that its checkpoint does not hold: target, dtype, top-k, cache
 
@@ -101,8 +102,8 @@ def head(
     check_float("--lr", lr, "a finite number > 0", lambda v: v > 0)
     for flag, value, low in (("--steps", steps, 1), ("--top-k", top_k, 1), ("--draft-vocab", draft_vocab, 1),
                              ("--layers", layers, 1), ("--intermediate-size", intermediate_size, 1),
-                             ("--distill-batch", distill_batch, 1), ("--anchor-offset", anchor_offset, 0), ("--frames", frames, 1),
-                             ("--text-window", text_window, 1)):
+                             ("--distill-batch", distill_batch, 1), ("--anchor-offset", anchor_offset, 0),
+                             ("--frames", frames, 1), ("--text-window", text_window, 1)):
         check_int(flag, value, low)
     if out is None:
         from sparrow.heads.layout import default_head_dir
@@ -115,7 +116,8 @@ def head(
     _check_variant(arch or stored_arch or "eagle3", fusion, layers, draft_vocab, anchor_offset, intermediate_size)
     _check_data_options(arch or stored_arch or "eagle3", {
         name for name, value in (("data", data), ("tokens", tokens), ("held_out_tokens", held_out_tokens),
-                                 ("seq_len", seq_len), ("distill", distill), ("top_k", top_k), ("features", features),
+                                 ("seq_len", seq_len), ("distill", distill), ("distill_batch", distill_batch),
+                                 ("top_k", top_k), ("features", features),
                                  ("videos", videos), ("frames", frames), ("text_window", text_window))
         if value is not None})
     if resume and state is None:
@@ -125,8 +127,9 @@ def head(
                         "another directory")
     if (arch or stored_arch) == "sparrow":
         _sparrow(out, target, state, resume, steps, time_budget, started, dtype, device, progress, draft_vocab,
-                 HeadVariant(fusion or "concat", layers or 1, intermediate_size=intermediate_size), videos, frames, text_window, held_out_percent,
-                 distill_tokens, lr, batch_size, ttt_steps, checkpoint_every, eval_every, seed, arch, fusion, layers)
+                 HeadVariant(fusion or "concat", layers or 1, intermediate_size=intermediate_size), videos, frames,
+                 text_window, held_out_percent, distill_tokens, lr, batch_size, ttt_steps, checkpoint_every,
+                 eval_every, seed, arch, fusion, layers)
         return
     if resume:
         _check_resumed_variant(state, arch, fusion, layers, anchor_offset, intermediate_size)
