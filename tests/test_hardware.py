@@ -210,7 +210,8 @@ def test_doctor_json(monkeypatch, text, costs, expected):
     assert record["device"] == "cpu" and record["cpu"]["model"].startswith("Fake")
     assert record["benchmark"]["costs"] == costs and record["benchmark"]["cached"] is False and bench.calls == 1
     assert record["versions"]["torch"] == torch.__version__ and record["threads"]["intra_op"] >= 1
-    assert "int8" in record["draft_hint"]  # int8 ran faster than the dense dtype at 1 row in both
+    assert record["auto"]["draft_quant"] == "int8"  # int8 ran faster than the dense dtype at 1 row in both
+    assert "int8 weights ran" in record["auto"]["draft_quant_reason"]
     again = json.loads(cli("doctor", "--json", "--device", "cpu").stdout)
     assert again["benchmark"]["cached"] is True and bench.calls == 1
     fresh = json.loads(cli("doctor", "--json", "--device", "cpu", "--refresh").stdout)
@@ -227,6 +228,7 @@ def test_doctor_no_benchmark(monkeypatch):
     assert record["benchmark"] is None and bench.calls == 0
     assert record["auto"]["dtype"] == "bfloat16" and "benchmark disabled" in record["auto"]["reason"]
     assert "not measured" in cli("doctor", "--no-benchmark").output
+    assert record["auto"]["draft_quant"] is None and "drafts stay dense" in record["auto"]["draft_quant_reason"]
 
 
 def test_doctor_bad_device_is_one_line():
@@ -270,3 +272,58 @@ def test_generate_json_names_the_draft_quantization_used(monkeypatch, one_thread
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     assert record["dtype"] == "float32" and record["draft_quant"] == "int4"  # quantized-self's default bits
+
+
+FAST_INT4 = {**FAST_BF16, "int4": {"1": 0.4, "8": 1.5}, "w8a8": {"1": 0.9, "8": 1.2}}
+NO_QUANT_PAYS = {**FAST_BF16, "int8": {"1": 1.15, "8": 3.0}}  # 1.2 / 1.15 = 1.04x: not worth a quantized draft
+
+
+@pytest.mark.parametrize(("text", "costs", "expected"), [(BF16_CPU, FAST_INT4, "int4"),  # fastest at 1 row
+                                                         (BF16_CPU, NO_QUANT_PAYS, None),
+                                                         (VNNI_CPU, SLOW_BF16, "int8")])  # vs float32 there
+def test_choose_draft_quant(monkeypatch, text, costs, expected):
+    machine(monkeypatch, text, costs)
+    fmt, reason = hardware.choose_draft_quant("cpu")
+    assert fmt == expected, reason
+    assert ("drafts stay dense" in reason) == (expected is None) and "1 row" in reason
+
+
+def test_choose_draft_quant_without_a_measurement_or_on_cuda(monkeypatch):
+    bench = machine(monkeypatch, BF16_CPU, FAST_INT4)
+    fmt, reason = hardware.choose_draft_quant("cpu", benchmark=False)
+    assert fmt is None and "benchmark disabled" in reason and bench.calls == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert hardware.choose_draft_quant("cuda")[0] is None and bench.calls == 0
+
+
+def test_draft_quant_auto_and_none_parse_for_drafts_only():
+    from sparrow.quantization import parse_quant, resolve_draft_quant
+
+    assert parse_quant("AUTO", "draft_quant", auto=True) == "auto" and parse_quant("none", "d", auto=True) is None
+    with pytest.raises(UserError, match=r"invalid quant 'auto': expected one of int8, int4, w8a8"):
+        parse_quant("auto", "quant")
+    with pytest.raises(UserError, match=r"invalid draft_quant 'int3': expected one of auto, none, int8"):
+        resolve_draft_quant("int3", "draft-model", True, "cpu")
+    assert resolve_draft_quant("auto", "prompt-lookup", False, "cpu") is None  # no draft model to quantize
+    with pytest.raises(UserError, match="draft_quant needs a draft model"):
+        sparrow_load_checks("prompt-lookup", "int8")
+
+
+def sparrow_load_checks(drafter: str, draft_quant: str) -> None:
+    import sparrow
+
+    sparrow.load("no-such-model", drafter=drafter, draft_quant=draft_quant)
+
+
+@pytest.mark.parametrize(("costs", "flag", "expected"), [(FAST_INT4, [], "int4"), (NO_QUANT_PAYS, [], None),
+                                                         (FAST_INT4, ["--draft-quant", "none"], None),
+                                                         (NO_QUANT_PAYS, ["--draft-quant", "int8"], "int8")])
+def test_generate_drafts_with_the_format_auto_chose(monkeypatch, one_thread, model_dir, costs, flag, expected):
+    """--draft-quant auto (the default) quantizes the draft model as the measurement says, and stays lossless."""
+    machine(monkeypatch, BF16_CPU, costs)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = cli("generate", "a b a b a b", "--target", model_dir, "--draft", model_dir, "--dtype", "float32",
+                 "--device", "cpu", "--max-new-tokens", "8", "--compare", "--json", *flag)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["draft_quant"] == expected and record["identical"] is True

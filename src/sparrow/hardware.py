@@ -18,6 +18,10 @@
 * CUDA: bfloat16 where supported natively, else float16.
 * anything else: float32.
 
+``choose_draft_quant(device)`` picks the weight format of a draft model (``--draft-quant auto``, the CLI's
+default): the quantized format that ran one row fastest, when it beat the dense dtype by ``MIN_DRAFT_QUANT_SPEEDUP``
+(int4 here at 4.4x on an AMD EPYC with avx512_bf16; int8 was ~2.5x faster on an AVX-512/VNNI CPU without bf16).
+
 Nothing here assumes one machine: the same code picks bfloat16 on a CPU with ``avx512_bf16`` where bf16 is
 2-3x faster, and float32 on an AVX-512/VNNI CPU without it where bf16 was no faster than float32.
 """
@@ -44,6 +48,8 @@ FORMAT = 3  # bump when the cached record's layout or the benchmark changes
 BENCH_SHAPE = (8960, 1536)  # [out_features, in_features]: Qwen2.5-1.5B's MLP gate/up projection
 BENCH_ROWS = (1, 8)  # a plain decoding step; verifying a draft of 8 tokens
 MIN_BF16_SPEEDUP = 1.1  # bfloat16 is picked over float32 only when at least this much faster
+MIN_DRAFT_QUANT_SPEEDUP = 1.1  # --draft-quant auto quantizes a draft only when one row runs at least this much faster
+DRAFT_QUANTS = ("int8", "int4", "w8a8")  # the weight formats --draft-quant auto chooses among (sparrow.quantization)
 INT4_GROUP_SIZE = 128
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that compute in bfloat16 (ARM: "bf16" in Features)
 RELEVANT_FLAGS = (
@@ -381,10 +387,39 @@ def choose_dtype(device: str | torch.device | None = None, *, benchmark: bool | 
     return choice.dtype, choice.reason
 
 
+def choose_draft_quant(device: str | torch.device | None = None, *,
+                       benchmark: bool | None = None) -> tuple[str | None, str]:
+    """``(format, reason)``: the weight format ``--draft-quant auto`` gives a draft model on ``device``: the
+    quantized format (int8 / int4 weight-only, w8a8) whose one-row matmul this machine measured fastest, when it
+    ran at least ``MIN_DRAFT_QUANT_SPEEDUP`` times faster than the dense dtype the benchmark compared it with; None
+    (a dense draft) otherwise, where nothing was measured, and on CUDA (the kernels are measured on CPUs only).
+    A draft runs one token a step, so its one-row cost is what counts; it never changes the output."""
+    from sparrow.models.loading import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type != "cpu":
+        return None, f"{dev.type}: drafts stay dense (the quantized kernels are measured on CPUs only)"
+    record = cpu_costs(benchmark=benchmark)
+    if record is None:
+        return None, "no CPU measurement (benchmark disabled, nothing cached): drafts stay dense"
+    costs, dense = record["costs"], str(record["quant_activations"])
+    quants = [name for name in DRAFT_QUANTS if name in costs]
+    if not quants or dense not in costs:
+        return None, "the measurement has no quantized kernels: drafts stay dense"
+    best = min(quants, key=lambda name: costs[name]["1"])
+    speedup = costs[dense]["1"] / costs[best]["1"]
+    detail = f"{costs[best]['1']:.2f} vs {costs[dense]['1']:.2f} ms"
+    if speedup < MIN_DRAFT_QUANT_SPEEDUP:
+        return None, (f"the fastest quantized format ({best}) ran only {speedup:.2f}x {dense}'s speed at 1 row "
+                      f"({detail}; needs {MIN_DRAFT_QUANT_SPEEDUP}x): drafts stay dense")
+    return best, (f"{best} weights ran {speedup:.1f}x faster than {dense} at 1 row ({detail}): {best} drafts "
+                  "(still lossless: the target verifies)")
+
+
 def clear_cache() -> None:
     """Forget the choices made in this process (the measurements on disk stay)."""
     _choices.clear()
 
 
-__all__ = ["Choice", "CpuInfo", "choose", "choose_dtype", "clear_cache", "cpu_costs", "cpu_info", "cuda_info",
+__all__ = ["Choice", "CpuInfo", "choose", "choose_draft_quant", "choose_dtype", "clear_cache", "cpu_costs", "cpu_info", "cuda_info",
            "measure", "parse_cpuinfo", "read_cpuinfo"]

@@ -37,7 +37,7 @@ from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from sparrow.noise import PositionalNoise
 from sparrow.policy import follow_cost_curve
-from sparrow.quantization import check_quant_args, quantized_copy
+from sparrow.quantization import check_quant_args, quantized_copy, resolve_draft_quant
 from sparrow.runner import runner_for
 from sparrow.stopping import OnText, Stopper
 from sparrow.text import clean_text
@@ -280,18 +280,21 @@ def stop_strings(stop: object) -> tuple[str, ...]:
 
 
 def _draft_spec(drafter: str, draft: str | LoadedModel | None, num_draft_tokens: int | None,
-                quant: str | None, draft_quant: str | None, drafter_options: dict[str, Any]) -> str | LoadedModel | None:
+                quant: str | None, draft_quant: str | None, drafter_options: dict[str, Any],
+                device: str | torch.device | None) -> tuple[str | LoadedModel | None, str | None]:
     """Check the drafter and quantization arguments (before any model is loaded); returns the draft to load
-    ("default" resolved to the drafter's own default; None when the drafter runs no draft model)."""
+    ("default" resolved to the drafter's own default; None when the drafter runs no draft model) and its weight
+    format (draft_quant "auto" resolved for `device`)."""
+    entry = REGISTRY.get(drafter)  # None: "none"
+    needs_draft = entry is not None and entry.takes_draft_model
+    draft_quant = resolve_draft_quant(draft_quant, drafter, needs_draft, device)
     if drafter == "quantized-self" and draft_quant is not None:
         drafter_options.setdefault("bits", draft_quant)
     check_drafter_args(drafter, num_draft_tokens, drafter_options)
-    entry = REGISTRY.get(drafter)  # None: "none"
     if isinstance(draft, str) and draft == "default":  # the drafter's own default (none for self-drafters)
         draft = entry.default_draft if entry is not None else None
-    needs_draft = entry is not None and entry.takes_draft_model
     check_quant_args(drafter, quant, draft_quant, needs_draft)
-    return draft if needs_draft else None
+    return (draft if needs_draft else None), draft_quant
 
 
 def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "draft-model",
@@ -305,13 +308,16 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     draft-model / cross-vocab / auto; none for visual-prune, which then drafts with the pruned target).
 
     quant: int8 | int4 weight-only or w8a8 (CPU) target (lossless only relative to the quantized target).
-    draft_quant: int8 | int4 | w8a8 draft model, or the format of the "quantized-self" copy (default int4).
+    draft_quant: int8 | int4 | w8a8 draft model, or the format of the "quantized-self" copy (default int4);
+    "auto": the format this machine measured fastest for one draft row (sparrow.hardware.choose_draft_quant;
+    a dense draft where none pays, and for drafters without a draft model).
     compile: static KV cache and torch.compile'd decode / verify steps for the target and the draft of
     draft-model / quantized-self (`sparrow.compiled`; text LMs without sliding-window layers).
     """
     if not isinstance(compile, bool):
         raise UserError(f"compile must be True or False, got {compile!r}")
-    draft = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options)
+    where = next(target.model.parameters()).device if isinstance(target, LoadedModel) else device
+    draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, where)
     if isinstance(target, str):
         target = load_model(target, dtype=dtype, device=device, progress=progress)
     if isinstance(draft, str):
@@ -383,7 +389,9 @@ class PipelineCache:
             num_draft_tokens: int | None = None, adaptive: bool = True, dtype: str = "auto",
             device: str | None = None, quant: str | None = None, draft_quant: str | None = None) -> Pipeline:
         options: dict[str, Any] = {}
-        draft = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options)  # before loading
+        where = next(target.model.parameters()).device if isinstance(target, LoadedModel) else device
+        draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options,
+                                         where)  # before loading
         key = (_key(target), drafter, _key(draft), num_draft_tokens, adaptive, resolve_dtype(dtype, device),
                resolve_device(device), quant, draft_quant)
         with self._lock:

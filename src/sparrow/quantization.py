@@ -43,6 +43,7 @@ from sparrow.errors import UserError
 
 QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4, "w8a8": 8}  # format -> bits per weight
 W8A8 = "w8a8"
+AUTO = "auto"  # --draft-quant auto: the draft format this machine runs fastest (sparrow.hardware.choose_draft_quant)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 128
 CUDA_INT4_INNER_K_TILES = 8  # tinygemm tiling: K must be a multiple of 16 * inner_k_tiles
@@ -53,15 +54,35 @@ WEIGHTS_FILE = "weights.safetensors"  # the packed weights inside a quantized ca
 DENSE_FROM_TOKENS = 16  # with a dense fallback, forwards of >= this many tokens (prefill) use it
 
 
-def parse_quant(quant: str | int | None, argument: str = "quant") -> str | None:
-    """'int8' / 'int4' / 'w8a8' / 8 / 4 -> the format's name; None -> None. Raises UserError naming `argument`."""
+def parse_quant(quant: str | int | None, argument: str = "quant", auto: bool = False) -> str | None:
+    """'int8' / 'int4' / 'w8a8' / 8 / 4 -> the format's name; None -> None; where `auto` is allowed (a draft's
+    format), also 'auto' -> 'auto' (chosen by sparrow.hardware) and 'none' -> None (dense). Raises UserError
+    naming `argument`."""
     if quant is None:
         return None
     if isinstance(quant, int) and not isinstance(quant, bool) and quant in (4, 8):
         return f"int{quant}"
     if isinstance(quant, str) and quant.lower() in QUANT_BITS:
         return quant.lower()
-    raise UserError(f"invalid {argument} {quant!r}: expected one of {', '.join(QUANT_BITS)}")
+    if auto and isinstance(quant, str) and quant.lower() in (AUTO, "none"):
+        return AUTO if quant.lower() == AUTO else None
+    names = (AUTO, "none", *QUANT_BITS) if auto else tuple(QUANT_BITS)
+    raise UserError(f"invalid {argument} {quant!r}: expected one of {', '.join(names)}")
+
+
+def resolve_draft_quant(draft_quant: str | int | None, drafter: str, has_draft_model: bool,
+                        device: str | torch.device | None) -> str | None:
+    """--draft-quant as the draft will run: 'auto' becomes the format sparrow.hardware measured fastest for one
+    draft row on `device` (None: a dense draft), or None where the drafter runs no draft model to quantize;
+    other values are checked and returned (see check_quant_args)."""
+    fmt = parse_quant(draft_quant, "draft_quant", auto=True)
+    if fmt != AUTO:
+        return fmt
+    if not has_draft_model and drafter != "quantized-self":
+        return None
+    from sparrow.hardware import choose_draft_quant
+
+    return choose_draft_quant(device)[0]
 
 
 def check_quant_args(drafter: str, quant: str | None, draft_quant: str | None, has_draft_model: bool) -> None:

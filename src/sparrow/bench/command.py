@@ -36,7 +36,7 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
     from sparrow.bench.runner import BenchConfig, Runner
     from sparrow.drafters.registry import check_drafter_args
     from sparrow.models import resolve_device, resolve_dtype
-    from sparrow.quantization import check_quant_args, parse_quant
+    from sparrow.quantization import check_quant_args, parse_quant, resolve_draft_quant
 
     # Cheap checks first: a typo fails before minutes of model loading.
     method_list = parse_methods(methods or default_methods(quick))
@@ -58,7 +58,7 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
                         if head is None else "--head applies to the eagle method only: add eagle to --methods")
     resolve_dtype(dtype)
     parse_quant(quant, "quant")
-    parse_quant(draft_quant, "draft_quant")
+    draft_quant = resolve_draft_quant(draft_quant, "draft-model", True, device)  # "auto": this machine's format
     if quant is not None and "quantized-self" in method_list:
         check_quant_args("quantized-self", quant, None, False)  # raises: it needs an unquantized target
     config = BenchConfig(target=target, draft=draft if any(map(needs_draft, method_list)) else None,

@@ -32,7 +32,7 @@ def bench(
     dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
     quant: Annotated[Optional[str], typer.Option(help="int8|int4 weight-only or w8a8 (CPU: int8 weights and activations) target, all methods; lossless relative to the quantized target.")] = None,
-    draft_quant: Annotated[Optional[str], typer.Option(help="int8|int4|w8a8 draft model for sparrow's drafters.")] = None,
+    draft_quant: Annotated[Optional[str], typer.Option(help="int8|int4|w8a8 draft model for sparrow's drafters, or auto (the format this machine runs a one-token draft step fastest; recorded resolved). Default: dense, so every method drafts with the same weights.")] = None,
     head: Annotated[Optional[str], typer.Option(help="The eagle method's head directory (EAGLE-3 layout, e.g. from `sparrow train head`).")] = None,
     lookup_tokens: Annotated[int, typer.Option(help="transformers' prompt_lookup_num_tokens for hf-prompt-lookup.")] = 10,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap questions in the target's chat template.")] = True,

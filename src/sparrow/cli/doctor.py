@@ -1,5 +1,5 @@
 """`sparrow doctor`: what sparrow detected on this machine, the measured per-token costs, and what `--dtype auto`
-picks and why (the work: sparrow.hardware)."""
+and `--draft-quant auto` pick and why (the work: sparrow.hardware)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def doctor(
     measured = hardware.cpu_costs(benchmark=benchmark, refresh=refresh, info=info)
     hardware.clear_cache()  # choose from the measurement just read or taken
     choice = hardware.choose(dev, benchmark=benchmark)
-    record = report(dev, info, measured, choice)
+    draft_quant = hardware.choose_draft_quant(dev, benchmark=benchmark)
+    record = report(dev, info, measured, choice, draft_quant)
     if as_json:
         sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
         return
@@ -46,7 +47,8 @@ def _version(package: str) -> str | None:
         return None
 
 
-def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any) -> dict[str, Any]:
+def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any,
+           draft_quant: tuple[str | None, str]) -> dict[str, Any]:
     """The JSON record of `sparrow doctor`."""
     import torch
 
@@ -68,25 +70,9 @@ def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any) ->
                      "transformers": _version("transformers")},
         "threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
         "benchmark": benchmark,
-        "auto": {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason},
-        "draft_hint": draft_hint(benchmark),
+        "auto": {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
+                 "draft_quant": draft_quant[0], "draft_quant_reason": draft_quant[1]},
     }
-
-
-def draft_hint(benchmark: dict[str, Any] | None) -> str | None:
-    """Which quantized format a draft model runs fastest at one row, when one beats the dense dtype."""
-    if benchmark is None:
-        return None
-    costs, dense = benchmark["costs"], benchmark["quant_activations"]
-    quants = [name for name in ("int8", "int4", "w8a8") if name in costs]
-    if not quants or dense not in costs:
-        return None
-    best = min(quants, key=lambda name: costs[name]["1"])
-    speedup = costs[dense]["1"] / costs[best]["1"]
-    if speedup < 1.1:
-        return None
-    return (f"{best} weights ran {speedup:.1f}x faster than {dense} at 1 row: draft with --draft-quant {best} "
-            "(still lossless: the target verifies)")
 
 
 def table(record: dict[str, Any]) -> Table:
@@ -122,6 +108,5 @@ def table(record: dict[str, Any]) -> Table:
             out.add_row(f"  {label}", f"{cost} ms  ({rows[-1]} rows = {row[rows[-1]] / row[rows[0]]:.1f}x "
                                       f"{rows[0]} row; {ratio:.2f}x the fastest)")
     out.add_row("--dtype auto", f"{record['auto']['dtype']}: {record['auto']['reason']}")
-    if record["draft_hint"]:
-        out.add_row("drafts", record["draft_hint"])
+    out.add_row("--draft-quant auto", f"{record['auto']['draft_quant'] or 'dense'}: {record['auto']['draft_quant_reason']}")
     return out

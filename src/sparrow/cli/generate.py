@@ -32,7 +32,7 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
     quant: Annotated[Optional[str], typer.Option(help="int8|int4 weight-only or w8a8 (CPU: int8 weights and per-token int8 activations, fbgemm) target: faster; lossless only relative to the quantized target.")] = None,
-    draft_quant: Annotated[Optional[str], typer.Option(help="int8|int4|w8a8 draft model, or the quantized-self copy's format (default int4).")] = None,
+    draft_quant: Annotated[str, typer.Option(help="Weight format of the draft model (or of the quantized-self copy: int4 where auto picks none): auto (default): the format this machine runs a one-token draft step fastest (measured once, see `sparrow doctor`; dense where none pays); none; or int8|int4|w8a8. Lossless either way: the target verifies.")] = "auto",
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the tokenizer's chat template.")] = False,
     compare: Annotated[bool, typer.Option(help="Also run plain decoding; report identical and speedup.")] = False,
@@ -164,7 +164,7 @@ def draft_quant_used(pipe: Any, draft_quant: str | None) -> str | None:
         info = getattr(model, "sparrow_quantization", None)
         if model is not pipe.target.model and info is not None:
             return info.name
-    return draft_quant
+    return None if draft_quant in ("auto", "none") else draft_quant
 
 
 def draft_name(drafter: str, draft: str) -> str | None:

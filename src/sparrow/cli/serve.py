@@ -27,7 +27,7 @@ def serve(
     k: Annotated[Optional[int], typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (max, with --adaptive).")] = None,
     adaptive: Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length online, or draft exactly k.")] = True,
     dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
-    draft_quant: Annotated[Optional[str], typer.Option(help="int8|int4|w8a8 draft model (lossless).")] = None,
+    draft_quant: Annotated[str, typer.Option(help="Weight format of the draft model: auto (default): the format this machine runs a one-token draft step fastest (measured once, see `sparrow doctor`; dense where none pays); none; or int8|int4|w8a8. Lossless either way: the target verifies.")] = "auto",
     head: Annotated[Optional[str], typer.Option(help="--drafter eagle: the head directory (EAGLE-3 layout, e.g. from `sparrow train head`).")] = None,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
