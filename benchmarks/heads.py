@@ -1,6 +1,9 @@
-"""A trained head against plain decoding and prompt lookup, on the foundation prompts, in one process.
+"""A trained head against plain decoding and prompt lookup (and, with --draft, a draft model dense and
+quantized), on the foundation prompts, in one process.
 
     python benchmarks/heads.py --target smollm2-135m --out benchmarks/results/heads/smollm2-135m
+    python benchmarks/heads.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --draft-quants none,int4 \
+        --out benchmarks/results/heads/qwen2.5-coder-1.5b
 
 The head is the one `sparrow train head --target PRESET` keeps for the preset (or `--head DIR`). Rows (JSONL, one
 per config x prompt) and a markdown table rendered from them: tokens/s (prefill included), speedup over plain
@@ -31,21 +34,33 @@ CONFIGS = {  # name -> sparrow.load keyword arguments (None: plain decoding)
 }
 
 
+def configs(args: argparse.Namespace) -> dict[str, dict | None]:
+    """CONFIGS, the head's with --head, plus a draft-model config per --draft-quants format with --draft."""
+    head = {} if args.head is None else {"head": args.head}
+    out = {name: (None if options is None else {**options, **(head if options["drafter"] == "eagle" else {})})
+           for name, options in CONFIGS.items()}
+    for fmt in args.draft_quants.split(",") if args.draft else ():
+        out["draft-model" + ("" if fmt == "none" else f"-{fmt}")] = {
+            "drafter": "draft-model", "draft": args.draft, "draft_quant": None if fmt == "none" else fmt}
+    return out
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     import sparrow
     from sparrow.models import load_model
 
     torch.set_num_threads(args.threads)
     target = load_model(args.target, dtype=args.dtype)
+    draft = load_model(args.draft, dtype=args.dtype) if args.draft else None
     prompts = load_prompts(args.prompts, ONE_PER_KIND if args.prompt_ids is None else tuple(args.prompt_ids.split(",")))
-    head = {} if args.head is None else {"head": args.head}
-    pipes = {name: sparrow.load(target, **(options or {"drafter": "prompt-lookup"}), **(head if options and
-                                options["drafter"] == "eagle" else {}))
-             for name, options in CONFIGS.items()}
+    plan = configs(args)
+    pipes = {name: sparrow.load(target, **({**options, "draft": draft} if options and "draft" in options
+                                           else options or {"drafter": "prompt-lookup"}))
+             for name, options in plan.items()}
     rows, plain = [], {}
     for p in prompts:
         for name, pipe in pipes.items():
-            generate = pipe.generate_plain if CONFIGS[name] is None else pipe.generate
+            generate = pipe.generate_plain if plan[name] is None else pipe.generate
             generate(p["prompt"], max_new_tokens=8, chat=True)  # warm-up
             result = generate(p["prompt"], max_new_tokens=args.max_new_tokens, chat=True)
             s = result.stats
@@ -53,7 +68,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             verify_per_forward = s.verify_seconds / max(s.steps, 1)
             row = {"config": name, "prompt_id": p["id"], "tokens": n, "seconds": result.seconds,
                    "tokens_per_second": n / result.seconds, "steps": s.steps,
-                   "tokens_per_forward": n / max(s.steps, 1) if CONFIGS[name] else 1.0,
+                   "tokens_per_forward": n / max(s.steps, 1) if plan[name] else 1.0,
                    "drafted": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
                    "draft_cost_fraction": (s.draft_seconds / s.num_draft_tokens / verify_per_forward
                                            if s.num_draft_tokens and verify_per_forward else None),
@@ -73,7 +88,7 @@ def render(rows: list[dict], meta: dict) -> str:
            f"{meta['max_new_tokens']} new tokens at most, torch {meta['torch']}", "",
            "| config | mean tok/s | mean speedup | tokens per forward | draft cost / target forward | identical |",
            "|---|---:|---:|---:|---:|---:|"]
-    for name in CONFIGS:
+    for name in dict.fromkeys(r["config"] for r in rows):
         group = [r for r in rows if r["config"] == name]
         costs = [r["draft_cost_fraction"] for r in group if r["draft_cost_fraction"] is not None]
         out.append(f"| {name} | {statistics.mean(r['tokens_per_second'] for r in group):.2f} | "
@@ -89,6 +104,8 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--head", default=None, help="head directory (default: the preset's trained head)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--draft", default=None, help="also run --drafter draft-model with this draft model")
+    parser.add_argument("--draft-quants", default="none,int4", help="the draft's weight formats (none = dense)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompt-ids", default=None)
@@ -97,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     from sparrow.hardware import cpu_info
 
-    meta = {"target": args.target, "cpu": cpu_info().model, "threads": args.threads, "dtype": args.dtype,
+    meta = {"target": args.target, "draft": args.draft, "cpu": cpu_info().model, "threads": args.threads, "dtype": args.dtype,
             "max_new_tokens": args.max_new_tokens, "torch": torch.__version__, "python": platform.python_version()}
     rows = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,6 @@ import json
 import re
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 import sparrow.bench.command

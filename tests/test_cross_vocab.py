@@ -28,7 +28,6 @@ from sparrow.models import LoadedModel
 from sparrow.policy import LengthPolicy
 from sparrow.pipeline import Pipeline
 from sparrow.types import Draft, Prompt, StepStats, Verdict
-from sparrow.verifiers import RejectionVerifier
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

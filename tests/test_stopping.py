@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from conftest import VOCAB
 from sparrow.config import StoppingConfig
-from sparrow.models import LoadedModel
 from sparrow.drafters import build_drafter
 from sparrow.pipeline import Pipeline
 from sparrow.stopping import MAX_UNSETTLED, Stopper

@@ -44,7 +44,6 @@ from sparrow.drafters.layer_skip import (LayerSkipDrafter, SkipRecord, SkipSet, 
 from sparrow.models import LoadedModel
 from sparrow.policy import measure_cost_curve, tokens_per_second
 from sparrow.runner import runner_for
-from sparrow.types import Prompt
 from sparrow.errors import UserError
 
 CALIBRATION_PROMPTS = (
