@@ -421,5 +421,5 @@ def clear_cache() -> None:
     _choices.clear()
 
 
-__all__ = ["Choice", "CpuInfo", "choose", "choose_draft_quant", "choose_dtype", "clear_cache", "cpu_costs", "cpu_info", "cuda_info",
-           "measure", "parse_cpuinfo", "read_cpuinfo"]
+__all__ = ["Choice", "CpuInfo", "choose", "choose_draft_quant", "choose_dtype", "clear_cache", "cpu_costs", "cpu_info",
+           "cuda_info", "measure", "parse_cpuinfo", "read_cpuinfo"]

@@ -281,13 +281,14 @@ def stop_strings(stop: object) -> tuple[str, ...]:
 
 def _draft_spec(drafter: str, draft: str | LoadedModel | None, num_draft_tokens: int | None,
                 quant: str | None, draft_quant: str | None, drafter_options: dict[str, Any],
-                device: str | torch.device | None) -> tuple[str | LoadedModel | None, str | None]:
+                target: str | LoadedModel, device: str | None) -> tuple[str | LoadedModel | None, str | None]:
     """Check the drafter and quantization arguments (before any model is loaded); returns the draft to load
     ("default" resolved to the drafter's own default; None when the drafter runs no draft model) and its weight
-    format (draft_quant "auto" resolved for `device`)."""
+    format (draft_quant "auto" resolved for the device the target is, or will be, on)."""
     entry = REGISTRY.get(drafter)  # None: "none"
     needs_draft = entry is not None and entry.takes_draft_model
-    draft_quant = resolve_draft_quant(draft_quant, drafter, needs_draft, device)
+    where = next(target.model.parameters()).device if isinstance(target, LoadedModel) else device
+    draft_quant = resolve_draft_quant(draft_quant, drafter, needs_draft, where)
     if drafter == "quantized-self" and draft_quant is not None:
         drafter_options.setdefault("bits", draft_quant)
     check_drafter_args(drafter, num_draft_tokens, drafter_options)
@@ -316,8 +317,8 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     """
     if not isinstance(compile, bool):
         raise UserError(f"compile must be True or False, got {compile!r}")
-    where = next(target.model.parameters()).device if isinstance(target, LoadedModel) else device
-    draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, where)
+    draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
+                                     device)
     if isinstance(target, str):
         target = load_model(target, dtype=dtype, device=device, progress=progress)
     if isinstance(draft, str):
@@ -389,9 +390,8 @@ class PipelineCache:
             num_draft_tokens: int | None = None, adaptive: bool = True, dtype: str = "auto",
             device: str | None = None, quant: str | None = None, draft_quant: str | None = None) -> Pipeline:
         options: dict[str, Any] = {}
-        where = next(target.model.parameters()).device if isinstance(target, LoadedModel) else device
-        draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options,
-                                         where)  # before loading
+        draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
+                                         device)  # before loading
         key = (_key(target), drafter, _key(draft), num_draft_tokens, adaptive, resolve_dtype(dtype, device),
                resolve_device(device), quant, draft_quant)
         with self._lock:
