@@ -402,3 +402,24 @@ def test_every_head_variant_is_rebuilt_exactly_from_its_checkpoint(target, tmp_p
         assert TrainSettings(**state["settings"]) == settings
         for key, tensor in head.state_dict().items():
             assert torch.equal(tensor, again.state_dict()[key]), (name, key)
+
+
+def test_progress_into_a_log_file_is_plain_lines_with_the_time_left(capsys):
+    """stderr is no terminal here: one line per stage when it starts, at most once a minute, and when it ends."""
+    from sparrow.cli.train import _Bars
+
+    now = [0.0]
+    with _Bars(True, log_every=60, clock=lambda: now[0]) as bars:
+        assert bars.bar is None  # no rich bars (rich would draw nothing until the stage ended)
+        bars.callback("features train", 0, 100)
+        for t, done in ((30, 10), (61, 20), (90, 30), (200, 100)):
+            now[0] = t
+            bars.callback("features train", done, 100)
+        bars.update("training", 5, 10, "loss 1.000")
+    with _Bars(False) as quiet:
+        quiet.callback("features train", 1, 2)
+    assert capsys.readouterr().err.splitlines() == [
+        "features train: 0/100 after 0s",
+        "features train: 20/100 after 1m01s, about 4m04s left",
+        "features train: 100/100 after 3m20s",
+        "training: 5/10 after 0s; loss 1.000"]

@@ -443,18 +443,15 @@ class _Run:
 
         start_step = int(self.state["step"]) if self.state is not None else 0
         with self.bars() as bars:
-            task = bars.bar.add_task("training", total=self.settings.steps, completed=start_step,
-                                     info="") if bars.bar is not None else None
+            bars.update("training", start_step, self.settings.steps)
             held = "-"
 
             def on_step(row: dict[str, Any]) -> None:
                 nonlocal held
-                if task is None:
-                    return
                 if "held_out_agreement" in row:
                     held = f"{row['held_out_agreement'][0]:.3f}"
-                bars.bar.update(task, completed=row["step"], info=f"loss {row['loss']:.3f}  agree "
-                                f"{row['agreement']:.3f}  held-out agree {held}")
+                bars.update("training", row["step"], self.settings.steps, f"loss {row['loss']:.3f}  agree "
+                            f"{row['agreement']:.3f}  held-out agree {held}")
 
             outcome = run_training(head, train, held_out, self.settings, self.out, self.state, self.deadline, on_step,
                                    model=self.model)
@@ -617,15 +614,19 @@ class _SparrowRun(_Run):
 
 
 class _Bars:
-    """Rich progress bars on stderr (none with --no-progress): one task per stage name."""
+    """Progress on stderr (none with --no-progress): on a terminal, rich bars, one task per stage name; elsewhere
+    (stderr into a log file, where rich draws nothing until a stage ends) one plain line per stage every
+    `log_every` seconds and when the stage completes, with the time left at the stage's rate so far."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool, log_every: float = 60.0, clock: Any = time.monotonic) -> None:
+        self.enabled, self.log_every, self.clock = enabled, log_every, clock
         self.bar: Any = None
         self.tasks: dict[str, int] = {}
+        self.first: dict[str, tuple[float, int]] = {}  # plain lines: stage -> (time, done) when first reported
+        self.logged: dict[str, float] = {}  # plain lines: stage -> when its last line was printed
 
     def __enter__(self) -> _Bars:
-        if self.enabled:
+        if self.enabled and err.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
                 TimeRemainingColumn
 
@@ -639,12 +640,34 @@ class _Bars:
         if self.bar is not None:
             self.bar.__exit__(*exc)
 
-    def callback(self, stage: str, done: int, total: int) -> None:
-        if self.bar is None:
+    def update(self, stage: str, done: int, total: int, info: str = "") -> None:
+        if not self.enabled:
             return
-        if stage not in self.tasks:
-            self.tasks[stage] = self.bar.add_task(stage, total=total, info="")
-        self.bar.update(self.tasks[stage], completed=done, total=total)
+        if self.bar is not None:
+            if stage not in self.tasks:
+                self.tasks[stage] = self.bar.add_task(stage, total=total, completed=done, info="")
+            self.bar.update(self.tasks[stage], completed=done, total=total, info=info)
+            return
+        now = self.clock()
+        start, start_done = self.first.setdefault(stage, (now, done))
+        if done < total and now - self.logged.get(stage, start - self.log_every) < self.log_every:
+            return
+        self.logged[stage] = now
+        rate = (done - start_done) / (now - start) if now > start else 0.0
+        left = f", about {_duration((total - done) / rate)} left" if rate > 0 and done < total else ""
+        err.print(f"{stage}: {done}/{total} after {_duration(now - start)}{left}" + (f"; {info}" if info else ""),
+                  markup=False, highlight=False, soft_wrap=True)
+
+    def callback(self, stage: str, done: int, total: int) -> None:
+        self.update(stage, done, total)
+
+
+def _duration(seconds: float) -> str:
+    """4h02m, 6m40s, 35s."""
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def init_from_target(head: Any, model: Any) -> None:
