@@ -327,3 +327,26 @@ def test_generate_drafts_with_the_format_auto_chose(monkeypatch, one_thread, mod
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     assert record["draft_quant"] == expected and record["identical"] is True
+
+
+def test_draft_quant_auto_keeps_a_draft_dense_where_the_kernel_takes_none_of_its_layers(monkeypatch):
+    """auto never fails on a draft the chosen kernel cannot take (int4 needs in_features divisible by 128 on a
+    CPU); asked for explicitly, the same format is refused."""
+    from sparrow.quantization import draft_format
+
+    machine(monkeypatch, BF16_CPU, FAST_INT4)
+    odd = torch.nn.Sequential(torch.nn.Linear(96, 48), torch.nn.Linear(48, 96))
+    assert draft_format(odd, "auto") is None and draft_format(None, "auto") is None
+    assert draft_format(torch.nn.Sequential(torch.nn.Linear(128, 64)), "auto") == "int4"
+    assert draft_format(odd, "int8") == "int8"  # explicit formats pass through (quantize_model checks them)
+
+
+@pytest.mark.parametrize(("drafter", "expected"), [("quantized-self", "int4"), ("prompt-lookup", None),
+                                                   ("draft-model", "auto")])
+def test_resolve_draft_quant_before_loading(monkeypatch, drafter, expected):
+    from sparrow.drafters.registry import REGISTRY
+    from sparrow.quantization import resolve_draft_quant
+
+    machine(monkeypatch, BF16_CPU, FAST_INT4)
+    has_model = REGISTRY[drafter].takes_draft_model
+    assert resolve_draft_quant("auto", drafter, has_model, "cpu") == expected

@@ -37,7 +37,7 @@ from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from sparrow.noise import PositionalNoise
 from sparrow.policy import follow_cost_curve
-from sparrow.quantization import check_quant_args, quantized_copy, resolve_draft_quant
+from sparrow.quantization import AUTO, check_quant_args, draft_format, quantized_copy, resolve_draft_quant
 from sparrow.runner import runner_for
 from sparrow.stopping import OnText, Stopper
 from sparrow.text import clean_text
@@ -326,13 +326,21 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     target = _quantized(target, quant)
     draft = _quantized(draft, draft_quant, keep_dense=True) if draft is not None else None
     return _build(target, drafter, draft, num_draft_tokens, adaptive, verifier,
-                  quant is not None or draft_quant is not None, drafter_options, compile)
+                  _quantized_run(quant, draft_quant, draft), drafter_options, compile)
 
 
 def _quantized(loaded: LoadedModel, quant: str | None, keep_dense: bool = False) -> LoadedModel:
     """`loaded`, or its quantized copy (one per model and bits; keep_dense for drafts: a dense prefill, since
-    a draft never changes the output)."""
+    a draft never changes the output); quant "auto" (drafts): see `draft_format`."""
+    quant = draft_format(loaded.model, quant)
     return loaded if quant is None else quantized_copy(loaded, quant, keep_dense=keep_dense)
+
+
+def _quantized_run(quant: str | None, draft_quant: str | None, draft: LoadedModel | None) -> bool:
+    """Whether a quantized kernel runs (the target, the quantized-self copy or the draft model): k then follows
+    the measured cost curve."""
+    auto_quantized = draft is not None and getattr(draft.model, "sparrow_quantization", None) is not None
+    return quant is not None or draft_quant not in (None, AUTO) or auto_quantized
 
 
 def _build(target: LoadedModel, drafter: str, draft: LoadedModel | None, num_draft_tokens: int | None,
@@ -404,7 +412,7 @@ class PipelineCache:
                 draft_model = (self._model(draft, dtype, device, draft_quant, keep_dense=True)
                                if draft is not None else None)
                 pipe = _build(target_model, drafter, draft_model, num_draft_tokens, adaptive, "auto",
-                              quant is not None or draft_quant is not None, options)
+                              _quantized_run(quant, draft_quant, draft_model), options)
                 self._pipelines[key] = pipe
                 evicted = len(self._pipelines) > self.size
                 if evicted:

@@ -72,23 +72,43 @@ def parse_quant(quant: str | int | None, argument: str = "quant", auto: bool = F
 
 def resolve_draft_quant(draft_quant: str | int | None, drafter: str, has_draft_model: bool,
                         device: str | torch.device | None) -> str | None:
-    """--draft-quant as the draft will run: 'auto' becomes the format sparrow.hardware measured fastest for one
-    draft row on `device` (None: a dense draft), or None where the drafter runs no draft model to quantize;
-    other values are checked and returned (see check_quant_args)."""
+    """--draft-quant checked before any model is loaded. 'auto' becomes None for a drafter without a draft model,
+    the format sparrow.hardware measured fastest for one row on `device` for quantized-self (None: its int4
+    default), and stays 'auto' for a draft model (`draft_format` settles it once the draft is loaded)."""
     fmt = parse_quant(draft_quant, "draft_quant", auto=True)
     if fmt != AUTO:
         return fmt
-    if not has_draft_model and drafter != "quantized-self":
+    if drafter == "quantized-self":
+        from sparrow.hardware import choose_draft_quant
+
+        return choose_draft_quant(device)[0]
+    return AUTO if has_draft_model else None
+
+
+def draft_format(model: nn.Module | None, draft_quant: str | None) -> str | None:
+    """The format a loaded draft model runs in: `draft_quant`, or for 'auto' the format sparrow.hardware measured
+    fastest for one row on the model's device, where that kernel takes at least one of the model's linear layers
+    (None, a dense draft, otherwise and where there is no draft)."""
+    if draft_quant != AUTO:
+        return draft_quant
+    if model is None:
         return None
     from sparrow.hardware import choose_draft_quant
 
-    return choose_draft_quant(device)[0]
+    device = next(model.parameters()).device
+    fmt = choose_draft_quant(device)[0]
+    if fmt is None:
+        return None
+    kind = W8A8 if fmt == W8A8 else QUANT_BITS[fmt]
+    takes = any(kernel_takes(kind, m.out_features, m.in_features, DEFAULT_GROUP_SIZE, device)
+                for m in model.modules() if type(m) is nn.Linear)
+    return fmt if takes else None
 
 
 def check_quant_args(drafter: str, quant: str | None, draft_quant: str | None, has_draft_model: bool) -> None:
     """Cheap validation of --quant / --draft-quant, run before any model is loaded."""
     parse_quant(quant, "quant")
-    parse_quant(draft_quant, "draft_quant")
+    parse_quant(draft_quant, "draft_quant", auto=True)
     if quant is not None and drafter == "quantized-self":
         raise UserError("drafter 'quantized-self' drafts with a quantized copy of an unquantized target; "
                          "drop --quant (or use --drafter draft-model with --draft-quant)")

@@ -36,7 +36,8 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
     from sparrow.bench.runner import BenchConfig, Runner
     from sparrow.drafters.registry import check_drafter_args
     from sparrow.models import resolve_device, resolve_dtype
-    from sparrow.quantization import check_quant_args, parse_quant, resolve_draft_quant
+    from sparrow.hardware import choose_draft_quant
+    from sparrow.quantization import check_quant_args, parse_quant
 
     # Cheap checks first: a typo fails before minutes of model loading.
     method_list = parse_methods(methods or default_methods(quick))
@@ -58,7 +59,9 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
                         if head is None else "--head applies to the eagle method only: add eagle to --methods")
     resolve_dtype(dtype)
     parse_quant(quant, "quant")
-    draft_quant = resolve_draft_quant(draft_quant, "draft-model", True, device)  # "auto": this machine's format
+    draft_quant = parse_quant(draft_quant, "draft_quant", auto=True)
+    if draft_quant == "auto":  # recorded as the format it resolved to
+        draft_quant = choose_draft_quant(resolve_device(device))[0]
     if quant is not None and "quantized-self" in method_list:
         check_quant_args("quantized-self", quant, None, False)  # raises: it needs an unquantized target
     config = BenchConfig(target=target, draft=draft if any(map(needs_draft, method_list)) else None,
