@@ -118,11 +118,11 @@ def main() -> None:
             "max_new_tokens": args.max_new_tokens, "torch": torch.__version__, "python": platform.python_version()}
     rows = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out.with_suffix(".jsonl"), "w") as f:
+    with open(args.out.with_name(args.out.name + ".jsonl"), "w") as f:
         for r in rows:
             f.write(json.dumps({**meta, **r}) + "\n")
     table = render(rows, meta)
-    args.out.with_suffix(".md").write_text(table)
+    args.out.with_name(args.out.name + ".md").write_text(table)
     print(table)
 
 
