@@ -284,7 +284,8 @@ def _draft_spec(drafter: str, draft: str | LoadedModel | None, num_draft_tokens:
                 target: str | LoadedModel, device: str | None) -> tuple[str | LoadedModel | None, str | None]:
     """Check the drafter and quantization arguments (before any model is loaded); returns the draft to load
     ("default" resolved to the drafter's own default; None when the drafter runs no draft model) and its weight
-    format (draft_quant "auto" resolved for the device the target is, or will be, on)."""
+    format (draft_quant "auto": None without a draft model, quantized-self's format for the device the target is,
+    or will be, on; it stays "auto" for a draft model until `_quantized` sees the loaded draft)."""
     entry = REGISTRY.get(drafter)  # None: "none"
     needs_draft = entry is not None and entry.takes_draft_model
     where = next(target.model.parameters()).device if isinstance(target, LoadedModel) else device
