@@ -265,17 +265,21 @@ def test_generate_json_names_the_configuration_auto_chose(monkeypatch, one_threa
     assert record["dtype"] == expected and record["draft_quant"] is None and record["compiled"] is False
 
 
-def test_generate_json_names_the_draft_quantization_used(monkeypatch, one_thread, model_dir):
+FAST_INT4 = {**FAST_BF16, "int4": {"1": 0.4, "8": 1.5}, "w8a8": {"1": 0.9, "8": 1.2}}
+NO_QUANT_PAYS = {**FAST_BF16, "int8": {"1": 1.15, "8": 3.0}}  # 1.2 / 1.15 = 1.04x: not worth a quantized draft
+FAST_W8A8 = {**FAST_BF16, "int4": {"1": 0.9, "8": 1.5}, "w8a8": {"1": 0.5, "8": 1.2}}
+
+
+@pytest.mark.parametrize(("costs", "expected"), [(NO_QUANT_PAYS, "int4"),  # quantized-self's default bits
+                                               (FAST_W8A8, "w8a8")])  # the format auto measured fastest
+def test_generate_json_names_the_draft_quantization_used(monkeypatch, one_thread, model_dir, costs, expected):
+    machine(monkeypatch, BF16_CPU, costs)  # never the machine the tests run on: its choice varies
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = cli("generate", "a b a b a b", "--target", model_dir, "--drafter", "quantized-self", "--dtype", "float32",
                  "--device", "cpu", "--max-new-tokens", "4", "--json")
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
-    assert record["dtype"] == "float32" and record["draft_quant"] == "int4"  # quantized-self's default bits
-
-
-FAST_INT4 = {**FAST_BF16, "int4": {"1": 0.4, "8": 1.5}, "w8a8": {"1": 0.9, "8": 1.2}}
-NO_QUANT_PAYS = {**FAST_BF16, "int8": {"1": 1.15, "8": 3.0}}  # 1.2 / 1.15 = 1.04x: not worth a quantized draft
+    assert record["dtype"] == "float32" and record["draft_quant"] == expected
 
 
 @pytest.mark.parametrize(("text", "costs", "expected"), [(BF16_CPU, FAST_INT4, "int4"),  # fastest at 1 row
