@@ -86,11 +86,7 @@ class Pipeline:
         return self.drafter.name if self.drafter is not None else "none"
 
     def eos_token_ids(self) -> frozenset[int]:
-        ids = self.target.model.generation_config.eos_token_id
-        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-        if self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+        return self.target.eos_token_ids()
 
     def encode(self, prompt: PromptInput, chat: bool = False, *, video=None, frames: int | None = None,
                image=None) -> Prompt:

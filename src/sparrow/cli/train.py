@@ -410,7 +410,7 @@ class _Run:
 
         vocab = loaded.model.get_output_embeddings().weight.shape[0]
         size = min(self.draft_vocab or DEFAULT_DRAFT_VOCAB, vocab)
-        return frequent_tokens(sequences, size, vocab, always=_eos_ids(loaded, vocab))
+        return frequent_tokens(sequences, size, vocab, always=sorted(i for i in loaded.eos_token_ids() if 0 <= i < vocab))
 
     def extract(self, loaded: Any, head: Any, corpus: Any) -> tuple[Any, Any]:
         from sparrow.heads.features import CacheIdentity, FeatureCache, target_identity
@@ -694,14 +694,6 @@ def _default_anchor_offset(model: Any, corpus: Any) -> int:
     limit = getattr(text, "max_position_embeddings", None) or DEFAULT_ANCHOR_OFFSET
     longest = max((t.numel() for t in [*corpus.train, *corpus.held_out]), default=0)
     return max(0, min(DEFAULT_ANCHOR_OFFSET, limit - longest))
-
-
-def _eos_ids(loaded: Any, vocab: int) -> list[int]:
-    ids = {loaded.tokenizer.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None)}
-    flat: set[int] = set()
-    for i in ids:
-        flat.update(i if isinstance(i, (list, tuple)) else [i] if i is not None else [])
-    return sorted(i for i in flat if 0 <= i < vocab)
 
 
 def _stored_run(out: Path, state: dict[str, Any], steps: int | None) -> tuple[Any, Any]:

@@ -61,6 +61,14 @@ class LoadedModel:
     def is_vlm(self) -> bool:
         return self.processor is not None
 
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end a generation: the generation config's EOS id(s) and the tokenizer's."""
+        ids = getattr(self.model.generation_config, "eos_token_id", None)
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """``None`` -> CUDA if available, else the CPU; otherwise parse and check ``device``."""
