@@ -7,7 +7,8 @@ quantized), on the foundation prompts, in one process.
 
 The head is the one `sparrow train head --target PRESET` keeps for the preset (or `--head DIR`). Rows (JSONL, one
 per config x prompt) and a markdown table rendered from them: tokens/s (prefill included), speedup over plain
-decoding in the same process, tokens per target forward (accepted drafts + the bonus token), the draft's cost per
+decoding in the same process (plain runs first and again last for each prompt; the speedup is over the mean of
+the two, so drift over the run cancels), tokens per target forward (accepted drafts + the bonus token), the draft's cost per
 drafted token as a fraction of a target forward, and whether the output equals plain decoding.
 """
 
@@ -57,30 +58,37 @@ def run(args: argparse.Namespace) -> list[dict]:
     pipes = {name: sparrow.load(target, **({**options, "draft": draft} if options and "draft" in options
                                            else options or {"drafter": "prompt-lookup"}))
              for name, options in plan.items()}
-    rows, plain = [], {}
+    rows = []
     for p in prompts:
-        for name, pipe in pipes.items():
-            generate = pipe.generate_plain if plan[name] is None else pipe.generate
-            generate(p["prompt"], max_new_tokens=8, chat=True)  # warm-up
-            result = generate(p["prompt"], max_new_tokens=args.max_new_tokens, chat=True)
-            s = result.stats
-            n = len(result.token_ids)
-            verify_per_forward = s.verify_seconds / max(s.steps, 1)
-            row = {"config": name, "prompt_id": p["id"], "tokens": n, "seconds": result.seconds,
-                   "tokens_per_second": n / result.seconds, "steps": s.steps,
-                   "tokens_per_forward": n / max(s.steps, 1) if plan[name] else 1.0,
-                   "drafted": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
-                   "draft_cost_fraction": (s.draft_seconds / s.num_draft_tokens / verify_per_forward
-                                           if s.num_draft_tokens and verify_per_forward else None),
-                   "token_ids": result.token_ids}
-            if name == "plain":
-                plain[p["id"]] = row
-            row["speedup"] = row["tokens_per_second"] / plain[p["id"]]["tokens_per_second"]
-            row["identical"] = result.token_ids == plain[p["id"]]["token_ids"]
-            rows.append(row)
-            print(f"{p['id']:16s} {name:14s} {row['tokens_per_second']:6.2f} tok/s {row['speedup']:.2f}x "
+        group = [measure(name, pipe, plan[name] is None, p, args) for name, pipe in pipes.items()]
+        again = measure("plain", pipes["plain"], True, p, args)  # plain both first and last: drift cancels
+        plain = next(row for row in group if row["config"] == "plain")
+        plain["tokens_per_second_runs"] = [plain["tokens_per_second"], again["tokens_per_second"]]
+        baseline = plain["tokens_per_second"] = statistics.mean(plain["tokens_per_second_runs"])
+        for row in group:
+            row["speedup"] = row["tokens_per_second"] / baseline
+            row["identical"] = row["token_ids"] == plain["token_ids"]
+            print(f"{p['id']:16s} {row['config']:14s} {row['tokens_per_second']:6.2f} tok/s {row['speedup']:.2f}x "
                   f"tokens/forward {row['tokens_per_forward']:.2f} identical {row['identical']}", flush=True)
+        rows.extend(group)
     return rows
+
+
+def measure(name: str, pipe, plain: bool, p: dict, args: argparse.Namespace) -> dict:
+    """One warm-up and one timed generation of prompt `p` by `pipe` (plain decoding when `plain`)."""
+    generate = pipe.generate_plain if plain else pipe.generate
+    generate(p["prompt"], max_new_tokens=8, chat=True)  # warm-up
+    result = generate(p["prompt"], max_new_tokens=args.max_new_tokens, chat=True)
+    s = result.stats
+    n = len(result.token_ids)
+    verify_per_forward = s.verify_seconds / max(s.steps, 1)
+    return {"config": name, "prompt_id": p["id"], "tokens": n, "seconds": result.seconds,
+            "tokens_per_second": n / result.seconds, "steps": s.steps,
+            "tokens_per_forward": 1.0 if plain else n / max(s.steps, 1),
+            "drafted": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
+            "draft_cost_fraction": (s.draft_seconds / s.num_draft_tokens / verify_per_forward
+                                    if s.num_draft_tokens and verify_per_forward else None),
+            "token_ids": result.token_ids}
 
 
 def render(rows: list[dict], meta: dict) -> str:
