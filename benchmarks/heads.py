@@ -8,8 +8,8 @@ quantized), on the foundation prompts, in one process.
 The head is the one `sparrow train head --target PRESET` keeps for the preset (or `--head DIR`). Rows (JSONL, one
 per config x prompt) and a markdown table rendered from them: tokens/s (prefill included), speedup over plain
 decoding in the same process (plain runs first and again last for each prompt; the speedup is over the mean of
-the two, so drift over the run cancels), tokens per target forward (accepted drafts + the bonus token), the draft's cost per
-drafted token as a fraction of a target forward, and whether the output equals plain decoding.
+the two, so drift over the run cancels), tokens per target forward (accepted drafts + the bonus token), the
+draft's cost per drafted token as a fraction of a target forward, and whether the output equals plain decoding.
 """
 
 from __future__ import annotations
