@@ -152,7 +152,9 @@ def test_w8a8_is_close_to_dense_and_each_token_ignores_the_others(dtype):
     x = torch.randn(32, 256, dtype=dtype)
     x[::3, 5] *= 40  # an outlier channel in some tokens: their range, not the batch's, must set their scale
     full = layer(x)
-    assert full.dtype == dtype and ((full.float() - linear(x).float()).norm() / linear(x).float().norm()) < 0.05
+    # 7-bit activations where the CPU has no VNNI (fbgemm's reduce_range, against int16 saturation): twice the step
+    bound = 0.1 if layer.reduce_range else 0.05  # measured: 0.058 with 7 bits on an AVX2-only AMD EPYC
+    assert full.dtype == dtype and ((full.float() - linear(x).float()).norm() / linear(x).float().norm()) < bound
     for start, size in [(0, 1), (3, 1), (4, 2), (7, 5), (11, 8), (20, 12)]:
         assert torch.equal(layer(x[start:start + size]), full[start:start + size])  # bit for bit
     assert torch.equal(layer(x[None, :4]), full[None, :4]) and torch.equal(layer(torch.zeros(2, 256, dtype=dtype)),
