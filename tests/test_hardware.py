@@ -45,9 +45,9 @@ class FakeBench:
     def __init__(self, costs: dict) -> None:
         self.costs, self.calls = costs, 0
 
-    def __call__(self, *args, bf16_instructions: bool, **kwargs) -> dict:
+    def __call__(self, *args, **kwargs) -> dict:
         self.calls += 1
-        fast = bf16_instructions and hardware._faster_dense(self.costs) >= hardware.MIN_BF16_SPEEDUP
+        fast = hardware._faster_dense(self.costs) >= hardware.MIN_BF16_SPEEDUP
         return {"costs": self.costs, "quant_activations": "bfloat16" if fast else "float32", "unit": "ms per matmul",
                 "shape": list(hardware.BENCH_SHAPE), "seconds": 0.01}
 
@@ -78,11 +78,18 @@ def test_bf16_flag_and_faster_bf16_picks_bfloat16(monkeypatch):
     assert "avx512_bf16" in reason and "faster than float32" in reason and "Fake EPYC" in reason
 
 
-def test_no_bf16_flag_picks_float32_without_benchmarking(monkeypatch):
-    bench = machine(monkeypatch, VNNI_CPU, FAST_BF16)  # even a (mocked) fast bf16: no instructions, no bf16
+@pytest.mark.parametrize(("costs", "expected"), [(SLOW_BF16, torch.float32),  # the AVX-512/VNNI Xeon of issue 14
+                                               (FAST_BF16, torch.bfloat16)])  # an AVX2-only EPYC: half the bytes
+def test_without_bf16_instructions_the_measurement_decides(monkeypatch, costs, expected):
+    bench = machine(monkeypatch, VNNI_CPU, costs)
     dtype, reason = hardware.choose_dtype("cpu")
-    assert dtype is torch.float32 and bench.calls == 0
-    assert "no bfloat16 instructions" in reason and "Fake Xeon" in reason
+    assert dtype is expected and bench.calls == 1
+    assert "no bfloat16 instructions" in reason and "Fake Xeon" in reason and reason.endswith(str(expected)[6:])
+    hardware.clear_cache()
+    monkeypatch.setenv("SPARROW_DTYPE_BENCHMARK", "0")
+    monkeypatch.setattr(hardware, "read_cpuinfo", lambda: VNNI_CPU.replace("Fake Xeon", "Other Xeon"))  # not cached
+    dtype, reason = hardware.choose_dtype("cpu")
+    assert dtype is torch.float32 and "benchmark disabled" in reason and bench.calls == 1  # the flags alone
 
 
 def test_bf16_flag_but_bf16_not_faster_picks_float32(monkeypatch):
@@ -169,7 +176,8 @@ def test_cuda_bf16_when_supported_else_float16(monkeypatch):
 
 @pytest.mark.parametrize(("text", "costs", "expected"), [(BF16_CPU, FAST_BF16, torch.bfloat16),
                                                          (BF16_CPU, SLOW_BF16, torch.float32),
-                                                         (VNNI_CPU, FAST_BF16, torch.float32)])
+                                                         (VNNI_CPU, SLOW_BF16, torch.float32),
+                                                         (VNNI_CPU, FAST_BF16, torch.bfloat16)])
 def test_resolve_dtype_auto(monkeypatch, text, costs, expected):
     machine(monkeypatch, text, costs)
     assert resolve_dtype("auto") is expected and resolve_dtype("AUTO", "cpu") is expected
@@ -185,10 +193,9 @@ def test_resolve_dtype_auto_on_this_machine_is_a_real_dtype(monkeypatch):
 @pytest.mark.parametrize("activations", ["float32", "bfloat16"])
 def test_measure_on_a_small_shape(monkeypatch, activations):
     """The real micro-benchmark, on a weight small enough to take milliseconds; the weight-only kernels run in
-    the dtype picked (float32 without bf16 instructions; bfloat16 here forced by a zero speedup threshold)."""
-    monkeypatch.setattr(hardware, "MIN_BF16_SPEEDUP", 0.0)
-    record = hardware.measure(rows=(1, 8), shape=(64, 128), bf16_instructions=activations == "bfloat16",
-                              working_set=1 << 20)
+    the dtype auto picks from the dense timings (forced here by a zero or an infinite speedup threshold)."""
+    monkeypatch.setattr(hardware, "MIN_BF16_SPEEDUP", 0.0 if activations == "bfloat16" else float("inf"))
+    record = hardware.measure(rows=(1, 8), shape=(64, 128), working_set=1 << 20)
     assert set(record["costs"]) == {"float32", "bfloat16", "int8", "int4", "w8a8"}
     assert record["quant_activations"] == activations
     assert all(cost > 0 for row in record["costs"].values() for cost in row.values())
@@ -255,7 +262,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize(("text", "costs", "expected"), [(BF16_CPU, FAST_BF16, "bfloat16"),
-                                                         (VNNI_CPU, FAST_BF16, "float32")])
+                                                         (VNNI_CPU, SLOW_BF16, "float32")])
 def test_generate_json_names_the_configuration_auto_chose(monkeypatch, one_thread, model_dir, text, costs, expected):
     machine(monkeypatch, text, costs)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -269,6 +276,9 @@ def test_generate_json_names_the_configuration_auto_chose(monkeypatch, one_threa
 FAST_INT4 = {**FAST_BF16, "int4": {"1": 0.4, "8": 1.5}, "w8a8": {"1": 0.9, "8": 1.2}}
 NO_QUANT_PAYS = {**FAST_BF16, "int8": {"1": 1.15, "8": 3.0}}  # 1.2 / 1.15 = 1.04x: not worth a quantized draft
 FAST_W8A8 = {**FAST_BF16, "int4": {"1": 0.9, "8": 1.5}, "w8a8": {"1": 0.5, "8": 1.2}}
+# measured with float32 activations (bf16 no faster): what a float32 draft runs
+F32_INT4 = {**SLOW_BF16, "int4": {"1": 0.4, "8": 1.5}}
+F32_NO_QUANT_PAYS = {**SLOW_BF16, "int8": {"1": 2.9, "8": 9.0}}  # 3.0 / 2.9 = 1.03x
 
 
 @pytest.mark.parametrize(("costs", "expected"), [(NO_QUANT_PAYS, "int4"),  # quantized-self's default bits
@@ -291,6 +301,19 @@ def test_choose_draft_quant(monkeypatch, text, costs, expected):
     fmt, reason = hardware.choose_draft_quant("cpu")
     assert fmt == expected, reason
     assert ("drafts stay dense" in reason) == (expected is None) and "1 row" in reason
+
+
+@pytest.mark.parametrize(("costs", "dtype", "expected"), [
+    (FAST_INT4, torch.bfloat16, "int4"),  # the dtype measured: every format
+    (FAST_INT4, torch.float32, "w8a8"),  # weight-only kernels were timed with bf16 activations: w8a8 (0.9) vs fp32
+    (F32_INT4, torch.bfloat16, None),  # timed with fp32 activations; no w8a8 measured
+    (F32_INT4, torch.float32, "int4")])
+def test_choose_draft_quant_in_the_drafts_dtype(monkeypatch, costs, dtype, expected):
+    """Weight-only kernels ran 4-10x slower with float32 activations than with bfloat16 ones on an AVX2-only CPU,
+    so a draft in a dtype other than the measured one chooses among w8a8 and dense only."""
+    machine(monkeypatch, BF16_CPU, costs)
+    fmt, reason = hardware.choose_draft_quant("cpu", dtype=dtype)
+    assert fmt == expected, reason
 
 
 def test_choose_draft_quant_without_a_measurement_or_on_cuda(monkeypatch):
@@ -320,9 +343,10 @@ def sparrow_load_checks(drafter: str, draft_quant: str) -> None:
     sparrow.load("no-such-model", drafter=drafter, draft_quant=draft_quant)
 
 
-@pytest.mark.parametrize(("costs", "flag", "expected"), [(FAST_INT4, [], "int4"), (NO_QUANT_PAYS, [], None),
-                                                         (FAST_INT4, ["--draft-quant", "none"], None),
-                                                         (NO_QUANT_PAYS, ["--draft-quant", "int8"], "int8")])
+@pytest.mark.parametrize(("costs", "flag", "expected"), [(F32_INT4, [], "int4"), (F32_NO_QUANT_PAYS, [], None),
+                                                         (FAST_INT4, [], "w8a8"),  # timed in bf16: w8a8 carries over
+                                                         (F32_INT4, ["--draft-quant", "none"], None),
+                                                         (F32_NO_QUANT_PAYS, ["--draft-quant", "int8"], "int8")])
 def test_generate_drafts_with_the_format_auto_chose(monkeypatch, one_thread, model_dir, costs, flag, expected):
     """--draft-quant auto (the default) quantizes the draft model as the measurement says, and stays lossless."""
     machine(monkeypatch, BF16_CPU, costs)
@@ -339,7 +363,7 @@ def test_draft_quant_auto_keeps_a_draft_dense_where_the_kernel_takes_none_of_its
     CPU); asked for explicitly, the same format is refused."""
     from sparrow.quantization import draft_format
 
-    machine(monkeypatch, BF16_CPU, FAST_INT4)
+    machine(monkeypatch, BF16_CPU, F32_INT4)  # measured in float32, the layers' dtype
     odd = torch.nn.Sequential(torch.nn.Linear(96, 48), torch.nn.Linear(48, 96))
     assert draft_format(odd, "auto") is None and draft_format(None, "auto") is None
     assert draft_format(torch.nn.Sequential(torch.nn.Linear(128, 64)), "auto") == "int4"

@@ -3,7 +3,7 @@
 * CPU: the instruction-set flags of ``/proc/cpuinfo`` (``avx512_bf16``, ``amx_bf16``, ``avx512_vnni``, ...),
   and a short micro-benchmark: one decoder MLP projection (a 1536 x 8960 weight, Qwen2.5-1.5B's) applied to
   1 row (a plain decoding step) and to 8 rows (verifying a draft), in float32 and bfloat16, then with int8
-  and int4 weight-only weights (``sparrow.quantization``'s kernels) in the dtype picked, each kernel cycling
+  and int4 weight-only weights and w8a8 (``sparrow.quantization``'s kernels) in the dtype picked, each kernel cycling
   through copies of its weight worth twice the L3, so they stream from memory as a model's weights do. It
   takes about 0.6 s on a 2-core CPU and is cached per machine in ``<cache>/hardware/`` (keyed by CPU model,
   flags, threads and torch version), so it runs once (``sparrow doctor --refresh`` measures again).
@@ -11,19 +11,24 @@
 
 ``choose_dtype(device)`` then picks:
 
-* CPU: bfloat16 when the CPU has bf16 instructions *and* the benchmark measured bfloat16 clearly faster than
-  float32 (``MIN_BF16_SPEEDUP``: bfloat16 costs exactness, so it has to pay); with the benchmark disabled
-  (``benchmark=False`` or ``SPARROW_DTYPE_BENCHMARK=0``) and nothing cached, the flags alone decide. Without
-  bf16 instructions: float32 (torch then emulates bfloat16, which measured no faster than float32).
+* CPU: bfloat16 when the benchmark measured it clearly faster than float32 (``MIN_BF16_SPEEDUP``: bfloat16
+  costs exactness, so it has to pay), with bf16 instructions or without them: without them torch converts to
+  float32 inside its kernels, which was no faster than float32 on an AVX-512/VNNI Xeon but 2.5x faster for one
+  row on an AVX2-only AMD EPYC (half the bytes to stream). With the benchmark disabled (``benchmark=False`` or
+  ``SPARROW_DTYPE_BENCHMARK=0``) and nothing cached, the flags alone decide: bfloat16 with bf16 instructions,
+  else float32.
 * CUDA: bfloat16 where supported natively, else float16.
 * anything else: float32.
 
 ``choose_draft_quant(device)`` picks the weight format of a draft model (``--draft-quant auto``, the CLI's
 default): the quantized format that ran one row fastest, when it beat the dense dtype by ``MIN_DRAFT_QUANT_SPEEDUP``
-(int4 here at 4.4x on an AMD EPYC with avx512_bf16; int8 was ~2.5x faster on an AVX-512/VNNI CPU without bf16).
+(int4 here at 4.4x on an AMD EPYC with avx512_bf16; int8 was ~2.5x faster on an AVX-512/VNNI CPU without bf16),
+among the formats measured in the draft's own compute dtype (weight-only kernels with float32 activations ran
+4-10x slower than with bfloat16 ones on an AVX2-only CPU).
 
 Nothing here assumes one machine: the same code picks bfloat16 on a CPU with ``avx512_bf16`` where bf16 is
-2-3x faster, and float32 on an AVX-512/VNNI CPU without it where bf16 was no faster than float32.
+2-3x faster, float32 on an AVX-512/VNNI CPU without it where bf16 was no faster than float32, and bfloat16 on an
+AVX2-only CPU where it was.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = 3  # bump when the cached record's layout or the benchmark changes
+FORMAT = 4  # bump when the cached record's layout or the benchmark changes
 BENCH_SHAPE = (8960, 1536)  # [out_features, in_features]: Qwen2.5-1.5B's MLP gate/up projection
 BENCH_ROWS = (1, 8)  # a plain decoding step; verifying a draft of 8 tokens
 MIN_BF16_SPEEDUP = 1.1  # bfloat16 is picked over float32 only when at least this much faster
@@ -171,8 +176,8 @@ def _faster_dense(costs: dict[str, dict[str, float]]) -> float:
     return sum(costs["float32"].values()) / sum(costs["bfloat16"].values())
 
 
-def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_SHAPE, *, bf16_instructions: bool,
-            quant: bool = True, working_set: int | None = None) -> dict[str, object]:
+def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_SHAPE, *, quant: bool = True,
+            working_set: int | None = None) -> dict[str, object]:
     """Milliseconds per ``x @ W.T`` with W of ``shape``, x of ``rows`` rows, on the CPU with torch's threads:
     ``{"float32": {"1": ms, "8": ms}, "bfloat16": {...}, "int8": {...}, "int4": {...}, "w8a8": {...}}``. The
     weight-only kernels compute in the dtype picked from the first two (as a quantized draft would), named by
@@ -203,7 +208,7 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
         timed({_name(dtype): (lambda x, w=w: torch.nn.functional.linear(x, *next(w)), dtype)
                for dtype, w in dense.items()})
         dense.clear()  # free them before the quantized copies are made
-        act = torch.bfloat16 if bf16_instructions and _faster_dense(costs) >= MIN_BF16_SPEEDUP else torch.float32
+        act = torch.bfloat16 if _faster_dense(costs) >= MIN_BF16_SPEEDUP else torch.float32  # what auto picks
         cpu = torch.device("cpu")
         quantized: dict[str, tuple[Callable[[torch.Tensor], object], torch.dtype]] = {}
         if quant and kernel_takes(8, out_features, in_features, INT4_GROUP_SIZE, cpu):
@@ -302,7 +307,7 @@ def cpu_costs(*, benchmark: bool | None = None, refresh: bool = False, cache_dir
         if not benchmark and not refresh:
             return None
         record = {"key": key, "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  **measure(bf16_instructions=info.bf16)}
+                  **measure()}
         written = _write(path, record)
     return {**record, "path": str(path) if written else None, "cached": False}
 
@@ -330,22 +335,21 @@ def _costs_text(costs: dict[str, dict[str, float]], rows: str) -> str:
 
 def _choose_cpu(device: torch.device, benchmark: bool | None, cache_dir: Path | str | None) -> Choice:
     info = cpu_info()
-    if not info.bf16:
-        return Choice(torch.float32, f"{info.model}: no bfloat16 instructions ({', '.join(BF16_FLAGS)}), so torch "
-                                     "would emulate bfloat16: float32", device)
-    flags = ", ".join(info.bf16_flags)
+    has = (f"{info.model} has {', '.join(info.bf16_flags)}" if info.bf16 else
+           f"{info.model} has no bfloat16 instructions ({', '.join(BF16_FLAGS)}; torch converts to float32 inside)")
     record = cpu_costs(benchmark=benchmark, cache_dir=cache_dir, info=info)
     if record is None:
-        return Choice(torch.bfloat16, f"{info.model} has {flags} (benchmark disabled): bfloat16", device)
+        return Choice(torch.bfloat16 if info.bf16 else torch.float32,
+                      f"{has} (benchmark disabled): {'bfloat16' if info.bf16 else 'float32'}", device)
     costs = record["costs"]
     speedup = _faster_dense(costs)
     rows = [str(n) for n in BENCH_ROWS]
     detail = "; ".join(f"{n} row{'s' if n != '1' else ''}: {_costs_text(costs, n)}" for n in rows)
     if speedup >= MIN_BF16_SPEEDUP:
-        return Choice(torch.bfloat16, f"{info.model} has {flags} and bfloat16 measured {speedup:.2f}x faster than "
-                                      f"float32 ({detail}): bfloat16", device, record)
-    return Choice(torch.float32, f"{info.model} has {flags} but bfloat16 measured only {speedup:.2f}x float32's "
-                                 f"speed ({detail}; needs {MIN_BF16_SPEEDUP}x): float32", device, record)
+        return Choice(torch.bfloat16, f"{has}; bfloat16 measured {speedup:.2f}x faster than float32 ({detail}): "
+                                      "bfloat16", device, record)
+    return Choice(torch.float32, f"{has}; bfloat16 measured only {speedup:.2f}x float32's speed ({detail}; needs "
+                                 f"{MIN_BF16_SPEEDUP}x): float32", device, record)
 
 
 def _choose_cuda(device: torch.device) -> Choice:
@@ -387,13 +391,17 @@ def choose_dtype(device: str | torch.device | None = None, *, benchmark: bool | 
     return choice.dtype, choice.reason
 
 
-def choose_draft_quant(device: str | torch.device | None = None, *,
-                       benchmark: bool | None = None) -> tuple[str | None, str]:
+def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: bool | None = None,
+                       dtype: torch.dtype | None = None) -> tuple[str | None, str]:
     """``(format, reason)``: the weight format ``--draft-quant auto`` gives a draft model on ``device``: the
     quantized format (int8 / int4 weight-only, w8a8) whose one-row matmul this machine measured fastest, when it
     ran at least ``MIN_DRAFT_QUANT_SPEEDUP`` times faster than the dense dtype the benchmark compared it with; None
     (a dense draft) otherwise, where nothing was measured, and on CUDA (the kernels are measured on CPUs only).
-    A draft runs one token a step, so its one-row cost is what counts; it never changes the output."""
+    A draft runs one token a step, so its one-row cost is what counts; it never changes the output.
+
+    dtype: the draft's compute dtype, when known. The weight-only kernels were measured with the benchmark's
+    activation dtype only, and their speed depends on it, so a draft in another dtype chooses among w8a8 (int8
+    activations, whatever the dtype) and dense."""
     from sparrow.models.loading import resolve_device
 
     dev = resolve_device(device)
@@ -404,8 +412,10 @@ def choose_draft_quant(device: str | torch.device | None = None, *,
         return None, "no CPU measurement (benchmark disabled, nothing cached): drafts stay dense"
     costs, dense = record["costs"], str(record["quant_activations"])
     quants = [name for name in DRAFT_QUANTS if name in costs]
+    if dtype is not None and _name(dtype) != dense:  # measured with other activations: only w8a8 carries over
+        quants, dense = [name for name in quants if name == "w8a8"], _name(dtype)
     if not quants or dense not in costs:
-        return None, "the measurement has no quantized kernels: drafts stay dense"
+        return None, "the measurement has no quantized kernels for this dtype: drafts stay dense"
     best = min(quants, key=lambda name: costs[name]["1"])
     speedup = costs[dense]["1"] / costs[best]["1"]
     detail = f"{costs[best]['1']:.2f} vs {costs[dense]['1']:.2f} ms"

@@ -277,7 +277,8 @@ def stop_strings(stop: object) -> tuple[str, ...]:
 
 def _draft_spec(drafter: str, draft: str | LoadedModel | None, num_draft_tokens: int | None,
                 quant: str | None, draft_quant: str | None, drafter_options: dict[str, Any],
-                target: str | LoadedModel, device: str | None) -> tuple[str | LoadedModel | None, str | None]:
+                target: str | LoadedModel, device: str | None,
+                dtype: str | torch.dtype) -> tuple[str | LoadedModel | None, str | None]:
     """Check the drafter and quantization arguments (before any model is loaded); returns the draft to load
     ("default" resolved to the drafter's own default; None when the drafter runs no draft model) and its weight
     format (draft_quant "auto": None without a draft model, quantized-self's format for the device the target is,
@@ -285,7 +286,11 @@ def _draft_spec(drafter: str, draft: str | LoadedModel | None, num_draft_tokens:
     entry = REGISTRY.get(drafter)  # None: "none"
     needs_draft = entry is not None and entry.takes_draft_model
     where = next(target.model.parameters()).device if isinstance(target, LoadedModel) else device
-    draft_quant = resolve_draft_quant(draft_quant, drafter, needs_draft, where)
+    compute = None  # quantized-self's copy computes in the target's dtype
+    if drafter == "quantized-self":
+        compute = (next(target.model.parameters()).dtype if isinstance(target, LoadedModel)
+                   else resolve_dtype(dtype, where))
+    draft_quant = resolve_draft_quant(draft_quant, drafter, needs_draft, where, compute)
     if drafter == "quantized-self" and draft_quant is not None:
         drafter_options.setdefault("bits", draft_quant)
     check_drafter_args(drafter, num_draft_tokens, drafter_options)
@@ -315,7 +320,7 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     if not isinstance(compile, bool):
         raise UserError(f"compile must be True or False, got {compile!r}")
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
-                                     device)
+                                     device, dtype)
     if isinstance(target, str):
         target = load_model(target, dtype=dtype, device=device, progress=progress)
     if isinstance(draft, str):
@@ -396,7 +401,7 @@ class PipelineCache:
             device: str | None = None, quant: str | None = None, draft_quant: str | None = None) -> Pipeline:
         options: dict[str, Any] = {}
         draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
-                                         device)  # before loading
+                                         device, dtype)  # before loading
         key = (_key(target), drafter, _key(draft), num_draft_tokens, adaptive, resolve_dtype(dtype, device),
                resolve_device(device), quant, draft_quant)
         with self._lock:

@@ -71,32 +71,34 @@ def parse_quant(quant: str | int | None, argument: str = "quant", auto: bool = F
 
 
 def resolve_draft_quant(draft_quant: str | int | None, drafter: str, has_draft_model: bool,
-                        device: str | torch.device | None) -> str | None:
+                        device: str | torch.device | None, dtype: torch.dtype | None = None) -> str | None:
     """--draft-quant checked before any model is loaded. 'auto' becomes None for a drafter without a draft model,
-    the format sparrow.hardware measured fastest for one row on `device` for quantized-self (None: its int4
-    default), and stays 'auto' for a draft model (`draft_format` settles it once the draft is loaded)."""
+    the format sparrow.hardware measured fastest for one row on `device` in `dtype` (the target's) for
+    quantized-self (None: its int4 default), and stays 'auto' for a draft model (`draft_format` settles it once the
+    draft is loaded)."""
     fmt = parse_quant(draft_quant, "draft_quant", auto=True)
     if fmt != AUTO:
         return fmt
     if drafter == "quantized-self":
         from sparrow.hardware import choose_draft_quant
 
-        return choose_draft_quant(device)[0]
+        return choose_draft_quant(device, dtype=dtype)[0]
     return AUTO if has_draft_model else None
 
 
 def draft_format(model: nn.Module | None, draft_quant: str | None) -> str | None:
     """The format a loaded draft model runs in: `draft_quant`, or for 'auto' the format sparrow.hardware measured
-    fastest for one row on the model's device, where that kernel takes at least one of the model's linear layers
-    (None, a dense draft, otherwise and where there is no draft)."""
+    fastest for one row on the model's device in its dtype, where that kernel takes at least one of the model's
+    linear layers (None, a dense draft, otherwise and where there is no draft)."""
     if draft_quant != AUTO:
         return draft_quant
     if model is None:
         return None
     from sparrow.hardware import choose_draft_quant
 
-    device = next(model.parameters()).device
-    fmt = choose_draft_quant(device)[0]
+    weight = next(model.parameters())
+    device = weight.device
+    fmt = choose_draft_quant(device, dtype=weight.dtype)[0]
     if fmt is None:
         return None
     kind = W8A8 if fmt == W8A8 else QUANT_BITS[fmt]

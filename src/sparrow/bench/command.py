@@ -57,11 +57,11 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
     if ("eagle" in method_list) != (head is not None):
         raise UserError("--head is needed by the eagle method (a head directory, e.g. from `sparrow train head`)"
                         if head is None else "--head applies to the eagle method only: add eagle to --methods")
-    resolve_dtype(dtype)
+    compute = resolve_dtype(dtype, device)
     parse_quant(quant, "quant")
     draft_quant = parse_quant(draft_quant, "draft_quant", auto=True)
     if draft_quant == "auto":  # recorded as the format it resolved to
-        draft_quant = choose_draft_quant(resolve_device(device))[0]
+        draft_quant = choose_draft_quant(resolve_device(device), dtype=compute)[0]
     if quant is not None and "quantized-self" in method_list:
         check_quant_args("quantized-self", quant, None, False)  # raises: it needs an unquantized target
     config = BenchConfig(target=target, draft=draft if any(map(needs_draft, method_list)) else None,
