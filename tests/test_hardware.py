@@ -196,7 +196,10 @@ def test_measure_on_a_small_shape(monkeypatch, activations):
     the dtype auto picks from the dense timings (forced here by a zero or an infinite speedup threshold)."""
     monkeypatch.setattr(hardware, "MIN_BF16_SPEEDUP", 0.0 if activations == "bfloat16" else float("inf"))
     record = hardware.measure(rows=(1, 8), shape=(64, 128), working_set=1 << 20)
-    assert set(record["costs"]) == {"float32", "bfloat16", "int8", "int4", "w8a8"}
+    from sparrow import onednn
+
+    assert set(record["costs"]) == {"float32", "bfloat16", "int8", "int4", "w8a8"} | (
+        {hardware.ONEDNN} if onednn.available() else set())
     assert record["quant_activations"] == activations
     assert all(cost > 0 for row in record["costs"].values() for cost in row.values())
     assert hardware._valid_costs(record["costs"]) and record["shape"] == [64, 128]

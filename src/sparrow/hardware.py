@@ -54,6 +54,8 @@ BENCH_SHAPE = (8960, 1536)  # [out_features, in_features]: Qwen2.5-1.5B's MLP ga
 BENCH_ROWS = (1, 8)  # a plain decoding step; verifying a draft of 8 tokens
 MIN_BF16_SPEEDUP = 1.1  # bfloat16 is picked over float32 only when at least this much faster
 MIN_DRAFT_QUANT_SPEEDUP = 1.1  # --draft-quant auto quantizes a draft only when one row runs at least this much faster
+ONEDNN = "float32_onednn"  # the float32 matmul through oneDNN (sparrow.onednn), beside torch's own
+MIN_ONEDNN_SPEEDUP = 1.1  # float32 models route their linears through oneDNN only when at least this much faster
 DRAFT_QUANTS = ("int8", "int4", "w8a8")  # the weight formats --draft-quant auto chooses among (sparrow.quantization)
 INT4_GROUP_SIZE = 128
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that compute in bfloat16 (ARM: "bf16" in Features)
@@ -171,9 +173,21 @@ def _copies(make: Callable[[], tuple], nbytes: int, working_set: int) -> Iterato
     return itertools.cycle([make() for _ in range(max(1, math.ceil(working_set / nbytes)))])
 
 
+def _onednn_speedup(costs: dict[str, dict[str, float]]) -> float:
+    """How many times faster float32 ran through oneDNN than through torch's linear, over all row counts (0: not
+    measured)."""
+    return sum(costs["float32"].values()) / sum(costs[ONEDNN].values()) if ONEDNN in costs else 0.0
+
+
+def _dense(costs: dict[str, dict[str, float]], name: str) -> dict[str, float]:
+    """The costs of the path a dense `name` ("float32" / "bfloat16") model runs: float32 through oneDNN where
+    that measured faster (``load_model`` routes it there)."""
+    return costs[ONEDNN] if name == "float32" and _onednn_speedup(costs) >= MIN_ONEDNN_SPEEDUP else costs[name]
+
+
 def _faster_dense(costs: dict[str, dict[str, float]]) -> float:
-    """How many times faster bfloat16 ran than float32, over all measured row counts."""
-    return sum(costs["float32"].values()) / sum(costs["bfloat16"].values())
+    """How many times faster bfloat16 ran than float32 (its faster path), over all measured row counts."""
+    return sum(_dense(costs, "float32").values()) / sum(costs["bfloat16"].values())
 
 
 def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_SHAPE, *, quant: bool = True,
@@ -182,6 +196,7 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
     ``{"float32": {"1": ms, "8": ms}, "bfloat16": {...}, "int8": {...}, "int4": {...}, "w8a8": {...}}``. The
     weight-only kernels compute in the dtype picked from the first two (as a quantized draft would), named by
     ``quant_activations``; w8a8 (int8 weights and per-token int8 activations, fbgemm) takes that dtype too."""
+    from sparrow import onednn
     from sparrow.quantization import DynamicInt8Linear, kernel_takes, pack_int4, quantize_int4, quantize_int8
 
     start = time.perf_counter()
@@ -205,8 +220,11 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
         size = out_features * in_features
         dense = {torch.float32: _copies(lambda: (weight.clone(),), 4 * size, working_set),
                  torch.bfloat16: _copies(lambda: (weight.to(torch.bfloat16),), 2 * size, working_set)}
-        timed({_name(dtype): (lambda x, w=w: torch.nn.functional.linear(x, *next(w)), dtype)
-               for dtype, w in dense.items()})
+        kernels = {_name(dtype): (lambda x, w=w: torch.nn.functional.linear(x, *next(w)), dtype)
+                   for dtype, w in dense.items()}
+        if onednn.available():
+            kernels[ONEDNN] = (lambda x, w=dense[torch.float32]: onednn.linear(x, next(w)[0], None), torch.float32)
+        timed(kernels)
         dense.clear()  # free them before the quantized copies are made
         act = torch.bfloat16 if _faster_dense(costs) >= MIN_BF16_SPEEDUP else torch.float32  # what auto picks
         cpu = torch.device("cpu")
@@ -330,7 +348,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _costs_text(costs: dict[str, dict[str, float]], rows: str) -> str:
-    return f"{costs['bfloat16'][rows]:.2f} vs {costs['float32'][rows]:.2f} ms"
+    return f"{costs['bfloat16'][rows]:.2f} vs {_dense(costs, 'float32')[rows]:.2f} ms"
 
 
 def _choose_cpu(device: torch.device, benchmark: bool | None, cache_dir: Path | str | None) -> Choice:
@@ -417,8 +435,9 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
     if not quants or dense not in costs:
         return None, "the measurement has no quantized kernels for this dtype: drafts stay dense"
     best = min(quants, key=lambda name: costs[name]["1"])
-    speedup = costs[dense]["1"] / costs[best]["1"]
-    detail = f"{costs[best]['1']:.2f} vs {costs[dense]['1']:.2f} ms"
+    base = _dense(costs, dense)["1"]
+    speedup = base / costs[best]["1"]
+    detail = f"{costs[best]['1']:.2f} vs {base:.2f} ms"
     if speedup < MIN_DRAFT_QUANT_SPEEDUP:
         return None, (f"the fastest quantized format ({best}) ran only {speedup:.2f}x {dense}'s speed at 1 row "
                       f"({detail}; needs {MIN_DRAFT_QUANT_SPEEDUP}x): drafts stay dense")
@@ -426,10 +445,35 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
                   "(still lossless: the target verifies)")
 
 
+def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool | None = None) -> tuple[bool, str]:
+    """``(route, reason)``: whether a float32 model on ``device`` runs its linear layers through oneDNN
+    (``sparrow.onednn``): on a CPU where this machine measured that path at least ``MIN_ONEDNN_SPEEDUP`` times
+    faster than torch's own float32 linear; never without a measurement, and never on other devices."""
+    from sparrow.models.loading import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type != "cpu":
+        return False, f"{dev.type}: torch's own linear"
+    record = cpu_costs(benchmark=benchmark)
+    if record is None:
+        return False, "no CPU measurement (benchmark disabled, nothing cached): torch's own linear"
+    costs = record["costs"]
+    speedup = _onednn_speedup(costs)
+    if not speedup:
+        return False, "oneDNN's linear is not in this torch build: torch's own linear"
+    rows = [str(n) for n in BENCH_ROWS]
+    detail = "; ".join(f"{n} row{'s' if n != '1' else ''}: {costs[ONEDNN][n]:.2f} vs {costs['float32'][n]:.2f} ms"
+                       for n in rows)
+    if speedup >= MIN_ONEDNN_SPEEDUP:
+        return True, f"oneDNN ran float32 {speedup:.2f}x faster than torch's linear ({detail}): oneDNN"
+    return False, (f"oneDNN ran float32 only {speedup:.2f}x torch's linear's speed ({detail}; needs "
+                   f"{MIN_ONEDNN_SPEEDUP}x): torch's own linear")
+
+
 def clear_cache() -> None:
     """Forget the choices made in this process (the measurements on disk stay)."""
     _choices.clear()
 
 
-__all__ = ["Choice", "CpuInfo", "choose", "choose_draft_quant", "choose_dtype", "clear_cache", "cpu_costs", "cpu_info",
-           "cuda_info", "measure", "parse_cpuinfo", "read_cpuinfo"]
+__all__ = ["Choice", "CpuInfo", "choose", "choose_draft_quant", "choose_dtype", "choose_onednn", "clear_cache",
+           "cpu_costs", "cpu_info", "cuda_info", "measure", "parse_cpuinfo", "read_cpuinfo"]

@@ -33,7 +33,7 @@ def doctor(
     hardware.clear_cache()  # choose from the measurement just read or taken
     choice = hardware.choose(dev, benchmark=benchmark)
     draft_quant = hardware.choose_draft_quant(dev, benchmark=benchmark)
-    record = report(dev, info, measured, choice, draft_quant)
+    record = report(dev, info, measured, choice, draft_quant, hardware.choose_onednn(dev, benchmark=benchmark))
     if as_json:
         sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
         return
@@ -48,7 +48,7 @@ def _version(package: str) -> str | None:
 
 
 def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any,
-           draft_quant: tuple[str | None, str]) -> dict[str, Any]:
+           draft_quant: tuple[str | None, str], onednn: tuple[bool, str] = (False, "")) -> dict[str, Any]:
     """The JSON record of `sparrow doctor`."""
     import torch
 
@@ -71,12 +71,15 @@ def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any,
         "threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
         "benchmark": benchmark,
         "auto": {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
-                 "draft_quant": draft_quant[0], "draft_quant_reason": draft_quant[1]},
+                 "draft_quant": draft_quant[0], "draft_quant_reason": draft_quant[1],
+                 "float32_onednn": onednn[0], "float32_onednn_reason": onednn[1]},
     }
 
 
 def table(record: dict[str, Any]) -> Table:
     """The human-readable table of a `doctor` record."""
+    from sparrow import hardware
+
     cpu, versions, threads = record["cpu"], record["versions"], record["threads"]
     out = Table(show_header=False, box=None)
     out.add_row("device", record["device"])
@@ -102,11 +105,13 @@ def table(record: dict[str, Any]) -> Table:
         out.add_row("CPU costs", f"ms per {shape} matmul at {' / '.join(rows)} rows ({source})")
         fastest = min(sum(row.values()) for row in bench["costs"].values())
         for name, row in bench["costs"].items():
-            label = name if name in ("float32", "bfloat16") else f"{name} weights ({bench['quant_activations']})"
+            label = {"float32": name, "bfloat16": name, hardware.ONEDNN: "float32 (oneDNN)"}.get(
+                name, f"{name} weights ({bench['quant_activations']})")
             ratio = sum(row.values()) / fastest
             cost = " / ".join(f"{row[n]:.2f}" for n in rows)
             out.add_row(f"  {label}", f"{cost} ms  ({rows[-1]} rows = {row[rows[-1]] / row[rows[0]]:.1f}x "
                                       f"{rows[0]} row; {ratio:.2f}x the fastest)")
     out.add_row("--dtype auto", f"{record['auto']['dtype']}: {record['auto']['reason']}")
     out.add_row("--draft-quant auto", f"{record['auto']['draft_quant'] or 'dense'}: {record['auto']['draft_quant_reason']}")
+    out.add_row("float32 linears", record["auto"]["float32_onednn_reason"])
     return out

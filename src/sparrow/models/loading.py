@@ -375,5 +375,11 @@ def load_model(
         model = model.to(dev).eval()  # already there when loaded in place (see _placement): a no-op
         processor = tokenizer if isinstance(tokenizer, ProcessorMixin) else None  # a VLM (see _from_dir)
         tokenizer = processor.tokenizer if processor is not None else tokenizer
-        say(f"loaded {spec} ({_dtype_name(torch_dtype)}, {dev}) in {time.perf_counter() - start:.1f} s")
+        from sparrow.hardware import choose_onednn
+        from sparrow.onednn import route_linears
+
+        kernel = ""
+        if torch_dtype == torch.float32 and dev.type == "cpu" and choose_onednn(dev)[0]:  # measured faster here
+            kernel = f", {route_linears(model)} linears through oneDNN"
+        say(f"loaded {spec} ({_dtype_name(torch_dtype)}, {dev}{kernel}) in {time.perf_counter() - start:.1f} s")
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec, processor=processor)
