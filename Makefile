@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 
 run: setup
 	$(BIN)/sparrow models install $(RUN_PRESETS) --yes
-	$(BIN)/sparrow generate '$(PROMPT)' --chat --compare --draft-quant int4
+	$(BIN)/sparrow generate '$(PROMPT)' --chat --compare
 
 test: setup browser
 	$(BIN)/sparrow models install $(TEST_PRESETS) --yes

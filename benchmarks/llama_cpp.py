@@ -65,6 +65,7 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-plain-bf16": ({"drafter": "prompt-lookup", "dtype": "bfloat16"}, True),
     "sparrow-plain-fp32": ({"drafter": "prompt-lookup", "dtype": "float32"}, True),
     "sparrow-plain-auto": ({"drafter": "prompt-lookup", "dtype": "auto"}, True),
+    "sparrow-draft-model-draft-auto": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "auto"}, False),
     "sparrow-draft-model-draft-int4": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "int4"}, False),
     "sparrow-draft-model-draft-int4-vocab-auto": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "int4",
                                                    "draft_vocab": "auto"}, False),
@@ -306,12 +307,17 @@ def shown_arg(arg: str, prompt: str) -> str:
 
 
 def sparrow_row(config: str, pipe: Any, plain: bool, prompt: dict, max_new_tokens: int) -> dict:
+    from sparrow.cli.generate import draft_quant_used
+    from sparrow.onednn import routed
+
     run = pipe.generate_plain if plain else pipe.generate
     result = run(prompt["prompt"], max_new_tokens=max_new_tokens, chat=True)
     stats, n = result.stats, len(result.token_ids)
     decode_seconds = result.seconds - stats.prefill_seconds
     return {"engine": "sparrow", "config": config, "draft_max": None if plain else "adaptive",
             "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
+            "draft_quant": None if plain else draft_quant_used(pipe, SPARROW_CONFIGS[config][0].get("draft_quant")),
+            "float32_onednn": any(map(routed, pipe.target.model.modules())),
             "prompt_tokens": prompt["tokens"], "prompt_tokens_hf": prompt["tokens"], "prompt_tokens_match": True,
             "new_tokens": n, "seconds": result.seconds, "prefill_seconds": stats.prefill_seconds,
             "tokens_per_second": result.tokens_per_second,
@@ -639,7 +645,8 @@ def reference_config(config: str) -> str | None:
         return BASELINE
     if config.startswith("openvino-spec"):
         return "openvino-plain"
-    return {"sparrow-draft-model-draft-int4": "sparrow-plain-auto",
+    return {"sparrow-draft-model-draft-auto": "sparrow-plain-auto",
+            "sparrow-draft-model-draft-int4": "sparrow-plain-auto",
             "sparrow-draft-model-draft-int4-vocab-auto": "sparrow-plain-auto",
             "sparrow-int4-target+draft-int4": "sparrow-plain-int4",
             "sparrow-int4-target+prompt-lookup": "sparrow-plain-int4",

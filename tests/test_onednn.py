@@ -101,6 +101,8 @@ def test_no_measurement_or_not_a_cpu_no_routing(measured, monkeypatch):
     measured(ROUTE)
     route, reason = hardware.choose_onednn("cpu", benchmark=False)
     assert route is False and "no CPU measurement" in reason
+    monkeypatch.setenv("SPARROW_ONEDNN", "0")
+    assert hardware.choose_onednn("cpu") == (False, "SPARROW_ONEDNN is off: torch's own linear")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert hardware.choose_onednn("cuda") == (False, "cuda: torch's own linear")
 

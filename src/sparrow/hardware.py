@@ -448,12 +448,15 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
 def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool | None = None) -> tuple[bool, str]:
     """``(route, reason)``: whether a float32 model on ``device`` runs its linear layers through oneDNN
     (``sparrow.onednn``): on a CPU where this machine measured that path at least ``MIN_ONEDNN_SPEEDUP`` times
-    faster than torch's own float32 linear; never without a measurement, and never on other devices."""
+    faster than torch's own float32 linear; never without a measurement, on other devices, or with
+    ``SPARROW_ONEDNN=0``."""
     from sparrow.models.loading import resolve_device
 
     dev = resolve_device(device)
     if dev.type != "cpu":
         return False, f"{dev.type}: torch's own linear"
+    if os.environ.get("SPARROW_ONEDNN", "1").strip().lower() in _OFF:
+        return False, "SPARROW_ONEDNN is off: torch's own linear"
     record = cpu_costs(benchmark=benchmark)
     if record is None:
         return False, "no CPU measurement (benchmark disabled, nothing cached): torch's own linear"
