@@ -66,6 +66,7 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-plain-fp32": ({"drafter": "prompt-lookup", "dtype": "float32"}, True),
     "sparrow-plain-auto": ({"drafter": "prompt-lookup", "dtype": "auto"}, True),
     "sparrow-draft-model-draft-auto": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "auto"}, False),
+    "sparrow-fp32+draft-w8a8": ({"drafter": "draft-model", "dtype": "float32", "draft_quant": "w8a8"}, False),
     "sparrow-draft-model-draft-int4": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "int4"}, False),
     "sparrow-draft-model-draft-int4-vocab-auto": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "int4",
                                                    "draft_vocab": "auto"}, False),
@@ -646,6 +647,7 @@ def reference_config(config: str) -> str | None:
     if config.startswith("openvino-spec"):
         return "openvino-plain"
     return {"sparrow-draft-model-draft-auto": "sparrow-plain-auto",
+            "sparrow-fp32+draft-w8a8": "sparrow-plain-fp32",
             "sparrow-draft-model-draft-int4": "sparrow-plain-auto",
             "sparrow-draft-model-draft-int4-vocab-auto": "sparrow-plain-auto",
             "sparrow-int4-target+draft-int4": "sparrow-plain-int4",

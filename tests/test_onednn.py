@@ -103,6 +103,8 @@ def test_no_measurement_or_not_a_cpu_no_routing(measured, monkeypatch):
     assert route is False and "no CPU measurement" in reason
     monkeypatch.setenv("SPARROW_ONEDNN", "0")
     assert hardware.choose_onednn("cpu") == (False, "SPARROW_ONEDNN is off: torch's own linear")
+    hardware.clear_cache()
+    assert hardware.choose_dtype("cpu")[0] is torch.bfloat16  # then bf16 (14 ms) races torch's float32 (18 ms)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert hardware.choose_onednn("cuda") == (False, "cuda: torch's own linear")
 

@@ -179,10 +179,15 @@ def _onednn_speedup(costs: dict[str, dict[str, float]]) -> float:
     return sum(costs["float32"].values()) / sum(costs[ONEDNN].values()) if ONEDNN in costs else 0.0
 
 
+def _onednn_enabled() -> bool:
+    return os.environ.get("SPARROW_ONEDNN", "1").strip().lower() not in _OFF
+
+
 def _dense(costs: dict[str, dict[str, float]], name: str) -> dict[str, float]:
     """The costs of the path a dense `name` ("float32" / "bfloat16") model runs: float32 through oneDNN where
-    that measured faster (``load_model`` routes it there)."""
-    return costs[ONEDNN] if name == "float32" and _onednn_speedup(costs) >= MIN_ONEDNN_SPEEDUP else costs[name]
+    that measured faster (``load_model`` routes it there, unless SPARROW_ONEDNN=0)."""
+    faster = _onednn_enabled() and _onednn_speedup(costs) >= MIN_ONEDNN_SPEEDUP
+    return costs[ONEDNN] if name == "float32" and faster else costs[name]
 
 
 def _faster_dense(costs: dict[str, dict[str, float]]) -> float:
@@ -455,7 +460,7 @@ def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool |
     dev = resolve_device(device)
     if dev.type != "cpu":
         return False, f"{dev.type}: torch's own linear"
-    if os.environ.get("SPARROW_ONEDNN", "1").strip().lower() in _OFF:
+    if not _onednn_enabled():
         return False, "SPARROW_ONEDNN is off: torch's own linear"
     record = cpu_costs(benchmark=benchmark)
     if record is None:
