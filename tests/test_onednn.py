@@ -50,6 +50,19 @@ def test_training_and_other_dtypes_take_torchs_linear():
     assert onednn.route_linears(torch.nn.Linear(16, 8).to(torch.bfloat16)) == 0  # float32 only
 
 
+def test_a_compiled_graph_traces_torchs_linear(monkeypatch):
+    """Inductor lowers oneDNN's linear only for frozen weights ("weight must be a graph constant"), so under
+    torch.compile (--compile) a routed layer traces torch's own linear."""
+    layer = torch.nn.Linear(16, 8)
+    onednn.route_linears(layer)
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        monkeypatch.setattr(onednn, "linear", lambda *args: pytest.fail("oneDNN's linear inside a compiled graph"))
+        assert torch.equal(layer(x), expected)
+
+
 @pytest.mark.parametrize("verifier", ["greedy", "rejection"])
 def test_speculative_decoding_on_routed_models_equals_plain_decoding(verifier):
     tokenizer = tiny_tokenizer()

@@ -10,8 +10,9 @@ model's float32 CPU linear layers there; ``sparrow.hardware`` measures both path
 float32 rounding (~3e-7 relative), so it is the same float32 model; plain decoding and verification both run
 it, which keeps speculative decoding exactly lossless against it.
 
-Only float32 inference on the CPU takes the path: a layer moved to another device or dtype, or run with autograd
-recording (a weight or an input that requires grad under ``torch.enable_grad``), runs torch's own linear.
+Only eager float32 inference on the CPU takes the path: a layer moved to another device or dtype, run with
+autograd recording (a weight or an input that requires grad under ``torch.enable_grad``) or traced by
+``torch.compile`` (``--compile``: inductor generates its own code for the linear) runs torch's own linear.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def _forward(module: nn.Linear, x: Tensor) -> Tensor:
     weight = module.weight
     fast = x.device.type == weight.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-    if not fast or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return nn.Linear.forward(module, x)  # moved, cast or training since it was routed
+    if (not fast or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or torch.compiler.is_compiling()):  # inductor lowers this op only for frozen (constant) weights
+        return nn.Linear.forward(module, x)  # moved, cast, training or compiled since it was routed
     return linear(x, weight, module.bias)
 
 
