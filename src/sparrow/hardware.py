@@ -2,11 +2,12 @@
 
 * CPU: the instruction-set flags of ``/proc/cpuinfo`` (``avx512_bf16``, ``amx_bf16``, ``avx512_vnni``, ...),
   and a short micro-benchmark: one decoder MLP projection (a 1536 x 8960 weight, Qwen2.5-1.5B's) applied to
-  1 row (a plain decoding step) and to 8 rows (verifying a draft), in float32 and bfloat16, then with int8
-  and int4 weight-only weights and w8a8 (``sparrow.quantization``'s kernels) in the dtype picked, each kernel cycling
-  through copies of its weight worth twice the L3, so they stream from memory as a model's weights do. It
-  takes about 0.6 s on a 2-core CPU and is cached per machine in ``<cache>/hardware/`` (keyed by CPU model,
-  flags, threads and torch version), so it runs once (``sparrow doctor --refresh`` measures again).
+  1 row (a plain decoding step) and to 8 rows (verifying a draft), in float32 (torch's linear and oneDNN's,
+  ``sparrow.onednn``) and bfloat16, then with int8 and int4 weight-only weights and w8a8
+  (``sparrow.quantization``'s kernels) in the dtype picked, each kernel cycling through copies of its weight
+  worth twice the L3, so they stream from memory as a model's weights do. It takes about 0.6 s (3 s on an
+  AVX2-only CPU) on 2 cores and is cached per machine in ``<cache>/hardware/`` (keyed by CPU model, flags,
+  threads and torch version), so it runs once (``sparrow doctor --refresh`` measures again).
 * CUDA: the compute capability (native bfloat16 from 8.0, Ampere).
 
 ``choose_dtype(device)`` then picks:
@@ -26,9 +27,12 @@ default): the quantized format that ran one row fastest, when it beat the dense 
 among the formats measured in the draft's own compute dtype (weight-only kernels with float32 activations ran
 4-10x slower than with bfloat16 ones on an AVX2-only CPU).
 
+``choose_onednn(device)`` says whether a float32 model runs its linears through oneDNN (where that measured
+faster than torch's linear); float32's cost above is that of the path it runs.
+
 Nothing here assumes one machine: the same code picks bfloat16 on a CPU with ``avx512_bf16`` where bf16 is
-2-3x faster, float32 on an AVX-512/VNNI CPU without it where bf16 was no faster than float32, and bfloat16 on an
-AVX2-only CPU where it was.
+2-3x faster, float32 on an AVX-512/VNNI CPU without it where bf16 was no faster than float32, and float32
+through oneDNN on an AVX2-only AMD EPYC, where bf16 beat torch's float32 linear (MKL) but not oneDNN's.
 """
 
 from __future__ import annotations
@@ -198,7 +202,8 @@ def _faster_dense(costs: dict[str, dict[str, float]]) -> float:
 def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_SHAPE, *, quant: bool = True,
             working_set: int | None = None) -> dict[str, object]:
     """Milliseconds per ``x @ W.T`` with W of ``shape``, x of ``rows`` rows, on the CPU with torch's threads:
-    ``{"float32": {"1": ms, "8": ms}, "bfloat16": {...}, "int8": {...}, "int4": {...}, "w8a8": {...}}``. The
+    ``{"float32": {"1": ms, "8": ms}, "bfloat16": {...}, "float32_onednn": {...}, "int8": {...}, "int4": {...},
+    "w8a8": {...}}`` (float32_onednn where this torch has oneDNN's linear). The
     weight-only kernels compute in the dtype picked from the first two (as a quantized draft would), named by
     ``quant_activations``; w8a8 (int8 weights and per-token int8 activations, fbgemm) takes that dtype too."""
     from sparrow import onednn
