@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -82,22 +81,16 @@ def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Modul
     return other
 
 
-hardware_cache_path = hardware.cache_path  # the real one, for the tests of the measurement itself
-
-
 @pytest.fixture(scope="session", autouse=True)
 def no_machine_measurement(tmp_path_factory):
     """`--dtype auto` and `--draft-quant auto` from the CPU flags alone, as on a fresh machine with the benchmark
     off: no test reads or writes this machine's cached micro-benchmark, whose choice differs between machines
-    (one measured int4 drafts fastest, CI's w8a8, which a draft-equals-target test then sees as a weaker draft)."""
-    root = tmp_path_factory.mktemp("hardware-cache")
-
-    def cache_path(key: dict[str, object], cache_dir: Path | str | None = None) -> Path:
-        return hardware_cache_path(key, root if cache_dir is None else cache_dir)
-
+    (one measured int4 drafts fastest, CI's w8a8, which a draft-equals-target test then sees as a weaker draft;
+    a float32 model would run through oneDNN on one and not another). Environment variables, so subprocesses
+    (the CLI run as a program) inherit them."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPARROW_DTYPE_BENCHMARK", "0")
-        patch.setattr(hardware, "cache_path", cache_path)
+        patch.setenv("SPARROW_HARDWARE_CACHE", str(tmp_path_factory.mktemp("hardware-cache")))
         hardware.clear_cache()
         yield
     hardware.clear_cache()

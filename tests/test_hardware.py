@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import hardware_cache_path, tiny_model, tiny_tokenizer
+from conftest import tiny_model, tiny_tokenizer
 from sparrow import hardware
 from sparrow.cli import app
 from sparrow.errors import UserError
@@ -33,7 +33,7 @@ def isolated(tmp_path, monkeypatch):
     """A fresh cache directory, the benchmark enabled, no choice remembered from another test."""
     monkeypatch.setenv("SPARROW_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("SPARROW_DTYPE_BENCHMARK", raising=False)
-    monkeypatch.setattr(hardware, "cache_path", hardware_cache_path)  # conftest's no_machine_measurement undone
+    monkeypatch.delenv("SPARROW_HARDWARE_CACHE", raising=False)  # conftest's no_machine_measurement undone
     hardware.clear_cache()
     yield
     hardware.clear_cache()

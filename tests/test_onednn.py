@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import hardware_cache_path, perturbed, tiny_model, tiny_tokenizer
+from conftest import perturbed, tiny_model, tiny_tokenizer
 from sparrow import hardware, onednn
 from sparrow.cli import app
 from sparrow.drafters import build_drafter
@@ -81,6 +81,19 @@ def test_speculative_decoding_on_routed_models_equals_plain_decoding(verifier):
     assert accepted > 0
 
 
+def test_subprocesses_never_read_this_machines_measurement():
+    """conftest's private hardware cache is an environment variable, so a CLI run as a program (as several tests
+    do) finds no measurement either: no float32 model is routed and `auto` settles from the flags alone."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from sparrow import hardware; print(hardware.cache_path(hardware.cache_key(hardware.cpu_info()))); "
+            "print(hardware.choose_onednn('cpu')[1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0].startswith(os.environ["SPARROW_HARDWARE_CACHE"]) and "no CPU measurement" in out[1]
+
+
 ROUTE = {"float32": {"1": 4.0, "8": 14.0}, "bfloat16": {"1": 1.9, "8": 12.0}, hardware.ONEDNN: {"1": 2.3, "8": 6.0}}
 NO_GAIN = {**ROUTE, hardware.ONEDNN: {"1": 3.9, "8": 13.9}}
 
@@ -90,7 +103,7 @@ def measured(monkeypatch, tmp_path):
     """A fresh hardware cache and a mocked measurement (as tests/test_hardware.py does)."""
     monkeypatch.setenv("SPARROW_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("SPARROW_DTYPE_BENCHMARK", raising=False)
-    monkeypatch.setattr(hardware, "cache_path", hardware_cache_path)
+    monkeypatch.delenv("SPARROW_HARDWARE_CACHE", raising=False)
     hardware.clear_cache()
 
     def mock(costs: dict) -> None:

@@ -270,11 +270,17 @@ def cache_key(info: CpuInfo) -> dict[str, object]:
 
 
 def cache_path(key: dict[str, object], cache_dir: Path | str | None = None) -> Path:
+    """Where the measurement for ``key`` is cached: ``<cache_dir or sparrow's cache>/hardware/``, or with no
+    ``cache_dir`` the directory ``SPARROW_HARDWARE_CACHE`` names (the tests point it at a private one, which
+    subprocesses inherit)."""
     from sparrow.models.presets import default_cache_dir
 
+    name = f"cpu-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    override = os.environ.get("SPARROW_HARDWARE_CACHE", "").strip()
+    if cache_dir is None and override:
+        return Path(override).expanduser() / name
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return root / "hardware" / f"cpu-{digest}.json"
+    return root / "hardware" / name
 
 
 def _valid_costs(costs: object) -> bool:
