@@ -363,8 +363,10 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _costs_text(costs: dict[str, dict[str, float]], rows: str) -> str:
-    return f"{costs['bfloat16'][rows]:.2f} vs {_dense(costs, 'float32')[rows]:.2f} ms"
+def _versus(fast: dict[str, float], slow: dict[str, float]) -> str:
+    """'1 row: a vs b ms; 8 rows: c vs d ms' for two kernels' costs."""
+    return "; ".join(f"{n} row{'s' if n != '1' else ''}: {fast[n]:.2f} vs {slow[n]:.2f} ms"
+                     for n in map(str, BENCH_ROWS))
 
 
 def _choose_cpu(device: torch.device, benchmark: bool | None, cache_dir: Path | str | None) -> Choice:
@@ -377,8 +379,7 @@ def _choose_cpu(device: torch.device, benchmark: bool | None, cache_dir: Path | 
                       f"{has} (benchmark disabled): {'bfloat16' if info.bf16 else 'float32'}", device)
     costs = record["costs"]
     speedup = _faster_dense(costs)
-    rows = [str(n) for n in BENCH_ROWS]
-    detail = "; ".join(f"{n} row{'s' if n != '1' else ''}: {_costs_text(costs, n)}" for n in rows)
+    detail = _versus(costs["bfloat16"], _dense(costs, "float32"))
     if speedup >= MIN_BF16_SPEEDUP:
         return Choice(torch.bfloat16, f"{has}; bfloat16 measured {speedup:.2f}x faster than float32 ({detail}): "
                                       "bfloat16", device, record)
@@ -480,9 +481,7 @@ def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool |
     speedup = _onednn_speedup(costs)
     if not speedup:
         return False, "oneDNN's linear is not in this torch build: torch's own linear"
-    rows = [str(n) for n in BENCH_ROWS]
-    detail = "; ".join(f"{n} row{'s' if n != '1' else ''}: {costs[ONEDNN][n]:.2f} vs {costs['float32'][n]:.2f} ms"
-                       for n in rows)
+    detail = _versus(costs[ONEDNN], costs["float32"])
     if speedup >= MIN_ONEDNN_SPEEDUP:
         return True, f"oneDNN ran float32 {speedup:.2f}x faster than torch's linear ({detail}): oneDNN"
     return False, (f"oneDNN ran float32 only {speedup:.2f}x torch's linear's speed ({detail}; needs "
