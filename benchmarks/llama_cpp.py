@@ -67,6 +67,8 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-plain-auto": ({"drafter": "prompt-lookup", "dtype": "auto"}, True),
     "sparrow-draft-model-draft-auto": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "auto"}, False),
     "sparrow-fp32+draft-w8a8": ({"drafter": "draft-model", "dtype": "float32", "draft_quant": "w8a8"}, False),
+    "sparrow-auto-draft-auto": ({"drafter": "auto", "dtype": "auto", "draft_quant": "auto"}, False),
+    "sparrow-prompt-lookup-auto": ({"drafter": "prompt-lookup", "dtype": "auto"}, False),
     "sparrow-draft-model-draft-int4": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "int4"}, False),
     "sparrow-draft-model-draft-int4-vocab-auto": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "int4",
                                                    "draft_vocab": "auto"}, False),
@@ -333,7 +335,7 @@ def sparrow_pipeline(config: str, target: str, draft: str) -> Any:
     import sparrow
 
     options = SPARROW_CONFIGS[config][0]
-    draft_spec = draft if options["drafter"] == "draft-model" else None
+    draft_spec = draft if options["drafter"] in ("draft-model", "auto") else None
     return sparrow.load(target, draft=draft_spec, progress=False, **options)
 
 
@@ -648,6 +650,8 @@ def reference_config(config: str) -> str | None:
         return "openvino-plain"
     return {"sparrow-draft-model-draft-auto": "sparrow-plain-auto",
             "sparrow-fp32+draft-w8a8": "sparrow-plain-fp32",
+            "sparrow-auto-draft-auto": "sparrow-plain-auto",
+            "sparrow-prompt-lookup-auto": "sparrow-plain-auto",
             "sparrow-draft-model-draft-int4": "sparrow-plain-auto",
             "sparrow-draft-model-draft-int4-vocab-auto": "sparrow-plain-auto",
             "sparrow-int4-target+draft-int4": "sparrow-plain-int4",

@@ -54,15 +54,19 @@ class PromptLookupDrafter:
     name = "prompt-lookup"
 
     def __init__(self, num_draft_tokens: int = 16, min_n: int = 1, max_n: int = 3, adaptive: bool = False,
-                 tree: TreeShape | None = None) -> None:
+                 tree: TreeShape | None = None, backoff: bool | None = None) -> None:
         """adaptive: the round cap grows after fully accepted drafts and shrinks after rejections, so
         long copies get long drafts while spurious matches (code, free text) stop costing verify width.
+        backoff (default: adaptive): draft nothing while the measured rounds say drafting does not pay. A lookup
+        costs next to nothing, but every drafted token widens the target's forward, and where that is not free
+        (float32 on an AVX2 CPU: a 2-token forward cost ~2x a 1-token one) spurious one-token matches that the
+        target rejects made decoding slower than plain (0.76x on a code prompt); see `LengthPolicy`.
         tree: merge the continuations of up to `tree.topk` different matches into one trie: the best match
         keeps the chain's length (the round cap), the others at most `tree.depth` tokens; at most
         `tree.budget` nodes beyond the best match's, and never more than `propose`'s `max_tokens`."""
         if min_n < 1 or max_n < min_n:
             raise UserError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive)  # nearly free to draft: no back-off
+        self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive if backoff is None else backoff)
         self.min_n, self.max_n = min_n, max_n
         self.tree = tree
         self._first = 0  # length of the best match's continuation in the last draft
@@ -95,8 +99,8 @@ class PromptLookupDrafter:
 
 
 def build(target, draft: None, num_draft_tokens: int, adaptive: bool, tree_budget: int | str = 0, tree_topk: int = 4,
-          tree_depth: int = 8) -> PromptLookupDrafter:
+          tree_depth: int = 8, backoff: bool | None = None) -> PromptLookupDrafter:
     """Registry builder for "prompt-lookup"; `tree_budget` > 0 merges several matches into a trie ("auto": sized
     from the target's measured verify cost curve)."""
     tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model))
-    return PromptLookupDrafter(num_draft_tokens=num_draft_tokens, adaptive=adaptive, tree=tree)
+    return PromptLookupDrafter(num_draft_tokens=num_draft_tokens, adaptive=adaptive, tree=tree, backoff=backoff)
