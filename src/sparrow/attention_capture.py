@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from sparrow.decode_attention import SDPA, attend
 from sparrow.errors import UserError
 
 IMPLEMENTATION = "sparrow_capture"
@@ -50,7 +50,7 @@ def _capture_attention(module: torch.nn.Module, query: Tensor, key: Tensor, valu
         for capture in list(_ACTIVE):
             if id(module) in capture.module_ids:
                 capture.observe(module, query, key, value, kwargs.get("scaling"))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return attend(module, query, key, value, attention_mask, **kwargs)
 
 
 def register() -> None:
@@ -78,7 +78,7 @@ def check_capturable(model: torch.nn.Module) -> None:
     """ValueError unless the decoder's attention runs through sdpa (or already through the capture wrapper)."""
     for config in attention_configs(model):
         implementation = config._attn_implementation
-        if implementation not in ("sdpa", IMPLEMENTATION):
+        if implementation not in (*SDPA, IMPLEMENTATION):
             raise UserError(f"query capture needs a model with attn_implementation='sdpa', got {implementation!r} "
                              "(load it with attn_implementation='sdpa')")
 

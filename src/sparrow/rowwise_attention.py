@@ -5,8 +5,9 @@ block a multi-row query differently from a single row, so the results differ in 
 models that only flips exact near-ties; a model that quantizes its activations (w8a8) turns a last-bit
 difference into a different int8 value now and then, which moves the logits visibly (measured on
 qwen2.5-coder-1.5b: ~1 logit after a few tokens). `rowwise_sdpa` therefore runs a forward of at most
-`MAX_ROWS` query rows one row at a time, each row through transformers' own sdpa path with exactly the
-keys it may see and no mask: the same call, with the same tensors, as the one-token step at that position.
+`MAX_ROWS` query rows one row at a time, each row through `sparrow.decode_attention.attend` (transformers'
+sdpa, a single row packed by KV head) with exactly the keys it may see and no mask: the same call, with the same
+tensors, as the one-token step at that position.
 Longer forwards (the prompt's prefill, the same in plain and speculative decoding) take the batched path.
 
 Registered as the attention implementation "sparrow_rowwise" (transformers' AttentionInterface, with sdpa's
@@ -18,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from sparrow.decode_attention import SDPA, attend
 
 NAME = "sparrow_rowwise"
 MAX_ROWS = 64  # verify chains and trees; a longer forward is a prefill
@@ -38,7 +40,7 @@ def rowwise_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     """query [b, heads, q, d], key / value [b, kv_heads, kv, d] -> ([b, q, heads, d], None), as sdpa."""
     q, kv = query.shape[2], key.shape[2]
     if q > MAX_ROWS or query.shape[0] != 1:  # a prefill, or several sequences (not claimed invariant)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return attend(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
     rows = []
     for row in range(q):
@@ -49,7 +51,7 @@ def rowwise_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
             prefix = seen.numel() > 0 and int(seen[-1]) == seen.numel() - 1  # keys 0..n-1: a view, as a step
             keys = key[:, :, : seen.numel()] if prefix else key.index_select(2, seen)
             values = value[:, :, : seen.numel()] if prefix else value.index_select(2, seen)
-        out, _ = sdpa_attention_forward(module, query[:, :, row : row + 1], keys, values, None, is_causal=False,
+        out, _ = attend(module, query[:, :, row : row + 1], keys, values, None, is_causal=False,
                                         **kwargs)
         rows.append(out)  # [b, 1, heads, d]
     return torch.cat(rows, dim=1), None
@@ -62,7 +64,7 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 def use_rowwise(model: nn.Module) -> bool:
     """Switch `model` (a transformers model whose config says sdpa) to row-wise attention; False if it is not sdpa."""
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+    if config is None or getattr(config, "_attn_implementation", None) not in SDPA:
         return False
     config._attn_implementation = NAME
     return True

@@ -375,9 +375,11 @@ def load_model(
         model = model.to(dev).eval()  # already there when loaded in place (see _placement): a no-op
         processor = tokenizer if isinstance(tokenizer, ProcessorMixin) else None  # a VLM (see _from_dir)
         tokenizer = processor.tokenizer if processor is not None else tokenizer
+        from sparrow import decode_attention
         from sparrow.hardware import choose_onednn
         from sparrow.onednn import route_linears
 
+        decode_attention.use(model)  # one-row decoding steps without torch's slow single-row CPU kernel
         kernel = ""
         if torch_dtype == torch.float32 and choose_onednn(dev)[0]:  # a CPU that measured oneDNN faster
             kernel = f", {route_linears(model)} linears through oneDNN"

@@ -1,0 +1,112 @@
+"""Decoding-step attention (`sparrow.decode_attention`): one query row packed by KV head gives transformers' sdpa
+result; everything else goes to sdpa; a switched model decodes as before, speculative output equals plain."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from conftest import tiny_gemma3, tiny_model
+from sparrow import attention_capture, decode_attention
+from sparrow.drafters import build_drafter
+from sparrow.models import LoadedModel
+from sparrow.pipeline import Pipeline
+from sparrow.rowwise_attention import use_rowwise
+
+
+class Attention(torch.nn.Module):
+    """What transformers' attention functions read from the calling module."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups, self.is_causal, self.training = groups, True, False
+
+
+def qkv(q: int, n: int, dtype: torch.dtype, heads: int = 12, kv_heads: int = 2, dim: int = 32):
+    g = torch.Generator().manual_seed(q * 1000 + n)
+    return (torch.randn(1, heads, q, dim, generator=g).to(dtype), torch.randn(1, kv_heads, n, dim, generator=g).to(dtype),
+            torch.randn(1, kv_heads, n, dim, generator=g).to(dtype))
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    monkeypatch.setattr(decode_attention, "sdpa_attention_forward", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_one_query_row_packed_by_kv_head_equals_sdpa(dtype, n, sdpa_calls):
+    module = Attention(groups=6)
+    query, key, value = qkv(1, n, dtype)
+    got, _ = decode_attention.attend(module, query, key, value, None, scaling=0.2, dropout=0.0)
+    assert sdpa_calls == []  # the packed path ran
+    want, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.2, dropout=0.0)
+    assert got.shape == want.shape == (1, 1, 12, 32) and got.dtype == dtype
+    tolerance = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_everything_else_goes_to_sdpa(sdpa_calls):
+    query, key, value = qkv(1, 9, torch.float32)
+    mask = torch.ones(1, 1, 1, 9, dtype=torch.bool)
+    cases = [(Attention(6), qkv(3, 9, torch.float32), None, {}),  # several rows (a verify)
+             (Attention(6), (query, key, value), mask, {}),  # a mask
+             (Attention(6), (query, key, value), None, {"dropout": 0.1}),  # training
+             (Attention(6), (query, key, value), None, {"position_bias": torch.zeros(1, 1, 1, 9)}),
+             (Attention(1), qkv(1, 9, torch.float32, kv_heads=12), None, {})]  # no grouped heads
+    for module, (q, k, v), attention_mask, kwargs in cases:
+        before = len(sdpa_calls)
+        if kwargs.get("dropout"):
+            torch.manual_seed(0)  # sdpa's dropout draws from the global generator: this test's only use
+        decode_attention.attend(module, q, k, v, attention_mask, **kwargs)
+        assert len(sdpa_calls) == before + 1
+
+
+def fresh_pair(tokenizer, arch: str) -> tuple[LoadedModel, LoadedModel]:
+    """The same tiny model twice: as loaded (sdpa) and switched."""
+    plain, switched = tiny_model(arch, seed=3), tiny_model(arch, seed=3)
+    assert decode_attention.use(switched) == 1 and decode_attention.use(switched) == 0  # once
+    assert switched.config._attn_implementation == decode_attention.NAME
+    return LoadedModel(plain, tokenizer, "sdpa"), LoadedModel(switched, tokenizer, "switched")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_switched_model_decodes_as_before_and_speculates_losslessly(tokenizer, arch, sdpa_calls):
+    plain, switched = fresh_pair(tokenizer, arch)
+    prompt = "the cat sat on the mat and the cat sat on the"
+    want = Pipeline(plain, None).generate_plain(prompt, max_new_tokens=24).token_ids
+    calls, layers = len(sdpa_calls), switched.model.config.num_hidden_layers
+    assert Pipeline(switched, None).generate_plain(prompt, max_new_tokens=24).token_ids == want
+    assert len(sdpa_calls) == calls + layers  # sdpa ran the prefill; the 23 decoding steps took the packed path
+    pipe = Pipeline(switched, build_drafter("prompt-lookup", switched, None, 4))
+    result = pipe.generate(prompt, max_new_tokens=24)
+    assert result.token_ids == want and result.stats.num_accepted_tokens > 0
+    assert len(sdpa_calls) > calls + 2 * layers  # verifies of several rows went to sdpa
+
+
+def test_rowwise_and_query_capture_accept_a_switched_model(tokenizer):
+    _, switched = fresh_pair(tokenizer, "qwen2")
+    attention_capture.check_capturable(switched.model)  # no error
+    with attention_capture.QueryCapture(switched.model, window=4):
+        assert switched.model.config._attn_implementation == attention_capture.IMPLEMENTATION
+    assert switched.model.config._attn_implementation == decode_attention.NAME  # restored
+    assert use_rowwise(switched.model)
+
+
+def test_sliding_window_layers_keep_their_masks(tokenizer):
+    """Gemma-3's sliding layers mask old keys once the cache outgrows the window: those steps go to sdpa with the
+    mask, and the output stays the model's own."""
+    plain, switched = tiny_gemma3(seed=1), tiny_gemma3(seed=1)
+    decode_attention.use(switched)
+    prompt = "a b c d e f g h i j k l m n o p"
+    want = Pipeline(LoadedModel(plain, tokenizer, "p"), None).generate_plain(prompt, max_new_tokens=20).token_ids
+    got = Pipeline(LoadedModel(switched, tokenizer, "s"), None).generate_plain(prompt, max_new_tokens=20).token_ids
+    assert got == want
