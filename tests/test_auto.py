@@ -21,7 +21,7 @@ from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
-from sparrow.policy import DecayedLine
+from sparrow.policy import DecayedLine, follow_cost_curve
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "for i in range(10):"]
 REPETITIVE = "Paris is the capital of France. Berlin is the capital of Germany. Paris is the capital of"
@@ -159,6 +159,18 @@ def test_builds_from_the_registry_with_and_without_a_draft_model(loaded_target, 
     plain = pipe.generate_plain(PROMPTS[0], max_new_tokens=30).token_ids
     assert pipe.generate(PROMPTS[0], max_new_tokens=30).token_ids == plain
     assert len(pipe.drafter.choices) == len(pipe.drafter.rounds) > 0
+
+
+def test_a_quantized_draft_inside_auto_follows_the_cost_curve_as_it_does_alone(loaded_target, drafts):
+    """With a quantized kernel the pipeline switches draft-model's policy to the measured cost curve; inside auto
+    its draft-model candidate gets the same (it drafted 5.8 tokens a round on code where alone it drafted 7.1)."""
+    auto = build_drafter("auto", loaded_target, drafts["close"], num_draft_tokens=4, adaptive=True)
+    follow_cost_curve(auto, CachedModel(loaded_target.model))
+    assert auto.candidates["draft-model"].length.curve is not None
+    assert auto.candidates["prompt-lookup"].length.curve is None  # no draft model: its own rule
+    pipe = Pipeline(loaded_target, auto)
+    plain = pipe.generate_plain(PROMPTS[0], max_new_tokens=30).token_ids
+    assert pipe.generate(PROMPTS[0], max_new_tokens=30).token_ids == plain
 
 
 def test_layer_skip_candidate_shares_the_target_cache_and_output_equals_plain(clock, loaded_target):

@@ -305,7 +305,10 @@ class LengthPolicy:
 
 def follow_cost_curve(drafter: object, target: CachedModel) -> None:
     """Switch an adaptive draft-model drafter's policy to the cost-aware mode, measured now (k stays the
-    maximum). No-op for fixed lengths, drafters without a draft model, and drafters already set up."""
+    maximum); for `auto`, each of its candidates with a draft model. No-op for fixed lengths, drafters without a
+    draft model, and drafters already set up."""
+    for candidate in getattr(drafter, "candidates", {}).values():  # auto: the same draft model, the same rule
+        follow_cost_curve(candidate, target)
     policy, draft = getattr(drafter, "length", None), getattr(drafter, "draft", None)
     if isinstance(policy, LengthPolicy) and policy.adaptive and policy.curve is None and isinstance(draft, CachedModel):
         policy.follow(measure_cost_curve(target, policy.max_tokens, draft))
