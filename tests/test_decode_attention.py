@@ -9,10 +9,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from conftest import tiny_gemma3, tiny_model
 from sparrow import attention_capture, decode_attention
+from sparrow.cached_model import CachedModel
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 from sparrow.rowwise_attention import use_rowwise
+from sparrow.types import Prompt
 
 
 class Attention(torch.nn.Module):
@@ -92,12 +94,30 @@ def test_a_switched_model_decodes_as_before_and_speculates_losslessly(tokenizer,
     assert len(sdpa_calls) > calls + 2 * layers  # verifies of several rows went to sdpa
 
 
-def test_rowwise_and_query_capture_accept_a_switched_model(tokenizer):
-    _, switched = fresh_pair(tokenizer, "qwen2")
-    attention_capture.check_capturable(switched.model)  # no error
-    with attention_capture.QueryCapture(switched.model, window=4):
+def decode_logits(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    cm = CachedModel(model)
+    logits = [cm.prefill(Prompt(ids)).logits[-1]]
+    for _ in range(4):  # one-token steps: the packed path
+        logits.append(cm.forward(logits[-1].argmax().view(1)).logits[-1])
+    return logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_query_capture_on_a_switched_model_is_bit_identical_to_it(tokenizer, arch):
+    """The capture wrapper calls what it replaced: the packed path on a switched model, sdpa on an unswitched one
+    (the two may differ in the last bits at some shapes)."""
+    _, switched = fresh_pair(tokenizer, arch)
+    ids = torch.tensor(tokenizer("the cat sat on the mat and the dog sat on the log")["input_ids"])
+    want = decode_logits(switched.model, ids)
+    with attention_capture.QueryCapture(switched.model, window=4) as capture:
         assert switched.model.config._attn_implementation == attention_capture.IMPLEMENTATION
+        got = decode_logits(switched.model, ids)
+    assert capture.layers and all(torch.equal(a, b) for a, b in zip(want, got))
     assert switched.model.config._attn_implementation == decode_attention.NAME  # restored
+
+
+def test_rowwise_accepts_a_switched_model(tokenizer):
+    _, switched = fresh_pair(tokenizer, "qwen2")
     assert use_rowwise(switched.model)
 
 

@@ -1,9 +1,9 @@
 """Record the post-RoPE queries a model's prefill computes, without changing its numerics.
 
-A running `QueryCapture` routes the attention of its model's decoder layers from transformers' "sdpa" to
-"sparrow_capture" (registered with `transformers.AttentionInterface`, and its mask with the sdpa mask
-function): it calls the very same sdpa function with the very same arguments, so outputs are
-bit-identical. Every forward that starts from an empty cache (query length == key length: a prefill)
+A running `QueryCapture` routes the attention of its model's decoder layers from transformers' "sdpa" (or
+sparrow's "sparrow_sdpa", `sparrow.decode_attention`) to "sparrow_capture" (registered with
+`transformers.AttentionInterface`, and its mask with the sdpa mask function): it calls the very function the
+layer's config named before, with the very same arguments, so outputs are bit-identical. Every forward that starts from an empty cache (query length == key length: a prefill)
 also stores, per layer, a copy of the queries of its last `window` positions and the attention scale.
 Scores are then computed from these queries against the keys in the cache (see
 drafters/kv_selection.py); nothing is re-run through the model.
@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-from sparrow.decode_attention import SDPA, attend
+from sparrow.decode_attention import NAME, SDPA, attend
 from sparrow.errors import UserError
 
 IMPLEMENTATION = "sparrow_capture"
@@ -50,7 +51,9 @@ def _capture_attention(module: torch.nn.Module, query: Tensor, key: Tensor, valu
         for capture in list(_ACTIVE):
             if id(module) in capture.module_ids:
                 capture.observe(module, query, key, value, kwargs.get("scaling"))
-    return attend(module, query, key, value, attention_mask, **kwargs)
+    switched = _SWITCHED.get(id(getattr(module, "config", None)))
+    forward = attend if switched is not None and switched[1] == NAME else sdpa_attention_forward  # what it replaced
+    return forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def register() -> None:

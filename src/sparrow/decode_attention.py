@@ -8,7 +8,8 @@ AVX2-only AMD EPYC (torch 2.14.1, 2 threads; Qwen2.5-1.5B's 12 query and 2 KV he
 computes the same thing the way transformers itself does when a mask is present (``pack_gqa``): the query heads
 that share a KV head become rows of that head, [b, heads, 1, d] -> [b, kv_heads, heads / kv_heads, d], each
 attending to every cached key (a decoding step's query may see the whole cache: no mask). There: 0.11 / 0.31 /
-2.3 ms in float32 and 0.15 / 0.44 / 1.7 ms in bfloat16, outputs equal to the unpacked call's bit for bit.
+2.3 ms in float32 and 0.15 / 0.44 / 1.7 ms in bfloat16, outputs equal to the unpacked call's bit for bit (at
+other shapes, a tiny test model's, they can differ in the last bits: the same sums, blocked differently).
 
 Anything else (several query rows, a mask, no grouped heads, dropout, position biases, paged caches,
 torch.compile, devices other than the CPU) goes to transformers' sdpa unchanged. Registered as the attention
