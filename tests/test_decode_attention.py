@@ -65,9 +65,7 @@ def test_everything_else_goes_to_sdpa(sdpa_calls):
              (Attention(6), (query, key, value), None, {"position_bias": torch.zeros(1, 1, 1, 9)}),
              (Attention(1), qkv(1, 9, torch.float32, kv_heads=12), None, {})]  # no grouped heads
     for module, (q, k, v), attention_mask, kwargs in cases:
-        before = len(sdpa_calls)
-        if kwargs.get("dropout"):
-            torch.manual_seed(0)  # sdpa's dropout draws from the global generator: this test's only use
+        before = len(sdpa_calls)  # (the dropout case's output is random: only where it went is checked)
         decode_attention.attend(module, q, k, v, attention_mask, **kwargs)
         assert len(sdpa_calls) == before + 1
 

@@ -3,10 +3,10 @@
 A running `QueryCapture` routes the attention of its model's decoder layers from transformers' "sdpa" (or
 sparrow's "sparrow_sdpa", `sparrow.decode_attention`) to "sparrow_capture" (registered with
 `transformers.AttentionInterface`, and its mask with the sdpa mask function): it calls the very function the
-layer's config named before, with the very same arguments, so outputs are bit-identical. Every forward that starts from an empty cache (query length == key length: a prefill)
-also stores, per layer, a copy of the queries of its last `window` positions and the attention scale.
-Scores are then computed from these queries against the keys in the cache (see
-drafters/kv_selection.py); nothing is re-run through the model.
+layer's config named before, with the very same arguments, so outputs are bit-identical. Every forward that
+starts from an empty cache (query length == key length: a prefill) also stores, per layer, a copy of the
+queries of its last `window` positions and the attention scale. Scores are then computed from these queries
+against the keys in the cache (see drafters/kv_selection.py); nothing is re-run through the model.
 
 A capture runs only inside `with capture:` (or between `start()` and `stop()`). Starting switches the
 attention config(s) of the decoder layers, and nothing else (a VLM's vision tower keeps its own

@@ -14,8 +14,9 @@ other shapes, a tiny test model's, they can differ in the last bits: the same su
 Anything else (several query rows, a mask, no grouped heads, dropout, position biases, paged caches,
 torch.compile, devices other than the CPU) goes to transformers' sdpa unchanged. Registered as the attention
 implementation "sparrow_sdpa" (with sdpa's masks); ``use(model)`` switches a model's decoder from "sdpa" to it
-(``load_model`` does for every model it loads). Row-wise attention (``sparrow.rowwise_attention``) and query
-capture (``sparrow.attention_capture``) attend through ``attend`` as well, so switching between them keeps it.
+(``load_model`` does for every model it loads). Row-wise attention (``sparrow.rowwise_attention``) attends
+through ``attend`` as well, so its one-token steps and verify rows stay the same call; query capture
+(``sparrow.attention_capture``) calls whichever of the two the model had.
 """
 
 from __future__ import annotations

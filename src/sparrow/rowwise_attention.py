@@ -51,8 +51,7 @@ def rowwise_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
             prefix = seen.numel() > 0 and int(seen[-1]) == seen.numel() - 1  # keys 0..n-1: a view, as a step
             keys = key[:, :, : seen.numel()] if prefix else key.index_select(2, seen)
             values = value[:, :, : seen.numel()] if prefix else value.index_select(2, seen)
-        out, _ = attend(module, query[:, :, row : row + 1], keys, values, None, is_causal=False,
-                                        **kwargs)
+        out, _ = attend(module, query[:, :, row : row + 1], keys, values, None, is_causal=False, **kwargs)
         rows.append(out)  # [b, 1, heads, d]
     return torch.cat(rows, dim=1), None
 
