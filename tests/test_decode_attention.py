@@ -1,5 +1,6 @@
-"""Decoding-step attention (`sparrow.decode_attention`): one query row packed by KV head gives transformers' sdpa
-result; everything else goes to sdpa; a switched model decodes as before, speculative output equals plain."""
+"""Decoding-step attention (`sparrow.decode_attention`): one query row, or several under one mask, packed by KV
+head gives transformers' sdpa result; everything else goes to sdpa; a switched model decodes as before, and its
+speculative output equals plain."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from conftest import tiny_gemma3, tiny_model
+from conftest import perturbed, tiny_gemma3, tiny_model
 from sparrow import attention_capture, decode_attention
 from sparrow.cached_model import CachedModel
 from sparrow.drafters import build_drafter
@@ -56,11 +57,38 @@ def test_one_query_row_packed_by_kv_head_equals_sdpa(dtype, n, sdpa_calls):
     torch.testing.assert_close(got, want, **tolerance)
 
 
+def masks(rows: int, n: int) -> dict[str, torch.Tensor]:
+    """sdpa-format masks [1, 1, rows, n] for `rows` new query rows after n - rows cached keys."""
+    past = n - rows
+    causal = torch.arange(n)[None, :] <= (past + torch.arange(rows))[:, None]
+    tree = causal.clone()
+    tree[2:, past] = False  # rows 2.. are a second branch: they do not see the first draft node
+    additive = torch.zeros(rows, n).masked_fill(~causal, float("-inf"))
+    return {name: m.view(1, 1, rows, n) for name, m in (("causal", causal), ("tree", tree), ("additive", additive))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["causal", "tree", "additive"])
+def test_masked_rows_packed_by_kv_head_equal_sdpa(dtype, kind, sdpa_calls):
+    """A verify forward: several rows, one mask for every head (causal over the cache, or a draft tree's)."""
+    module = Attention(groups=6)
+    query, key, value = qkv(5, 40, dtype)
+    mask = masks(5, 40)[kind].to(dtype) if kind == "additive" else masks(5, 40)[kind]
+    got, _ = decode_attention.attend(module, query, key, value, mask, scaling=0.2, dropout=0.0)
+    assert sdpa_calls == []
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.2, dropout=0.0)
+    assert got.shape == want.shape == (1, 5, 12, 32)
+    tolerance = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, want, **tolerance)
+
+
 def test_everything_else_goes_to_sdpa(sdpa_calls):
     query, key, value = qkv(1, 9, torch.float32)
     mask = torch.ones(1, 1, 1, 9, dtype=torch.bool)
-    cases = [(Attention(6), qkv(3, 9, torch.float32), None, {}),  # several rows (a verify)
-             (Attention(6), (query, key, value), mask, {}),  # a mask
+    cases = [
+             (Attention(6), (query, key, value), mask, {}),  # one row with a mask (a sliding window's)
+             (Attention(6), qkv(3, 3, torch.float32), None, {"is_causal": True}),  # a prefill: causal, no mask
+             (Attention(6), qkv(3, 9, torch.float32), masks(3, 9)["causal"].expand(1, 12, 3, 9), {}),  # per head
              (Attention(6), (query, key, value), None, {"dropout": 0.1}),  # training
              (Attention(6), (query, key, value), None, {"position_bias": torch.zeros(1, 1, 1, 9)}),
              (Attention(1), qkv(1, 9, torch.float32, kv_heads=12), None, {})]  # no grouped heads
@@ -89,7 +117,12 @@ def test_a_switched_model_decodes_as_before_and_speculates_losslessly(tokenizer,
     pipe = Pipeline(switched, build_drafter("prompt-lookup", switched, None, 4))
     result = pipe.generate(prompt, max_new_tokens=24)
     assert result.token_ids == want and result.stats.num_accepted_tokens > 0
-    assert len(sdpa_calls) > calls + 2 * layers  # verifies of several rows went to sdpa
+    assert len(sdpa_calls) == calls + 2 * layers  # only the prefills went to sdpa: verifies (masked) were packed
+    close = LoadedModel(perturbed(switched.model, 0.05, seed=1), tokenizer, "close")  # a draft that branches
+    tree = Pipeline(switched, build_drafter("draft-model", switched, close, 6, tree_budget=12, tree_topk=3,
+                                            tree_depth=5))
+    result = tree.generate(prompt, max_new_tokens=24)  # tree verifies: one mask for every head, packed
+    assert result.token_ids == want and result.stats.num_accepted_tokens > 0 and result.stats.tree_steps > 0
 
 
 def decode_logits(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Attention for a decoding step: one query row per head, without torch's slow single-row CPU kernel.
+"""Attention for decoding steps and verify forwards: query heads packed as rows of their KV head.
 
 A decoding step (plain decoding, a draft model's step) attends one query row per head over the whole cache.
 For a grouped-query model transformers asks torch's sdpa for that with ``enable_gqa`` (query [b, heads, 1, d],
@@ -8,15 +8,21 @@ AVX2-only AMD EPYC (torch 2.14.1, 2 threads; Qwen2.5-1.5B's 12 query and 2 KV he
 computes the same thing the way transformers itself does when a mask is present (``pack_gqa``): the query heads
 that share a KV head become rows of that head, [b, heads, 1, d] -> [b, kv_heads, heads / kv_heads, d], each
 attending to every cached key (a decoding step's query may see the whole cache: no mask). There: 0.11 / 0.31 /
-2.3 ms in float32 and 0.15 / 0.44 / 1.7 ms in bfloat16, outputs equal to the unpacked call's bit for bit (at
-other shapes, a tiny test model's, they can differ in the last bits: the same sums, blocked differently).
+2.3 ms in float32 and 0.15 / 0.44 / 1.7 ms in bfloat16.
 
-Anything else (several query rows, a mask, no grouped heads, dropout, position biases, paged caches,
-torch.compile, devices other than the CPU) goes to transformers' sdpa unchanged. Registered as the attention
-implementation "sparrow_sdpa" (with sdpa's masks); ``use(model)`` switches a model's decoder from "sdpa" to it
-(``load_model`` does for every model it loads). Row-wise attention (``sparrow.rowwise_attention``) attends
-through ``attend`` as well, so its one-token steps and verify rows stay the same call; query capture
-(``sparrow.attention_capture``) calls whichever of the two the model had.
+A verify forward (q drafted rows after the cache) comes with a mask, causal over the cache or a draft tree's,
+one for every head; transformers then copies the keys and values once per query head (``repeat_kv``) before
+calling sdpa. ``attend`` packs those rows too, [b, heads, q, d] -> [b, kv_heads, groups * q, d], each packed row
+keeping its query row's mask, and reads the cache as it is (measured in the README's CPU section).
+
+Outputs equal sdpa's up to rounding: bit for bit at the 1.5B's shapes above, but at other shapes (a tiny test
+model's) the last bits can differ (the same sums, blocked differently). Anything else (a prefill, a mask per head,
+no grouped heads, dropout, position biases, paged caches, torch.compile, devices other than the CPU) goes to
+transformers' sdpa unchanged. Registered as the attention implementation "sparrow_sdpa" (with sdpa's masks);
+``use(model)`` switches a model's decoder from "sdpa" to it (``load_model`` does for every model it loads).
+Row-wise attention (``sparrow.rowwise_attention``) attends through ``attend`` as well, so its one-token steps
+and verify rows stay the same call; query capture (``sparrow.attention_capture``) calls whichever of the two the
+model had.
 """
 
 from __future__ import annotations
@@ -33,9 +39,17 @@ SDPA = ("sdpa", NAME)  # implementations that compute transformers' sdpa attenti
 
 
 def _packable(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Tensor | None, kwargs: dict) -> bool:
+    """Grouped heads, on the CPU, in inference, and either one row without a mask (a decoding step) or several
+    rows with one mask for all heads (a verify: causal over the cache, or a draft tree's)."""
     groups = getattr(module, "num_key_value_groups", 1)
-    return (query.shape[2] == 1 and attention_mask is None and isinstance(groups, int) and groups > 1
-            and key.shape[1] * groups == query.shape[1] and query.device.type == "cpu"
+    rows = query.shape[2]
+    if attention_mask is None:
+        masked = rows == 1  # several rows without a mask: a prefill, causal by `is_causal`
+    else:
+        masked = (rows > 1 and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+                  and attention_mask.shape[2] in (1, rows) and attention_mask.shape[0] in (1, query.shape[0]))
+    return (masked and isinstance(groups, int) and groups > 1 and key.shape[1] * groups == query.shape[1]
+            and query.device.type == "cpu"
             and not kwargs.get("dropout") and kwargs.get("position_bias") is None and kwargs.get("cache") is None
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
             and not kwargs.get("output_attentions", False) and not torch.compiler.is_compiling())
@@ -43,13 +57,19 @@ def _packable(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Ten
 
 def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
            **kwargs) -> tuple[Tensor, None]:
-    """query [b, heads, q, d], key / value [b, kv_heads, n, d] -> ([b, q, heads, d], None), as transformers' sdpa."""
+    """query [b, heads, q, d], key / value [b, kv_heads, n, d], attention_mask None or [b | 1, 1, q | 1, n] (bool:
+    True = attend, or additive) -> ([b, q, heads, d], None), as transformers' sdpa."""
     if not _packable(module, query, key, attention_mask, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    batch, heads, _, dim = query.shape
-    packed = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)  # query head h = kv head h // groups
-    out = F.scaled_dot_product_attention(packed, key, value, scale=kwargs.get("scaling"))  # [b, kv_heads, groups, d]
-    return out.reshape(batch, 1, heads, dim), None
+    batch, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    packed = query.reshape(batch, kv_heads, groups * rows, dim)  # row g * q + i: query head kv * groups + g, row i
+    mask = None
+    if attention_mask is not None:  # each packed row keeps its query row's mask
+        mask = attention_mask.expand(-1, 1, rows, -1).repeat(1, 1, groups, 1)  # [b | 1, 1, groups * q, n]
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=kwargs.get("scaling"))
+    return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
 
 
 def use(model: nn.Module) -> int:
