@@ -85,8 +85,7 @@ def test_masked_rows_packed_by_kv_head_equal_sdpa(dtype, kind, sdpa_calls):
 def test_everything_else_goes_to_sdpa(sdpa_calls):
     query, key, value = qkv(1, 9, torch.float32)
     mask = torch.ones(1, 1, 1, 9, dtype=torch.bool)
-    cases = [
-             (Attention(6), (query, key, value), mask, {}),  # one row with a mask (a sliding window's)
+    cases = [(Attention(6), (query, key, value), mask, {}),  # one row with a mask (a sliding window's)
              (Attention(6), qkv(3, 3, torch.float32), None, {"is_causal": True}),  # a prefill: causal, no mask
              (Attention(6), qkv(3, 9, torch.float32), masks(3, 9)["causal"].expand(1, 12, 3, 9), {}),  # per head
              (Attention(6), (query, key, value), None, {"dropout": 0.1}),  # training
