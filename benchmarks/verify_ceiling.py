@@ -25,7 +25,7 @@ from sparrow import hardware
 from sparrow.cached_model import CachedModel
 from sparrow.models import load_model
 from sparrow.onednn import routed
-from sparrow.policy import measure_cost_curve
+from sparrow.policy import measure_cost_curve, measured_lengths
 
 
 def measure(target: str, dtype: str, max_tokens: int, context: int, repeats: int) -> list[dict]:
@@ -33,7 +33,7 @@ def measure(target: str, dtype: str, max_tokens: int, context: int, repeats: int
     model = loaded.model
     curve = measure_cost_curve(CachedModel(model), max_tokens, None, context_tokens=context, repeats=repeats)
     info = hardware.cpu_info()
-    points = sorted({1, max_tokens + 1, *(2 ** i for i in range(1, max_tokens.bit_length()))})  # the measured n
+    points = measured_lengths(max_tokens)  # the measured n; the curve interpolates the others
     base = curve.verify_seconds[0]
     common = {"target": target, "dtype": str(model.dtype).removeprefix("torch."),
               "float32_onednn": any(map(routed, model.modules())), "device": str(next(model.parameters()).device),

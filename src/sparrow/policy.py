@@ -137,6 +137,11 @@ def _forward_seconds(model: CachedModel, tokens: torch.Tensor) -> float:
     return seconds
 
 
+def measured_lengths(max_tokens: int) -> list[int]:
+    """The forward lengths `measure_cost_curve` times (the rest are interpolated): 1, powers of 2, max_tokens + 1."""
+    return sorted({1, max_tokens + 1, *(2 ** i for i in range(1, max_tokens.bit_length()))})
+
+
 def measure_cost_curve(target: CachedModel, max_tokens: int, draft: CachedModel | None = None,
                        context_tokens: int = 64, repeats: int = 3) -> CostCurve:
     """Median seconds of target forwards of n = 1, 2, 4, ... and max_tokens + 1 tokens (interpolated in
@@ -156,7 +161,7 @@ def measure_cost_curve(target: CachedModel, max_tokens: int, draft: CachedModel 
         _forward_seconds(draft, new[:1])  # warm-up
         draft_seconds = statistics.median(_forward_seconds(draft, new[:1]) for _ in range(repeats))
     target.prefill(context)
-    points = sorted({1, max_tokens + 1, *(2 ** i for i in range(1, max_tokens.bit_length()))})
+    points = measured_lengths(max_tokens)
     _forward_seconds(target, new)  # warm-up
     times: dict[int, list[float]] = {n: [] for n in points}
     for _ in range(repeats):
