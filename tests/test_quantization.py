@@ -184,6 +184,46 @@ def test_a_w8a8_verify_forward_equals_one_token_steps_bit_for_bit(dtype):
     assert torch.equal(steps, verify)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # q / k / v with and without biases
+def test_w8a8_siblings_in_one_call_equal_separate_calls_bit_for_bit(family, monkeypatch):
+    model = kernel_friendly_model(family, seed=0)
+    copy = Q.quantize_model(model, "w8a8")
+    with monkeypatch.context() as patch:
+        patch.setattr(Q, "group_siblings", lambda model: 0)
+        separate = Q.quantize_model(model, "w8a8")
+    ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():  # the whole model: a prefill and its logits, bit for bit
+        assert torch.equal(copy(ids).logits, separate(ids).logits) and not any(
+            isinstance(m, Q.DynamicInt8Linear) and m.group is not None for m in separate.modules())
+    layers = len(model.model.layers)
+    groups = {id(m.group) for m in copy.modules() if isinstance(m, Q.DynamicInt8Linear) and m.group is not None}
+    assert len(groups) == 2 * layers  # each layer's q / k / v and gate / up: 3 + 2 calls become 2
+    attention = copy.model.layers[0].self_attn
+    x = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for name in ("q_proj", "k_proj", "v_proj"):  # each member alone == a fresh ungrouped layer with its weights
+        member = getattr(attention, name)
+        alone = Q.DynamicInt8Linear(member.in_features, member.out_features, member.int8_weight(), member.scales,
+                                    member.bias, member.reduce_range)
+        expected = alone(x)
+        got = member(x)
+        assert got.is_contiguous() and torch.equal(got, expected), name
+        assert torch.equal(member(x), expected)  # the same member again recomputes (its slot was taken)
+    group = attention.q_proj.group
+    k = attention.k_proj(x)
+    assert torch.equal(attention.k_proj(x.clone()), k)  # another input object: computed afresh, the same values
+    z = x.clone()
+    attention.q_proj(z), attention.k_proj(z)
+    assert group._input is z  # v's columns are held until v takes them
+    attention.v_proj(z)
+    assert group._input is None  # every member took its columns: nothing kept between forwards
+    y = x.clone()
+    attention.q_proj(y)
+    y.mul_(2)  # changed in place after q: k must not take columns computed from the old values
+    assert torch.equal(attention.k_proj(y), Q.DynamicInt8Linear(
+        model.config.hidden_size, attention.k_proj.out_features, attention.k_proj.int8_weight(), attention.k_proj.scales,
+        attention.k_proj.bias, attention.k_proj.reduce_range)(y))
+
+
 def test_w8a8_refuses_other_devices_and_round_trips_the_disk_cache(target, tmp_path):
     with pytest.raises(ValueError, match="w8a8 runs on the CPU only"):
         Q.check_device("w8a8", torch.device("cuda"), torch.float32)
