@@ -16,6 +16,7 @@ from sparrow import sampling as S
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters import REGISTRY, build_drafter
+from sparrow.drafters import auto as auto_module
 from sparrow.drafters.auto import PLAIN, AutoConfig, AutoDrafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter
@@ -50,16 +51,18 @@ def clock(monkeypatch) -> FakeClock:
     """The engine's clock, for the duration of one test."""
     fake = FakeClock()
     monkeypatch.setattr(engine, "now", lambda device=None, sync=True: fake())
+    monkeypatch.setattr(auto_module, "now", lambda device=None, sync=True: fake())  # auto times a draft's catch-up
     return fake
 
 
-def auto_pipeline(clock: FakeClock, target: LoadedModel, draft: LoadedModel | None, draft_cost: float,
+def auto_pipeline(clock: FakeClock, target: LoadedModel, draft: LoadedModel | None, draft_cost,
                   lookup: bool = True, k: int = 8, verifier: str = "auto") -> Pipeline:
-    """Target forward: 1 s + 0.02 s per extra token; draft forward: `draft_cost` s; lookup: free."""
+    """Target forward: 1 s + 0.02 s per extra token; draft forward: `draft_cost` s (or draft_cost(tokens fed));
+    lookup: free."""
     candidates = [PromptLookupDrafter(k, adaptive=True)] if lookup else []
     if draft is not None:
         drafter = DraftModelDrafter(CachedModel(draft.model), CachedModel(target.model).vocab_size, k, adaptive=True)
-        clock.charge(drafter.draft, lambda n: draft_cost)
+        clock.charge(drafter.draft, draft_cost if callable(draft_cost) else lambda n: draft_cost)
         candidates.append(drafter)
     pipe = Pipeline(target, AutoDrafter(candidates), verifier)
     clock.charge(pipe.runner, lambda n: 1.0 + 0.02 * (n - 1))
@@ -124,6 +127,33 @@ def test_same_draft_stays_in_sync_across_switches(clock, loaded_target, drafts):
         assert pipe.generate(prompt, max_new_tokens=40).token_ids == plain
         rounds, drafted, accepted = used(pipe.drafter, "draft-model")
         assert rounds > 0 and accepted == drafted > 0
+
+
+def test_a_draft_models_catch_up_is_not_counted_as_drafting(clock, loaded_target, drafts):
+    """After rounds of other options the draft model is fed the tokens committed meanwhile (one forward): the cost
+    of switching, not of drafting. Counted as drafting, a probe after many rounds measured a good draft as slower
+    than plain decoding and kept it out."""
+    fed = []
+
+    def cost(tokens: int) -> float:
+        fed.append(tokens)
+        return 0.05 if tokens <= 2 else 5.0  # a catch-up costs far more than the chain's own forwards (1-2 tokens)
+
+    pipe = auto_pipeline(clock, loaded_target, drafts["same"], draft_cost=cost)
+    model = pipe.drafter.candidates["draft-model"]
+    seen = []
+    observe = model.observe
+
+    def spy(draft, verdict, out=None, step=None):
+        seen.append((len(draft), step.draft_seconds))
+        observe(draft, verdict, out, step)
+
+    model.observe = spy
+    plain = pipe.generate_plain(REPETITIVE, max_new_tokens=60).token_ids
+    assert pipe.generate(REPETITIVE, max_new_tokens=60).token_ids == plain
+    assert any(tokens > 2 for tokens in fed), fed  # it did catch up after other options' rounds
+    assert seen and all(seconds <= 0.05 * drafted + 1e-9 for drafted, seconds in seen), seen
+    assert used(pipe.drafter, "draft-model")[2] > 0
 
 
 def test_useless_draft_falls_back_to_plain_and_reprobes_rarely(clock, llama):

@@ -12,7 +12,10 @@ Each option's throughput is estimated online from what its rounds cost and yield
 
 with tokens = accepted drafts + the bonus token, and verify_seconds(n) = a + b n fitted to every
 round's target forward (sparrow.policy.DecayedLine). Draft and verify seconds are the engine's own
-measurements of the round (`StepStats`).
+measurements of the round (`StepStats`), less the cost of switching to a draft model: its lazy prefill
+and its catch-up on the tokens committed while other options drafted (one forward, timed apart). Counted
+in, a probe after 16 rounds without the draft paid for feeding it those tokens, measured the draft as
+slower than plain decoding, and kept it out (a w8a8 1.5B target on code: 3 draft-model rounds in 106).
 
 Policy, every round:
 1. Prompt lookup costs almost nothing, so it proposes every round. When it finds a match and its
@@ -43,7 +46,7 @@ import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -174,6 +177,7 @@ class AutoDrafter:
         self._target: CachedModel | None = None
         self._prefill_out: TargetOutput | None = None
         self._round: tuple[str, bool] = (PLAIN, False)  # this round's option, and whether it is a probe
+        self._switch_seconds = 0.0  # of this round's draft seconds: a lazy prefill and a catch-up (not drafting)
 
     # --- Drafter protocol ----------------------------------------------------------------------
     @contextmanager
@@ -204,6 +208,7 @@ class AutoDrafter:
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: Randomness) -> Draft:
         start = now(committed.device)
+        self._switch_seconds = 0.0
         if max_tokens < 1:
             return self._chosen(PLAIN, Draft.empty(committed.device), probe=False)
         self._score_shadows(committed)
@@ -218,9 +223,13 @@ class AutoDrafter:
         name, probe = self._pick_model()
         if name == PLAIN:
             return self._chosen(PLAIN, Draft.empty(committed.device), probe=False)
+        switch = now(committed.device)  # a lazy prefill and a catch-up are the cost of switching, not of drafting
         if name in self._lazy:
             self._lazy.discard(name)
             self.candidates[name].prefill(self._prompt, self._target, self._prefill_out)
+        if isinstance(self.candidates[name], DraftModelDrafter):
+            self.candidates[name].catch_up(committed)
+        self._switch_seconds = now(committed.device) - switch
         if probe:
             self.stats[name].scale(self.config.probe_weight)  # stale: let this round count most
         draft = self.candidates[name].propose(committed, max_tokens, sampling, generator)
@@ -232,6 +241,7 @@ class AutoDrafter:
         self.rounds.append(AutoRound(name, len(draft), verdict.num_accepted))
         if name == PLAIN:
             return
+        step = replace(step, draft_seconds=max(step.draft_seconds - self._switch_seconds, 0.0))
         self.candidates[name].observe(draft, verdict, out, step)
         self.stats[name].add(verdict.num_accepted + 1, step.draft_seconds, len(draft), self.config.forgetting)
         if name in self._probes:

@@ -75,6 +75,20 @@ class DraftModelDrafter:
         self._cached = self._prompt.input_ids.to(self.draft.device)
         self._prompt = None
 
+    def catch_up(self, committed: Tensor) -> None:
+        """Feed the draft every committed token it lacks but the last, in one forward, so that the next proposal
+        starts as a round right after its own does (one or two tokens fed). Called by a drafter that used others
+        meanwhile (auto), which times it apart: it is the cost of switching, not of drafting."""
+        if self._prompt is not None:
+            self._prefill_now()
+        committed = committed.to(self.draft.device)
+        valid = min(common_prefix_length(self._cached, committed), committed.numel() - 1)
+        if committed.numel() - 1 - valid < 2:  # no more than a round after its own feeds anyway
+            return
+        self.draft.rewind(valid)
+        self.draft.forward(committed[valid:-1])
+        self._cached = committed[:-1]
+
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: Randomness) -> Draft:
         return drive(self.propose_steps(committed, max_tokens, sampling, generator), Forward.run)
