@@ -29,7 +29,7 @@ sliding-window layers (Gemma-3): a static sliding layer is a ring buffer, which 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
@@ -48,8 +48,19 @@ first compiled runner raises the process-wide `torch._dynamo.config.recompile_li
 it): patching it around each call instead cost milliseconds a step."""
 
 
+def traceable(model: PreTrainedModel) -> bool:
+    """Whether torch.compile can trace the model's layers: not w8a8 ones (fbgemm's packed int8 weights are an
+    opaque object dynamo cannot put in a graph)."""
+    from sparrow.quantization import DynamicInt8Linear
+
+    return not any(isinstance(m, DynamicInt8Linear) for m in model.modules())
+
+
 def check_compilable(model: PreTrainedModel) -> None:
     """Refuse models the static path cannot run, naming why (a UserError)."""
+    if isinstance(model, nn.Module) and not traceable(model):
+        raise UserError("compile: w8a8 models (--quant w8a8) cannot be compiled (torch.compile cannot trace "
+                        "fbgemm's packed int8 weights); drop --compile, or use --quant int8 / int4")
     if getattr(model.config, "vision_config", None) is not None:
         raise UserError(f"compile: vision-language models ({type(model).__name__}) are not supported; "
                         "drop --compile / compile=True")

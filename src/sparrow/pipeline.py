@@ -357,11 +357,15 @@ def _build(target: LoadedModel, drafter: str, draft: LoadedModel | None, num_dra
 
 def _compile_draft_runner(drafter: Drafter | None) -> None:
     """Give a draft-model / quantized-self drafter a compiled runner over its draft (its reduced-head view,
-    if any); other drafters keep running their forwards eagerly."""
+    if any) unless the draft is w8a8; other drafters keep running their forwards eagerly."""
+    from sparrow.compiled import traceable
     from sparrow.drafters.draft_model import DraftModelDrafter
 
-    if isinstance(drafter, DraftModelDrafter):
+    if isinstance(drafter, DraftModelDrafter) and traceable(drafter.draft.model):
         drafter.draft = runner_for(drafter.draft.model, compiled=True)
+    elif isinstance(drafter, DraftModelDrafter):  # e.g. `--draft-quant auto` chose w8a8 on this CPU
+        logging.getLogger("sparrow").info("compile: the w8a8 draft runs eagerly (torch.compile cannot trace "
+                                          "fbgemm's packed weights); the target is compiled")
     elif drafter is not None:
         logging.getLogger("sparrow").info("compile: drafter %r runs its own forwards eagerly (only draft-model "
                                           "and quantized-self drafts are compiled)", drafter.name)
