@@ -90,6 +90,8 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-w8a8-target+prompt-lookup": ({"drafter": "prompt-lookup", "dtype": "float32", "quant": "w8a8"}, False),
     "sparrow-w8a8-target+auto": ({"drafter": "auto", "dtype": "float32", "quant": "w8a8", "draft_quant": "w8a8"},
                                  False),
+    "sparrow-w8a8-target+auto-vocab-auto": ({"drafter": "auto", "dtype": "float32", "quant": "w8a8",
+                                             "draft_quant": "w8a8", "draft_vocab": "auto"}, False),
 }
 BASELINE = "llama.cpp-plain"
 OPENVINO_CACHE = Path(os.environ.get("SPARROW_OPENVINO_CACHE", Path.home() / ".cache" / "sparrow" / "openvino"))
@@ -667,7 +669,8 @@ def reference_config(config: str) -> str | None:
             "sparrow-w8a8-target+draft-w8a8": "sparrow-plain-w8a8",
             "sparrow-w8a8-target+draft-w8a8-vocab-auto": "sparrow-plain-w8a8",
             "sparrow-w8a8-target+prompt-lookup": "sparrow-plain-w8a8",
-            "sparrow-w8a8-target+auto": "sparrow-plain-w8a8"}.get(config)
+            "sparrow-w8a8-target+auto": "sparrow-plain-w8a8",
+            "sparrow-w8a8-target+auto-vocab-auto": "sparrow-plain-w8a8"}.get(config)
 
 
 def identical_count(group: list[dict], rows: list[dict]) -> str:

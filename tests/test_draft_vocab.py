@@ -328,10 +328,23 @@ def test_bad_sizes_are_refused_naming_the_option(pair, value, match):
         build_drafter("draft-model", target, close, 4, draft_vocab=value)
 
 
-@pytest.mark.parametrize("name", ["prompt-lookup", "sparse", "cross-vocab", "auto"])
+@pytest.mark.parametrize("name", ["prompt-lookup", "sparse", "cross-vocab"])
 def test_drafters_without_a_draft_head_refuse_the_option(pair, name):
     with pytest.raises(UserError, match="draft_vocab"):
         build_drafter(name, pair[0], pair[1], 4, draft_vocab=50)
+
+
+def test_auto_gives_its_draft_model_the_reduced_vocabulary(pair, vocab, plain):
+    auto = build_drafter("auto", pair[0], pair[1], 4, draft_vocab=vocab)
+    model = auto.candidates["draft-model"]
+    assert model.vocab is vocab and auto.candidates["prompt-lookup"].name == "prompt-lookup"
+    pipe = Pipeline(pair[0], auto)
+    accepted = 0
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=MAX_NEW)
+        assert result.token_ids == plain[prompt], prompt
+        accepted += sum(r.accepted for r in auto.rounds if r.choice == "draft-model")
+    assert accepted > 0, auto.rounds  # the reduced-vocabulary draft model drafted, and was right
 
 
 def test_cli_flag_is_checked_before_loading():

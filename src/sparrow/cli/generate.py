@@ -51,7 +51,7 @@ def generate(
     tree_depth: Annotated[int, typer.Option(help="Maximum draft-tree depth (with --tree-budget).")] = 8,
     head: Annotated[Optional[str], typer.Option(help="--drafter eagle: the head directory (EAGLE-3 layout as SpecForge exports it, or EAGLE-1).")] = None,
     draft_device: Annotated[Optional[str], typer.Option(help="--drafter eagle: run the head on this device (e.g. cuda:0) and the target on --device; only token ids and hidden states cross (Dovetail).")] = None,
-    draft_vocab: Annotated[str, typer.Option(help="Drafts score only the N most frequent target tokens (FR-Spec; draft-model, quantized-self, layer-skip): an integer >= 0 or 'auto' (65536 for vocabularies over 100k tokens); 0 = the full vocabulary.")] = "0",
+    draft_vocab: Annotated[str, typer.Option(help="Drafts score only the N most frequent target tokens (FR-Spec; draft-model, quantized-self, layer-skip, auto's draft model): an integer >= 0 or 'auto' (65536 for vocabularies over 100k tokens); 0 = the full vocabulary.")] = "0",
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow
@@ -219,7 +219,7 @@ def draft_vocab_options(drafter: str, value: str) -> dict[str, int | str]:
     accepted = REGISTRY[drafter].options() if drafter in REGISTRY else ()
     if accepted is not None and "draft_vocab" not in accepted:
         raise UserError(f"--draft-vocab applies to drafters with a draft LM head (draft-model, quantized-self, "
-                        f"layer-skip), not {drafter!r}")
+                        f"layer-skip, and auto's draft model), not {drafter!r}")
     return {"draft_vocab": size}
 
 

@@ -54,6 +54,7 @@ from torch import Tensor
 
 from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.draft_vocab import DraftVocab, resolve_draft_vocab
 from sparrow.drafters.base import watching_prefill
 from sparrow.drafters.cross_vocab import CrossVocabDrafter
 from sparrow.drafters.draft_model import DraftModelDrafter
@@ -313,13 +314,18 @@ class AutoDrafter:
 
 def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int, adaptive: bool,
           quantized_self: bool = False, layer_skip: bool = True, config: AutoConfig | None = None,
-          tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8) -> AutoDrafter:
+          tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8,
+          draft_vocab: int | str | DraftVocab | None = None) -> AutoDrafter:
     """Registry builder for "auto". `num_draft_tokens` caps every candidate (each keeps its own default
     when that is lower). quantized_self: also try an int4 copy of the target (built now: memory and
     seconds). layer_skip: try "layer-skip" when it is registered and tuned for this target.
     tree_budget (> 0 or "auto"): the same-vocabulary draft model (and quantized-self) also run as tree
-    drafters ("draft-model+tree"), so auto chooses between chain, tree and plain decoding."""
+    drafters ("draft-model+tree"), so auto chooses between chain, tree and plain decoding.
+    draft_vocab (N, "auto" or a DraftVocab): the candidates with a draft LM head (a same-vocabulary draft model,
+    layer-skip, quantized-self) score only the N most frequent target tokens (FR-Spec)."""
     tree = {"tree_budget": tree_budget, "tree_topk": tree_topk, "tree_depth": tree_depth} if tree_budget else None
+    vocab = resolve_draft_vocab(draft_vocab, target, CachedModel(target.model).vocab_size)  # once, shared
+    heads = {"draft_vocab": vocab} if vocab is not None else {}
     def make(name: str, draft_model: LoadedModel | None, **options: Any) -> Drafter:
         entry = REGISTRY[name]
         default = entry.default_num_draft_tokens  # None: the builder's own choice (layer-skip: its tuned k)
@@ -329,20 +335,20 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
     candidates = [make("prompt-lookup", None)]
     if draft is not None:
         same_vocab = CachedModel(draft.model).vocab_size == CachedModel(target.model).vocab_size
-        candidates.append(make("draft-model", draft) if same_vocab else make("cross-vocab", draft))
+        candidates.append(make("draft-model", draft, **heads) if same_vocab else make("cross-vocab", draft))
         if same_vocab and tree:
-            candidates.append(make("draft-model", draft, **tree))
+            candidates.append(make("draft-model", draft, **tree, **heads))
     if layer_skip and "layer-skip" in REGISTRY:
         try:
             with warnings.catch_warnings():  # a set measured to lose comes back disabled: left out below
                 warnings.simplefilter("ignore")
-                skipper = make("layer-skip", None)
+                skipper = make("layer-skip", None, **heads)
             if getattr(skipper, "enabled", True):
                 candidates.append(skipper)
         except ValueError:  # no tuned skip set for this target (or a quantized target)
             pass
     if quantized_self:
-        candidates.append(make("quantized-self", None))
+        candidates.append(make("quantized-self", None, **heads))
         if tree:
-            candidates.append(make("quantized-self", None, **tree))
+            candidates.append(make("quantized-self", None, **tree, **heads))
     return AutoDrafter(candidates, config=config)
