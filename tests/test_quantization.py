@@ -294,3 +294,20 @@ def test_a_draft_copy_prefills_with_the_shared_dense_weights(target):
     assert torch.equal(copy(long_ids).logits, target.model(long_ids).logits)  # prefill: the dense path
     short_ids = long_ids[:, :4]
     assert not torch.equal(copy(short_ids).logits, target.model(short_ids).logits)  # decode: the int4 kernel
+
+
+def test_generate_summary_names_the_quantized_target_it_was_identical_to():
+    from rich.console import Console
+
+    from sparrow.cli.generate import summary
+
+    record = {"drafter": "auto", "target": "t", "dtype": "float32", "quant": "w8a8", "draft_quant": "w8a8",
+              "new_tokens": 8, "seconds": 1.0, "tokens_per_second": 8.0, "draft_vocab": None, "tree": None,
+              "mean_accepted_tokens": 2.0, "acceptance_rate": 0.5, "baseline": {"tokens_per_second": 4.0},
+              "speedup": 2.0, "identical": True}
+    console = Console(record=True, width=200)
+    console.print(summary(record, "greedy"))
+    text = console.export_text()
+    assert "float32, target w8a8, draft w8a8" in text and "yes (of the w8a8 target)" in text
+    console.print(summary({**record, "quant": None, "draft_quant": None}, "greedy"))
+    assert "w8a8" not in console.export_text()  # a float target: nothing said about quantization

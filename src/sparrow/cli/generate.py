@@ -139,7 +139,8 @@ def summary(record: dict[str, Any], verify: str) -> Table:
     """The human-readable table of a `generate` record (stderr, under the text)."""
     table = Table(show_header=False, box=None)
     table.add_row("drafter", f"{record['drafter']} (target {record['target']})")
-    table.add_row("dtype", record["dtype"] + (f", draft {record['draft_quant']}" if record["draft_quant"] else ""))
+    table.add_row("dtype", record["dtype"] + (f", target {record['quant']}" if record["quant"] else "")
+                  + (f", draft {record['draft_quant']}" if record["draft_quant"] else ""))
     table.add_row("tokens", f"{record['new_tokens']} in {record['seconds']:.2f} s = "
                             f"{record['tokens_per_second']:.2f} tok/s")
     if verify == "loose":
@@ -154,7 +155,8 @@ def summary(record: dict[str, Any], verify: str) -> Table:
     if "baseline" in record:
         table.add_row("plain decoding", f"{record['baseline']['tokens_per_second']:.2f} tok/s")
         table.add_row("speedup", "-" if record["speedup"] is None else f"{record['speedup']:.2f}x")
-        table.add_row("identical to plain decoding", "yes" if record["identical"] else "no")
+        table.add_row("identical to plain decoding", ("yes" if record["identical"] else "no")
+                      + (f" (of the {record['quant']} target)" if record["quant"] else ""))
     return table
 
 
