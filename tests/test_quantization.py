@@ -189,7 +189,7 @@ def test_w8a8_siblings_in_one_call_equal_separate_calls_bit_for_bit(family, monk
     model = kernel_friendly_model(family, seed=0)
     copy = Q.quantize_model(model, "w8a8")
     with monkeypatch.context() as patch:
-        patch.setattr(Q, "group_siblings", lambda model: 0)
+        patch.setattr(Q, "group_siblings", lambda model: None)
         separate = Q.quantize_model(model, "w8a8")
     ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():  # the whole model: a prefill and its logits, bit for bit

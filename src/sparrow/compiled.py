@@ -29,7 +29,7 @@ sliding-window layers (Gemma-3): a static sliding layer is a ring buffer, which 
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
@@ -58,12 +58,12 @@ def traceable(model: PreTrainedModel) -> bool:
 
 def check_compilable(model: PreTrainedModel) -> None:
     """Refuse models the static path cannot run, naming why (a UserError)."""
-    if isinstance(model, nn.Module) and not traceable(model):
-        raise UserError("compile: w8a8 models (--quant w8a8) cannot be compiled (torch.compile cannot trace "
-                        "fbgemm's packed int8 weights); drop --compile, or use --quant int8 / int4")
     if getattr(model.config, "vision_config", None) is not None:
         raise UserError(f"compile: vision-language models ({type(model).__name__}) are not supported; "
                         "drop --compile / compile=True")
+    if not traceable(model):
+        raise UserError("compile: w8a8 models (--quant w8a8) cannot be compiled (torch.compile cannot trace "
+                        "fbgemm's packed int8 weights); drop --compile, or use --quant int8 / int4")
     config = model.config.get_text_config(decoder=True)
     layer_types = getattr(config, "layer_types", None) or []
     if any(kind != "full_attention" for kind in layer_types) or getattr(config, "use_sliding_window", False):

@@ -378,17 +378,14 @@ def _version(x: Tensor) -> int:
     return -1 if x.is_inference() else x._version
 
 
-def group_siblings(model: nn.Module) -> int:
-    """Group `model`'s w8a8 siblings (SIBLINGS) into SiblingGroups; returns how many groups were made."""
-    made = 0
+def group_siblings(model: nn.Module) -> None:
+    """Group `model`'s w8a8 siblings (SIBLINGS) into SiblingGroups."""
     for parent in model.modules():
         for names in SIBLINGS:
             members = [getattr(parent, n, None) for n in names]
             if all(type(m) is DynamicInt8Linear and m.group is None for m in members) and \
                     len({(m.in_features, m.reduce_range) for m in members}) == 1:
                 SiblingGroup(members)
-                made += 1
-    return made
 
 
 def _layer_tensors(layer: nn.Module) -> dict[str, Tensor]:
