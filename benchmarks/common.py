@@ -10,10 +10,21 @@ from pathlib import Path
 from sparrow.bench.peers import hf_generate  # noqa: F401  (re-exported for the benchmark scripts)
 
 
+SPEC_BENCH_QUICK = "spec-bench-quick"
+"""`load_prompts`' name for the first turns of `sparrow bench --quick`'s questions (the shortest of each task)."""
+
+
 def load_prompts(path: Path, ids: list[str] | None = None) -> list[dict]:
-    """Prompts of `path` (benchmarks/prompts.json) with their texts filled in; only `ids` if given."""
-    data = json.loads(path.read_text())
-    prompts = [{**p, "prompt": p["prompt"].format(**data["texts"])} for p in data["prompts"]]
+    """Prompts of `path` (benchmarks/prompts.json) with their texts filled in, or of SPEC_BENCH_QUICK (id
+    "<task>-<question id>", kind the task); only `ids` if given."""
+    if str(path) == SPEC_BENCH_QUICK:
+        from sparrow.bench.data import DEFAULT_DATA, read_questions, shortest_per_task
+
+        prompts = [{"id": f"{q.task}-{q.question_id}", "kind": q.task, "prompt": q.turns[0]}
+                   for q in shortest_per_task(read_questions(DEFAULT_DATA))]
+    else:
+        data = json.loads(path.read_text())
+        prompts = [{**p, "prompt": p["prompt"].format(**data["texts"])} for p in data["prompts"]]
     return [p for p in prompts if not ids or p["id"] in ids]
 
 

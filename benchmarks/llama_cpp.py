@@ -773,7 +773,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--configs", default=None, help="comma-separated subset of the configurations (default: all)")
     r.add_argument("--prompt-ids", default=None, help="comma-separated subset of the prompt ids (default: all)")
     r.add_argument("--repeats", type=int, default=1)
-    r.add_argument("--prompts", type=Path, default=HERE / "prompts.json")
+    r.add_argument("--prompts", type=Path, default=HERE / "prompts.json",
+                   help="a prompts file in benchmarks/prompts.json's format, or spec-bench-quick (the first turns of "
+                        "`sparrow bench --quick`'s six questions)")
     r.add_argument("--openvino-venv", type=Path, default=OPENVINO_VENV)
     return parser.parse_args(argv)
 

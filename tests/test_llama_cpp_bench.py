@@ -193,3 +193,16 @@ def test_cli_defaults_are_the_foundation_setup() -> None:
     assert (args.threads, args.max_new_tokens, args.draft_max) == (2, 128, [3, 8, 16])
     assert (args.target, args.draft, args.name) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "foundation")
     assert lc.parse_args(["run", "--draft-max", "4,12"]).draft_max == [4, 12]
+
+
+def test_spec_bench_quick_prompts_are_the_quick_questions_first_turns():
+    sys.path.insert(0, str(PATH.parent))
+    from common import load_prompts
+
+    from sparrow.bench.data import DEFAULT_DATA, read_questions, shortest_per_task
+
+    prompts = load_prompts(Path("spec-bench-quick"))
+    questions = shortest_per_task(read_questions(DEFAULT_DATA))
+    assert [p["prompt"] for p in prompts] == [q.turns[0] for q in questions] and len(prompts) == 6
+    assert len({p["kind"] for p in prompts}) == 6 and len({p["id"] for p in prompts}) == 6
+    assert load_prompts(Path("spec-bench-quick"), [prompts[2]["id"]]) == [prompts[2]]
