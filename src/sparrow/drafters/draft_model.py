@@ -75,6 +75,10 @@ class DraftModelDrafter:
         self._cached = self._prompt.input_ids.to(self.draft.device)
         self._prompt = None
 
+    def _valid(self, committed: Tensor) -> int:
+        """Cached tokens that still hold: the common prefix with `committed`, leaving at least its last to feed."""
+        return min(common_prefix_length(self._cached, committed), committed.numel() - 1)
+
     def catch_up(self, committed: Tensor) -> None:
         """Feed the draft every committed token it lacks but the last, in one forward, so that the next proposal
         starts as a round right after its own does (one or two tokens fed). Called by a drafter that used others
@@ -82,7 +86,7 @@ class DraftModelDrafter:
         if self._prompt is not None:
             self._prefill_now()
         committed = committed.to(self.draft.device)
-        valid = min(common_prefix_length(self._cached, committed), committed.numel() - 1)
+        valid = self._valid(committed)
         if committed.numel() - 1 - valid < 2:  # no more than a round after its own feeds anyway
             return
         self.draft.rewind(valid)
@@ -105,7 +109,7 @@ class DraftModelDrafter:
         if self._prompt is not None:
             self._prefill_now()
         # Roll back to what is still valid, then feed everything after it (at least the last token).
-        valid = min(common_prefix_length(self._cached, committed), committed.numel() - 1)
+        valid = self._valid(committed)
         self.draft.rewind(valid)
         if self.tree is not None:
             self._cached = committed
