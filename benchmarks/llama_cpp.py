@@ -318,7 +318,7 @@ def shown_arg(arg: str, prompt: str) -> str:
 
 def sparrow_row(config: str, pipe: Any, plain: bool, prompt: dict, max_new_tokens: int) -> dict:
     from sparrow.cli.generate import draft_quant_used
-    from sparrow.onednn import routed
+    from sparrow.runtime.onednn import routed
 
     run = pipe.generate_plain if plain else pipe.generate
     result = run(prompt["prompt"], max_new_tokens=max_new_tokens, chat=True)
@@ -498,7 +498,7 @@ def machine_info(threads: int, bins: Path | None, version: str) -> dict:
     import importlib.metadata as md
 
     import torch
-    from sparrow.hardware import cpu_info
+    from sparrow.runtime.hardware import cpu_info
 
     cpu = cpu_info()
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,

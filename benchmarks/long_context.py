@@ -39,10 +39,10 @@ import torch
 from transformers import DynamicCache
 
 from long_prompts import build_prompt, documentation
-from sparrow.attention_capture import QueryCapture
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.attention.capture import QueryCapture
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.drafters import REGISTRY, build_drafter
-from sparrow.drafters.draft_kv import kv_bytes
+from sparrow.drafters.kv.draft_kv import kv_bytes
 from sparrow.drafters.longspec import LongSpecDrafter, WindowCache
 from sparrow.drafters.sparse import DEFAULT_BUDGET, SparseDrafter
 from sparrow.heads.eagle import new_head

@@ -37,7 +37,7 @@ import torch
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline, build_drafter
 from sparrow.policy import follow_cost_curve
-from sparrow.quantization import quantized_copy
+from sparrow.models.quantization import quantized_copy
 
 HERE = Path(__file__).parent
 ONE_PER_KIND = ("code-prime", "edit-garden", "summary-harbour")

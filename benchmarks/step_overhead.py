@@ -4,7 +4,7 @@ For each model (and dtype), after a fixed context of random tokens, times one fo
 decode / draft step; q = 8: a verify step of 7 drafts + the root), then rolls the cache back, for three runners:
 
 * `eager`: sparrow's CachedModel (transformers' DynamicCache), the default path;
-* `static`: sparrow.compiled.StaticCachedModel with compile=False (static cache, eager forwards);
+* `static`: sparrow.runtime.compiled.StaticCachedModel with compile=False (static cache, eager forwards);
 * `compiled`: StaticCachedModel (static cache, torch.compile'd step with its defaults: CUDA graphs on CUDA,
   inductor freezing on a CPU; its compile time is reported apart);
 * `compiled-nofreeze` (CPU only): the same without freezing (the weights stay graph inputs).
@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sparrow.cached_model import CachedModel
-from sparrow.compiled import StaticCachedModel
+from sparrow.runtime.cached_model import CachedModel
+from sparrow.runtime.compiled import StaticCachedModel
 from sparrow.errors import UserError
 from sparrow.types import Prompt
 

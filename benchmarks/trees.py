@@ -61,7 +61,7 @@ def cpu_flags() -> str:
 
 def cost_curve(target: str, dtype: str, out: Path, max_tokens: int = 32, context: int = 128, repeats: int = 5) -> None:
     from sparrow.models import load_model
-    from sparrow.runner import runner_for
+    from sparrow.runtime.runner import runner_for
     from sparrow.timing import now
     from sparrow.types import Prompt
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from sparrow import hardware
-from sparrow.cached_model import CachedModel
+from sparrow.runtime import hardware
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.models import load_model
-from sparrow.onednn import routed
+from sparrow.runtime.onednn import routed
 from sparrow.policy import measure_cost_curve, measured_lengths
 
 

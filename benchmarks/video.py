@@ -51,10 +51,10 @@ import numpy as np
 import torch
 
 from sparrow.drafters import build_drafter
-from sparrow.drafters.kv_compress import build_selector
+from sparrow.drafters.kv.compress import build_selector
 from sparrow.drafters.sparrow import SparrowDrafter
 from sparrow.drafters.visual_prune import visual_span
-from sparrow.hardware import cpu_info
+from sparrow.runtime.hardware import cpu_info
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline
 from sparrow.verifiers.loose import fidelity
@@ -178,7 +178,7 @@ def run_once(pipe: Pipeline, video: Video, max_new_tokens: int) -> dict:
 
 def draft_kv_mib(drafter) -> float | None:
     """MiB of the keys and values in the drafter's own cache (None: it keeps none, e.g. plain decoding)."""
-    from sparrow.drafters.draft_kv import kv_bytes
+    from sparrow.drafters.kv.draft_kv import kv_bytes
     from sparrow.heads.eagle import HeadCache
 
     cache = getattr(drafter, "cache", None)  # sparse

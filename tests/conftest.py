@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from sparrow import hardware
+from sparrow.runtime import hardware
 from sparrow.models import LoadedModel
 
 CORPUS = [

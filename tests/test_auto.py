@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import perturbed, tiny_model
-from sparrow import engine
+from sparrow.decoding import engine
 from sparrow import sampling as S
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters import REGISTRY, build_drafter
 from sparrow.drafters import auto as auto_module

@@ -1,4 +1,4 @@
-"""Batched speculative decoding (sparrow.batch): each generation in a batch is exactly what it would be alone.
+"""Batched speculative decoding (sparrow.decoding.batch): each generation in a batch is exactly what it would be alone.
 
 a) Greedy, float32, tiny Llama: every drafter (chains, and trees where it drafts them) x verifier runs five
    prompts of different lengths and budgets in one batch, two of them joining after two steps; each output
@@ -19,7 +19,7 @@ import torch
 
 from conftest import perturbed, tiny_model, tiny_tokenizer
 from sparrow import sampling as S
-from sparrow.batch import Batch, BatchPolicy, Generation, fork_drafter, score_batch, supports_batching
+from sparrow.decoding.batch import Batch, BatchPolicy, Generation, fork_drafter, score_batch, supports_batching
 from sparrow.config import SamplingConfig
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel

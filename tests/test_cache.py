@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import tiny_model, tiny_tokenizer
-from sparrow import quantization as Q
+from sparrow.models import quantization as Q
 from sparrow.models import cache, list_presets, loading, presets
 from sparrow.models.presets import PRESETS
 

@@ -1,4 +1,4 @@
-"""The compiled path (`sparrow.compiled`: static KV cache, torch.compile'd steps) gives the eager path's tokens
+"""The compiled path (`sparrow.runtime.compiled`: static KV cache, torch.compile'd steps) gives the eager path's tokens
 (float32, tiny random Llama): plain greedy decoding, speculative chains and trees with a draft model; and its
 static cache rewinds and compacts like the dynamic one.
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import perturbed, tiny_gemma3, tiny_model
-from sparrow.cached_model import CachedModel
-from sparrow.compiled import HEADROOM, StaticCachedModel, check_compilable
+from sparrow.runtime.cached_model import CachedModel
+from sparrow.runtime.compiled import HEADROOM, StaticCachedModel, check_compilable
 from sparrow.drafters import build_drafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.errors import UserError
@@ -140,8 +140,8 @@ def test_refuses_sliding_window_and_vision_models():
 
 
 def test_w8a8_target_is_refused_and_a_w8a8_draft_runs_eagerly(target, draft):
-    from sparrow.cached_model import CachedModel
-    from sparrow.quantization import quantized_copy
+    from sparrow.runtime.cached_model import CachedModel
+    from sparrow.models.quantization import quantized_copy
 
     w8a8_target = quantized_copy(target, "w8a8")
     with pytest.raises(UserError, match="w8a8 models .* cannot be compiled"):

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import tiny_model
 from sparrow import sampling as S
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters import build_drafter
 from sparrow.drafters.cross_vocab import CrossVocabDrafter

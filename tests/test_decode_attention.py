@@ -1,4 +1,4 @@
-"""Decoding-step attention (`sparrow.decode_attention`): one query row, or several under one mask, packed by KV
+"""Decoding-step attention (`sparrow.runtime.attention.decode`): one query row, or several under one mask, packed by KV
 head gives transformers' sdpa result; everything else goes to sdpa; a switched model decodes as before, and its
 speculative output equals plain."""
 
@@ -9,12 +9,13 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from conftest import perturbed, tiny_gemma3, tiny_model
-from sparrow import attention_capture, decode_attention
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.attention import decode as decode_attention
+from sparrow.runtime.attention import capture as attention_capture
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
-from sparrow.rowwise_attention import use_rowwise
+from sparrow.runtime.attention.rowwise import use_rowwise
 from sparrow.types import Prompt
 
 

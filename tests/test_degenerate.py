@@ -18,12 +18,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from conftest import CORPUS, VOCAB, perturbed, tiny_gemma3, tiny_model, tiny_tokenizer
-from sparrow import attention_capture
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.attention import capture as attention_capture
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.cli import app
 from sparrow.config import SamplingConfig, StoppingConfig
 from sparrow.drafters import build_drafter
-from sparrow.engine import speculative_decode
+from sparrow.decoding.engine import speculative_decode
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 from sparrow.stopping import Stopper

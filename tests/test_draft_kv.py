@@ -10,12 +10,12 @@ from vlm_models import KINDS, byte_tokenizer, moving_squares, perturbed, tiny_pr
 
 from sparrow.drafters import build_drafter
 from sparrow.drafters.base import watching_prefill
-from sparrow.drafters.draft_kv import DraftKV, DraftKVConfig, draft_kv_config, kv_bytes, with_draft_kv
-from sparrow.drafters.kv_compress import HybridKV
+from sparrow.drafters.kv.draft_kv import DraftKV, DraftKVConfig, draft_kv_config, kv_bytes, with_draft_kv
+from sparrow.drafters.kv.compress import HybridKV
 from sparrow.drafters.visual_prune import VisualPruneDrafter, visual_span
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
-from sparrow.runner import runner_for
+from sparrow.runtime.runner import runner_for
 from sparrow.vision.video import Video
 
 pytestmark = pytest.mark.usefixtures("one_thread")

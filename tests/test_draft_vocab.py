@@ -1,4 +1,4 @@
-"""FR-Spec reduced draft vocabulary (sparrow.draft_vocab): drafts score only N target ids, output unchanged.
+"""FR-Spec reduced draft vocabulary (sparrow.drafters.vocab): drafts score only N target ids, output unchanged.
 
 a) The reduced head: its logits at the kept ids are the full head's there, -inf elsewhere; the model it was
    built from keeps its own head (models are shared).
@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from conftest import CORPUS, perturbed, tiny_gemma3, tiny_model, tiny_tokenizer
-from sparrow import draft_vocab as dv
+from sparrow.drafters import vocab as dv
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
-from sparrow.draft_vocab import DraftVocab, reduced_head, reduced_head_view, top_tokens
+from sparrow.drafters.vocab import DraftVocab, reduced_head, reduced_head_view, top_tokens
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel
@@ -93,7 +93,7 @@ def test_reduced_head_logits_equal_the_full_head_on_the_set_and_are_minus_inf_el
 
 @pytest.mark.parametrize("bits", ["int8", "int4", "w8a8"])
 def test_a_quantized_head_stays_quantized_with_the_same_rows(pair, vocab, bits):
-    from sparrow.quantization import DynamicInt8Linear, QuantizedLinear, quantized_copy
+    from sparrow.models.quantization import DynamicInt8Linear, QuantizedLinear, quantized_copy
 
     quantized = quantized_copy(pair[0], bits, group_size=64, keep_dense=True).model
     odd = DraftVocab(vocab.ids[:-8], 320)  # 200 rows: int4 packing needs a multiple of 16, so they stay dense

@@ -21,9 +21,9 @@ from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
 from sparrow.heads.eagle import EagleHead, new_head
-from sparrow.heads.train import TrainReport, evaluate, extract_features, frequent_tokens, train_head
+from sparrow.training.heads import TrainReport, evaluate, extract_features, frequent_tokens, train_head
 from sparrow.models import LoadedModel
-from sparrow.engine import speculative_decode
+from sparrow.decoding.engine import speculative_decode
 from sparrow.pipeline import Pipeline
 from sparrow.stopping import Stopper
 from sparrow.verifiers import build_verifier
@@ -329,7 +329,7 @@ def test_cli_generate_with_drafter_eagle_and_head(target, trained, tmp_path, mon
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_a_batch_of_eagle_sequences_equals_plain(target, trained, baselines, shape):
     """The server's batched engine: each sequence forks the drafter (own head cache, shared head weights)."""
-    from sparrow.batch import Batch, BatchPolicy
+    from sparrow.decoding.batch import Batch, BatchPolicy
 
     head, _ = trained["eagle3"]
     pipe = Pipeline(target, build_drafter("eagle", target, None, 4, head=head, **(TREE if shape == "tree" else {})))

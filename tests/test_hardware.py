@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
-from sparrow import hardware
+from sparrow.runtime import hardware
 from sparrow.cli import app
 from sparrow.errors import UserError
 from sparrow.models import resolve_dtype
@@ -196,7 +196,7 @@ def test_measure_on_a_small_shape(monkeypatch, activations):
     the dtype auto picks from the dense timings (forced here by a zero or an infinite speedup threshold)."""
     monkeypatch.setattr(hardware, "MIN_BF16_SPEEDUP", 0.0 if activations == "bfloat16" else float("inf"))
     record = hardware.measure(rows=(1, 8), shape=(64, 128), working_set=1 << 20)
-    from sparrow import onednn
+    from sparrow.runtime import onednn
 
     assert set(record["costs"]) == {"float32", "bfloat16", "int8", "int4", "w8a8"} | (
         {hardware.ONEDNN} if onednn.available() else set())
@@ -328,7 +328,7 @@ def test_choose_draft_quant_without_a_measurement_or_on_cuda(monkeypatch):
 
 
 def test_draft_quant_auto_and_none_parse_for_drafts_only():
-    from sparrow.quantization import parse_quant, resolve_draft_quant
+    from sparrow.models.quantization import parse_quant, resolve_draft_quant
 
     assert parse_quant("AUTO", "draft_quant", auto=True) == "auto" and parse_quant("none", "d", auto=True) is None
     with pytest.raises(UserError, match=r"invalid quant 'auto': expected one of int8, int4, w8a8"):
@@ -364,7 +364,7 @@ def test_generate_drafts_with_the_format_auto_chose(monkeypatch, one_thread, mod
 def test_draft_quant_auto_keeps_a_draft_dense_where_the_kernel_takes_none_of_its_layers(monkeypatch):
     """auto never fails on a draft the chosen kernel cannot take (int4 needs in_features divisible by 128 on a
     CPU); asked for explicitly, the same format is refused."""
-    from sparrow.quantization import draft_format
+    from sparrow.models.quantization import draft_format
 
     machine(monkeypatch, BF16_CPU, F32_INT4)  # measured in float32, the layers' dtype
     odd = torch.nn.Sequential(torch.nn.Linear(96, 48), torch.nn.Linear(48, 96))
@@ -377,7 +377,7 @@ def test_draft_quant_auto_keeps_a_draft_dense_where_the_kernel_takes_none_of_its
                                                    ("draft-model", "auto")])
 def test_resolve_draft_quant_before_loading(monkeypatch, drafter, expected):
     from sparrow.drafters.registry import REGISTRY
-    from sparrow.quantization import resolve_draft_quant
+    from sparrow.models.quantization import resolve_draft_quant
 
     machine(monkeypatch, BF16_CPU, FAST_INT4)
     has_model = REGISTRY[drafter].takes_draft_model

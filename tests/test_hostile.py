@@ -181,7 +181,7 @@ def test_hostile_cli_input(model_dir, argv, code, match, kind, monkeypatch):
 
 
 def deep_inside_torch(error: BaseException):
-    """A stand-in for the decoding loop (sparrow.engine.speculative_decode) that fails with `error`."""
+    """A stand-in for the decoding loop (sparrow.decoding.engine.speculative_decode) that fails with `error`."""
 
     def decode(*args, **kwargs):
         raise error

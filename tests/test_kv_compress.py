@@ -8,12 +8,12 @@ import torch
 from vlm_models import KINDS, byte_tokenizer, moving_squares, tiny_processor, tiny_vlm
 
 from sparrow.drafters import build_drafter
-from sparrow.drafters.kv_compress import (SELECTORS, HybridKV, MMShiftKV, build_selector, covering_set,
+from sparrow.drafters.kv.compress import (SELECTORS, HybridKV, MMShiftKV, build_selector, covering_set,
                                           find_inv_freq, head_stability, rope_shift)
 from sparrow.drafters.visual_prune import visual_span
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
-from sparrow.runner import runner_for
+from sparrow.runtime.runner import runner_for
 from sparrow.vision.prompt import visual_token_positions
 from sparrow.vision.video import Video
 
@@ -174,7 +174,7 @@ def test_cli_draft_kv_policy_is_lossless(tmp_path):
 
 
 def test_configure_draft_kv_needs_a_sparse_drafter(vlm):
-    from sparrow.drafters.kv_compress import configure_draft_kv
+    from sparrow.drafters.kv.compress import configure_draft_kv
 
     with pytest.raises(ValueError, match="sparse drafter"):
         configure_draft_kv(build_drafter("visual-prune", vlm, None, 4), "hybridkv", 8)

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from conftest import tiny_gemma3, tiny_model
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters import build_drafter
 from sparrow.drafters.layer_skip import LayerSkipDrafter, SkipRecord, SkipSet, skipping_view
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
-from sparrow.tuning import AgreementProxy, CostModel, calibration_sequences, tune_layer_skip
+from sparrow.training.layer_skip import AgreementProxy, CostModel, calibration_sequences, tune_layer_skip
 from sparrow.types import Prompt
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is"]

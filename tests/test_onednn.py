@@ -1,4 +1,4 @@
-"""float32 linears through oneDNN (sparrow.onednn): the same model to float32 rounding, lossless speculative
+"""float32 linears through oneDNN (sparrow.runtime.onednn): the same model to float32 rounding, lossless speculative
 decoding on it, the fallbacks (training, other dtypes), and load_model routing only where the machine's
 measurement says oneDNN is faster (mocked both ways)."""
 
@@ -11,7 +11,8 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import perturbed, tiny_model, tiny_tokenizer
-from sparrow import hardware, onednn
+from sparrow.runtime import onednn
+from sparrow.runtime import hardware
 from sparrow.cli import app
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel, load_model
@@ -88,7 +89,7 @@ def test_subprocesses_never_read_this_machines_measurement():
     import subprocess
     import sys
 
-    code = ("from sparrow import hardware; print(hardware.cache_path(hardware.cache_key(hardware.cpu_info()))); "
+    code = ("from sparrow.runtime import hardware; print(hardware.cache_path(hardware.cache_key(hardware.cpu_info()))); "
             "print(hardware.choose_onednn('cpu')[1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].startswith(os.environ["SPARROW_HARDWARE_CACHE"]) and "no CPU measurement" in out[1]

@@ -14,11 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import sparrow
 from conftest import perturbed
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.models import LoadedModel
 from sparrow.drafters import build_drafter
 from sparrow.pipeline import Pipeline
-from sparrow import quantization as Q
+from sparrow.models import quantization as Q
 from sparrow.policy import CostCurve, LengthPolicy, best_length, expected_tokens, measure_cost_curve
 from sparrow.types import StepStats
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from sparrow import attention_capture
+from sparrow.runtime.attention import capture as attention_capture
 from sparrow import sampling as S
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters import REGISTRY, build_drafter
-from sparrow.drafters.kv_selection import TopKAttention, attention_scores, kept_positions
+from sparrow.drafters.kv.selection import TopKAttention, attention_scores, kept_positions
 from sparrow.drafters.sparse import SparseDrafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline

@@ -27,12 +27,12 @@ from typer.testing import CliRunner
 from conftest import CORPUS, VOCAB, tiny_model, tiny_tokenizer
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
-from sparrow.heads.data import CorpusSpec, build_corpus, is_held_out, load_corpus, save_corpus
+from sparrow.training.data import CorpusSpec, build_corpus, is_held_out, load_corpus, save_corpus
 from sparrow.heads.eagle import new_head
-from sparrow.heads.features import SHARD_SIZE, CacheIdentity, FeatureCache, target_identity
-from sparrow.heads.train import (Features, evaluate_head, extract_features, frequent_tokens, soft_cross_entropy,
+from sparrow.training.features import SHARD_SIZE, CacheIdentity, FeatureCache, target_identity
+from sparrow.training.heads import (Features, evaluate_head, extract_features, frequent_tokens, soft_cross_entropy,
                                  target_to_draft, train_head)
-from sparrow.heads.trainer import TrainSettings, read_log, read_state, resumed_head, run_training
+from sparrow.training.trainer import TrainSettings, read_log, read_state, resumed_head, run_training
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 
@@ -108,7 +108,7 @@ def test_corpus_is_deterministic_split_by_file_and_skips_benchmarks(target, corp
 def test_batched_self_distillation_gives_the_sequential_answers(target):
     """transformers' batched greedy generate over left-padded prompts of different lengths (float32) gives the
     answers sparrow's own plain decoding gives one prompt at a time."""
-    from sparrow.heads.data import self_distilled
+    from sparrow.training.data import self_distilled
 
     snippets = SNIPPETS[:5]
     one = self_distilled(target, snippets, 12)
@@ -385,8 +385,8 @@ def test_cli_trains_and_resumes_head_variants_that_decode_losslessly(variant, ta
 
 
 def test_every_head_variant_is_rebuilt_exactly_from_its_checkpoint(target, tmp_path):
-    from sparrow.heads.train import new_optimiser
-    from sparrow.heads.trainer import save_checkpoint
+    from sparrow.training.heads import new_optimiser
+    from sparrow.training.trainer import save_checkpoint
 
     shapes = {"gated-2": dict(arch="eagle3", fusion="gated", layers=2), "eagle1-2": dict(arch="eagle1", layers=2),
               "sparrow": dict(arch="sparrow", text_window=8, bridge_layer=1),

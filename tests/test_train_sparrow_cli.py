@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from conftest import tiny_model, tiny_tokenizer
 from vlm_models import moving_squares, save_tiny_vlm, write_frame_dir, write_mp4
 from sparrow.cli import app
-from sparrow.heads.trainer import read_log
+from sparrow.training.trainer import read_log
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,7 +59,7 @@ def targets(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture()
 def offline(monkeypatch, media):
-    import sparrow.heads.video_data as video_data
+    import sparrow.training.video_data as video_data
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(video_data, "OPENCV_SAMPLES", media["opencv"])
@@ -216,7 +216,7 @@ def test_cli_text_only_target_error_names_target_and_what_was_expected(targets, 
 
 
 def test_no_videos_and_no_opencv_samples_says_what_to_do(targets, offline, monkeypatch, tmp_path):
-    import sparrow.heads.video_data as video_data
+    import sparrow.training.video_data as video_data
 
     monkeypatch.setattr(video_data, "OPENCV_SAMPLES", tmp_path / "nothing-here")
     result = CliRunner().invoke(app, ["train", "head", "--out", str(tmp_path / "x"), "--arch", "sparrow",

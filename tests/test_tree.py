@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import tiny_gemma3, tiny_model
-from sparrow.cached_model import CachedModel
-from sparrow.engine import score
-from sparrow.runner import runner_for
+from sparrow.runtime.cached_model import CachedModel
+from sparrow.decoding.engine import score
+from sparrow.runtime.runner import runner_for
 from sparrow.tree import TreeLayout, ancestor_mask, chain_parents, depths, merge_paths, on_first_branch, path_to
 from sparrow.types import Draft, Prompt
 

@@ -68,7 +68,7 @@ from sparrow.drafters import build_drafter  # noqa: E402
 from sparrow.drafters.visual_prune import PrunedView, pruned_decoder_inputs  # noqa: E402
 from sparrow.models import LoadedModel  # noqa: E402
 from sparrow.pipeline import Pipeline  # noqa: E402
-from sparrow.runner import runner_for  # noqa: E402
+from sparrow.runtime.runner import runner_for  # noqa: E402
 from sparrow.types import Prompt  # noqa: E402
 from sparrow.vision.prompt import visual_token_positions  # noqa: E402
 from sparrow.vision.video import Video  # noqa: E402

@@ -25,20 +25,20 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from sparrow.baseline import plain_decode
-from sparrow.batch import Generation, fork_drafter
+from sparrow.decoding.baseline import plain_decode
+from sparrow.decoding.batch import Generation, fork_drafter
 from sparrow.config import (SamplingConfig, StoppingConfig, check_max_new_tokens, check_seed, check_temperature,
                             check_top_k, check_top_p)
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.registry import REGISTRY, build_drafter, check_drafter_args
-from sparrow.engine import speculative_decode
+from sparrow.decoding.engine import speculative_decode
 from sparrow.errors import UserError
 from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from sparrow.noise import PositionalNoise
 from sparrow.policy import follow_cost_curve
-from sparrow.quantization import AUTO, check_quant_args, draft_format, quantized_copy, resolve_draft_quant
-from sparrow.runner import runner_for
+from sparrow.models.quantization import AUTO, check_quant_args, draft_format, quantized_copy, resolve_draft_quant
+from sparrow.runtime.runner import runner_for
 from sparrow.stopping import OnText, Stopper
 from sparrow.text import clean_text
 from sparrow.types import GenerationResult, GenerationStats, Prompt
@@ -63,7 +63,7 @@ class Pipeline:
     def __init__(self, target: LoadedModel, drafter: Drafter | None, verifier: str = "auto",
                  compiled: bool = False) -> None:
         """compiled: the target, and a draft-model / quantized-self drafter's draft, run on a static KV cache
-        with torch.compile'd steps (`sparrow.compiled`); one generation at a time (no `sequence`)."""
+        with torch.compile'd steps (`sparrow.runtime.compiled`); one generation at a time (no `sequence`)."""
         self.target = target
         self.compiled = compiled
         self.runner = runner_for(target.model, compiled)
@@ -179,7 +179,7 @@ class Pipeline:
 
     def sequence(self, prompt: PromptInput, *, on_text: OnText | None = None, plain: bool = False,
                  **options) -> Generation:
-        """A generation to run in a `sparrow.batch.Batch` (the same options as `generate`): its own cache over
+        """A generation to run in a `sparrow.decoding.batch.Batch` (the same options as `generate`): its own cache over
         the target, and a copy of the drafter that shares its models (None with plain=True). Give it back with
         `release` once it finished; `result` turns it into a GenerationResult."""
         unknown = sorted(set(options) - set(self.OPTIONS))
@@ -312,10 +312,10 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
 
     quant: int8 | int4 weight-only or w8a8 (CPU) target (lossless only relative to the quantized target).
     draft_quant: int8 | int4 | w8a8 draft model, or the format of the "quantized-self" copy (default int4);
-    "auto": the format this machine measured fastest for one draft row (sparrow.hardware.choose_draft_quant;
+    "auto": the format this machine measured fastest for one draft row (sparrow.runtime.hardware.choose_draft_quant;
     a dense draft where none pays, and for drafters without a draft model).
     compile: static KV cache and torch.compile'd decode / verify steps for the target and the draft of
-    draft-model / quantized-self (`sparrow.compiled`; text LMs without sliding-window layers).
+    draft-model / quantized-self (`sparrow.runtime.compiled`; text LMs without sliding-window layers).
     """
     if not isinstance(compile, bool):
         raise UserError(f"compile must be True or False, got {compile!r}")
@@ -358,7 +358,7 @@ def _build(target: LoadedModel, drafter: str, draft: LoadedModel | None, num_dra
 def _compile_draft_runner(drafter: Drafter | None) -> None:
     """Give a draft-model / quantized-self drafter a compiled runner over its draft (its reduced-head view,
     if any) unless the draft is w8a8; other drafters keep running their forwards eagerly."""
-    from sparrow.compiled import traceable
+    from sparrow.runtime.compiled import traceable
     from sparrow.drafters.draft_model import DraftModelDrafter
 
     if isinstance(drafter, DraftModelDrafter) and traceable(drafter.draft.model):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.timing import now
 from sparrow.types import Prompt, StepStats
 from sparrow.errors import UserError

@@ -36,8 +36,8 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
     from sparrow.bench.runner import BenchConfig, Runner
     from sparrow.drafters.registry import check_drafter_args
     from sparrow.models import resolve_device, resolve_dtype
-    from sparrow.hardware import choose_draft_quant
-    from sparrow.quantization import check_quant_args, parse_quant
+    from sparrow.runtime.hardware import choose_draft_quant
+    from sparrow.models.quantization import check_quant_args, parse_quant
 
     # Cheap checks first: a typo fails before minutes of model loading.
     method_list = parse_methods(methods or default_methods(quick))
@@ -78,7 +78,7 @@ def load_models(config, progress: bool = True):
     """The target (quantized once when asked) and only the drafts some method needs."""
     from sparrow.bench.runner import Models
     from sparrow.models import load_model
-    from sparrow.quantization import quantized_copy
+    from sparrow.models.quantization import quantized_copy
 
     def load(name: str | None):
         return load_model(name, dtype=config.dtype, device=config.device, progress=progress) if name else None

@@ -23,7 +23,7 @@ from sparrow.bench.data import Question
 from sparrow.bench.methods import (PLAIN, baseline_of, is_peer, needs_cross_draft, needs_draft,
                                    needs_same_vocabulary, parse_methods)
 from sparrow.bench.peers import run_peer
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.drafters.registry import REGISTRY
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline

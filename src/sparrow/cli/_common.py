@@ -43,7 +43,7 @@ Command = TypeVar("Command", bound=Callable)
 
 
 class DType(str, Enum):
-    auto = "auto"  # what this machine runs fastest (sparrow.hardware.choose_dtype; `sparrow doctor` shows it)
+    auto = "auto"  # what this machine runs fastest (sparrow.runtime.hardware.choose_dtype; `sparrow doctor` shows it)
     bfloat16 = "bfloat16"
     float32 = "float32"
     float16 = "float16"

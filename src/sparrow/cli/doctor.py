@@ -1,5 +1,5 @@
 """`sparrow doctor`: what sparrow detected on this machine, the measured per-token costs, and what `--dtype auto`
-and `--draft-quant auto` pick and why (the work: sparrow.hardware)."""
+and `--draft-quant auto` pick and why (the work: sparrow.runtime.hardware)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def doctor(
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
 ) -> None:
     """Show the device, CPU features, versions and measured costs, and what --dtype auto picks and why."""
-    from sparrow import hardware
+    from sparrow.runtime import hardware
     from sparrow.models import resolve_device
 
     dev = resolve_device(device)
@@ -52,7 +52,7 @@ def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any,
     """The JSON record of `sparrow doctor`."""
     import torch
 
-    from sparrow import hardware
+    from sparrow.runtime import hardware
 
     cuda = hardware.cuda_info(dev) if dev.type == "cuda" else None
     benchmark = None
@@ -78,7 +78,7 @@ def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any,
 
 def table(record: dict[str, Any]) -> Table:
     """The human-readable table of a `doctor` record."""
-    from sparrow import hardware
+    from sparrow.runtime import hardware
 
     cpu, versions, threads = record["cpu"], record["versions"], record["threads"]
     out = Table(show_header=False, box=None)

@@ -213,7 +213,7 @@ def tree_options(budget: str, topk: int, depth: int) -> dict[str, int | str]:
 
 def draft_vocab_options(drafter: str, value: str) -> dict[str, int | str]:
     """Validate --draft-vocab; the drafter option it turns into ({} for the full vocabulary)."""
-    from sparrow.draft_vocab import parse_draft_vocab
+    from sparrow.drafters.vocab import parse_draft_vocab
 
     size = parse_draft_vocab(value, "--draft-vocab")
     if size is None:
@@ -227,7 +227,7 @@ def draft_vocab_options(drafter: str, value: str) -> dict[str, int | str]:
 
 def draft_vocab_record(drafter: Any) -> int | None:
     """The JSON `draft_vocab` of a run: tokens the draft scored (None: the full vocabulary)."""
-    from sparrow.draft_vocab import DraftVocab
+    from sparrow.drafters.vocab import DraftVocab
 
     vocab = getattr(drafter, "vocab", None)
     return len(vocab) if isinstance(vocab, DraftVocab) else None
@@ -238,7 +238,7 @@ def video_drafter_options(drafter: str, verify: str, drop_rate: float | None, dr
     """Validate --verify/--drop-rate/--draft-kv/--draft-kv-budget/--retrieve-every; the drafter options they
     turn into. Draft-side KV policies apply to drafters keeping a visual KV of their own: sparse (a selection of
     the target's), visual-prune and draft-model (a draft VLM's own cache, drafters/draft_kv.py)."""
-    from sparrow.drafters.kv_compress import SELECTORS
+    from sparrow.drafters.kv.compress import SELECTORS
     from sparrow.drafters.visual_prune import visual_budget
     from sparrow.verifiers import VERIFIERS
 

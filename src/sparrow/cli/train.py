@@ -12,7 +12,7 @@ head reads the target's KV at anchor-offset positions drawn each step, so it run
 `--arch sparrow` (Video-LLM targets: a Qwen2.5-VL or LLaVA-OneVision directory) trains a Sparrow head
 (`sparrow.heads.sparrow_head`: no visual KV, a window of text rows, the target's hidden states reused, visual rows
 bridged to an intermediate layer while training, multi-token prediction) on videos instead of the text corpus
-(`sparrow.heads.video_data`): each of `--videos` (default: Debian's opencv-doc sample videos), `--frames` frames
+(`sparrow.training.video_data`): each of `--videos` (default: Debian's opencv-doc sample videos), `--frames` frames
 sampled uniformly, asked a fixed set of generic questions; the answers are the target's own greedy continuations
 (OUT/video_corpus.json, kept as they come), a share of the (video, question) pairs is held out. Features are
 computed in memory (no feature cache: full logits over a video's positions); training, checkpoints, the time budget,
@@ -90,8 +90,8 @@ def head(
     """Train a draft head on the target's own outputs: EAGLE-3 (FR-Spec draft vocabulary, training-time test),
     EAGLE-1, Dovetail's gated / deeper variants, a LongSpec head, or (Video-LLM targets) a Sparrow head trained on
     the target's answers about --videos; checkpoints, resume, held-out evaluation."""
-    from sparrow.heads.data import CorpusSpec, default_roots
-    from sparrow.heads.trainer import TrainSettings, read_state
+    from sparrow.training.data import CorpusSpec, default_roots
+    from sparrow.training.trainer import TrainSettings, read_state
 
     started = time.monotonic()
     deadline = None if time_budget is None else started + time_budget
@@ -283,8 +283,8 @@ def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume
     """`sparrow train head --arch sparrow`: checks before any model loads, then a _SparrowRun."""
     from dataclasses import replace
 
-    from sparrow.heads.trainer import TrainSettings
-    from sparrow.heads.video_data import VideoSpec, default_videos, stored_spec, video_sources
+    from sparrow.training.trainer import TrainSettings
+    from sparrow.training.video_data import VideoSpec, default_videos, stored_spec, video_sources
 
     if resume:
         assert state is not None
@@ -368,7 +368,7 @@ class _Run:
     # --- stages -------------------------------------------------------------------------------------------
 
     def corpus(self, loaded: Any) -> Any:
-        from sparrow.heads.data import build_corpus, load_corpus, save_corpus
+        from sparrow.training.data import build_corpus, load_corpus, save_corpus
 
         corpus = load_corpus(self.spec, self.out)
         if corpus is not None:
@@ -389,7 +389,7 @@ class _Run:
         import torch
 
         from sparrow.heads.eagle import new_head
-        from sparrow.heads.trainer import resumed_head
+        from sparrow.training.trainer import resumed_head
 
         model = loaded.model
         device = next(model.parameters()).device
@@ -406,14 +406,14 @@ class _Run:
     def draft_vocabulary(self, loaded: Any, sequences: Any) -> Any:
         """FR-Spec: the target ids of the draft vocabulary, the --draft-vocab (default DEFAULT_DRAFT_VOCAB, at most
         the target's vocabulary) most frequent tokens of `sequences` ([n] target ids each), EOS ids included."""
-        from sparrow.heads.train import frequent_tokens
+        from sparrow.training.heads import frequent_tokens
 
         vocab = loaded.model.get_output_embeddings().weight.shape[0]
         size = min(self.draft_vocab or DEFAULT_DRAFT_VOCAB, vocab)
         return frequent_tokens(sequences, size, vocab, always=sorted(i for i in loaded.eos_token_ids() if 0 <= i < vocab))
 
     def extract(self, loaded: Any, head: Any, corpus: Any) -> tuple[Any, Any]:
-        from sparrow.heads.features import CacheIdentity, FeatureCache, target_identity
+        from sparrow.training.features import CacheIdentity, FeatureCache, target_identity
 
         if self.arch == "longspec":  # it reads the target's KV at positions drawn each step: no feature cache
             return corpus.train, corpus.held_out
@@ -439,7 +439,7 @@ class _Run:
         return views[0], views[1]
 
     def train(self, head: Any, train: Any, held_out: Any) -> Any:
-        from sparrow.heads.trainer import run_training
+        from sparrow.training.trainer import run_training
 
         start_step = int(self.state["step"]) if self.state is not None else 0
         with self.bars() as bars:
@@ -460,8 +460,8 @@ class _Run:
         return outcome
 
     def finish(self, loaded: Any, head: Any, held_out: Any, outcome: Any, corpus: Any) -> None:
-        from sparrow.heads.train import evaluate_head
-        from sparrow.heads.trainer import LOG, read_log
+        from sparrow.training.heads import evaluate_head
+        from sparrow.training.trainer import LOG, read_log
 
         c = head.config
         if not len(held_out):
@@ -494,7 +494,7 @@ class _Run:
                  use: str, held_out: str) -> None:
         """eval.json and the plot written; where the head is and how it did on the held-out set said; the
         report printed as one JSON line."""
-        from sparrow.heads.plot import plot_training
+        from sparrow.training.plot import plot_training
 
         (self.out / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
         if rows:
@@ -520,7 +520,7 @@ class _SparrowRun(_Run):
     def go(self, dtype: str, device: str | None) -> None:
         from dataclasses import replace
 
-        from sparrow.heads.video_data import load_answers, read_videos, sample_features, self_distilled_answers
+        from sparrow.training.video_data import load_answers, read_videos, sample_features, self_distilled_answers
         from sparrow.models import load_model
 
         spec = self.spec
@@ -570,7 +570,7 @@ class _SparrowRun(_Run):
         import torch
 
         from sparrow.heads.eagle import new_head
-        from sparrow.heads.trainer import resumed_head
+        from sparrow.training.trainer import resumed_head
 
         model = loaded.model
         device = next(model.parameters()).device
@@ -588,7 +588,7 @@ class _SparrowRun(_Run):
 
     def finish_sparrow(self, head: Any, train: Any, held_out: Any, outcome: Any, samples: Any) -> None:
         from sparrow.heads.sparrow_head import evaluate_sparrow, spec_of
-        from sparrow.heads.trainer import LOG, read_log
+        from sparrow.training.trainer import LOG, read_log
 
         c, sparrow = head.config, spec_of(head)
         evaluation = evaluate_sparrow(head, held_out, self.settings.ttt_steps) if held_out else None
@@ -700,8 +700,8 @@ def _stored_run(out: Path, state: dict[str, Any], steps: int | None) -> tuple[An
     """The corpus spec and settings of the run in `out` (--steps, when given, replaces its step count)."""
     from dataclasses import replace
 
-    from sparrow.heads.data import CorpusSpec
-    from sparrow.heads.trainer import TrainSettings
+    from sparrow.training.data import CorpusSpec
+    from sparrow.training.trainer import TrainSettings
 
     meta = out / "corpus.json"
     if not meta.is_file():

@@ -1,4 +1,4 @@
-"""`sparrow tune`: tune drafters for a target on this machine (the search itself: sparrow.tuning)."""
+"""`sparrow tune`: tune drafters for a target on this machine (the search itself: sparrow.training.layer_skip)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def layer_skip(
 
     from sparrow.drafters.layer_skip import user_record_path
     from sparrow.models import load_model
-    from sparrow.tuning import CALIBRATION_PROMPTS, tune_layer_skip
+    from sparrow.training.layer_skip import CALIBRATION_PROMPTS, tune_layer_skip
 
     check_int("-k/--num-draft-tokens", k, 1)
     check_int("--new-tokens", new_tokens, 2)  # agreement is measured on the tokens after the first

@@ -52,9 +52,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.draft_vocab import DraftVocab, resolve_draft_vocab
+from sparrow.drafters.vocab import DraftVocab, resolve_draft_vocab
 from sparrow.drafters.base import watching_prefill
 from sparrow.drafters.cross_vocab import CrossVocabDrafter
 from sparrow.drafters.draft_model import DraftModelDrafter

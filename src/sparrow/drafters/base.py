@@ -7,7 +7,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.noise import Randomness
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict

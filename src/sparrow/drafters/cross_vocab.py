@@ -39,13 +39,13 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.dtw import carry_confidence, dtw_path, target_to_source
 from sparrow.drafters.token_bytes import TokenBytes, valid_utf8_prefix
 from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy
-from sparrow.runner import runner_for
+from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 from sparrow.errors import UserError
 

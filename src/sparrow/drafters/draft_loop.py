@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from sparrow import sampling as S
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.noise import Randomness, at
 from sparrow.policy import LengthPolicy
@@ -34,7 +34,7 @@ Step = Callable[[Tensor, int], Tensor]
 class Forward:
     """A draft forward a drafter asks for: `tokens` ([n] int64) appended to `runner`'s cache. Whoever runs it
     answers with the [vocab] logits of its last row: alone (`run`), or batched with other sequences' forwards
-    of the same model (`sparrow.batch`)."""
+    of the same model (`sparrow.decoding.batch`)."""
 
     runner: CachedModel
     tokens: Tensor

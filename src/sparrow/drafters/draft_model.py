@@ -15,15 +15,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.draft_vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
+from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
 from sparrow.drafters.draft_loop import DraftSteps, Forward, draft_chain, drive
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy, TreePolicy
-from sparrow.runner import runner_for
+from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 from sparrow.errors import UserError
 
@@ -43,7 +43,7 @@ class DraftModelDrafter:
                  vocab: DraftVocab | None = None) -> None:
         """tree: draft an EAGLE-2 dynamic tree of that shape each round instead of a chain of k tokens
         (the drafter's name then ends in "+tree"). name: "quantized-self" for the int4 copy of the target.
-        vocab: score only these target ids (FR-Spec; sparrow.draft_vocab), through a reduced-head view."""
+        vocab: score only these target ids (FR-Spec; sparrow.drafters.vocab), through a reduced-head view."""
         if draft.vocab_size != target_vocab_size:
             raise UserError(
                 f"draft model vocabulary ({draft.vocab_size} tokens) does not match the target's "
@@ -144,7 +144,7 @@ def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adapti
     draft_vocab: N (or "auto", or a DraftVocab): the draft scores only the N most frequent target tokens.
     draft_kv / draft_kv_budget / retrieve_every: a VLM draft keeps only a budget of its visual KV, chosen by
     a policy (topk, mm-shiftkv, hybridkv; drafters/draft_kv.py)."""
-    from sparrow.drafters.draft_kv import draft_kv_config, with_draft_kv
+    from sparrow.drafters.kv.draft_kv import draft_kv_config, with_draft_kv
 
     kv_config = draft_kv_config(draft_kv, draft_kv_budget, retrieve_every)  # validated before any measuring
     target_runner, draft_runner = runner_for(target.model), runner_for(draft.model)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_loop import draft_chain, drive
@@ -38,7 +38,7 @@ from sparrow.heads.link import DeviceLink
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy, TreePolicy
-from sparrow.runner import runner_for
+from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 

@@ -23,7 +23,7 @@ sub-layer adds nothing to the residual stream, so the hidden state passes throug
 * Lossless sampling: at temperature > 0 drafts are sampled from q and q is returned; greedy
   drafts are argmax (Draft.probs None, the q = 1 rule).
 
-Skip sets are found per model by `sparrow tune layer-skip` (sparrow.tuning) and stored as small
+Skip sets are found per model by `sparrow tune layer-skip` (sparrow.training.layer_skip) and stored as small
 JSON records (`SkipRecord`); tuned sets for presets ship in `sparrow/skip_sets/<preset>.json`.
 """
 
@@ -42,16 +42,16 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from sparrow.cached_model import CachedModel, _text_config, additive_mask
+from sparrow.runtime.cached_model import CachedModel, _text_config, additive_mask
 from sparrow.config import GREEDY, SamplingConfig
-from sparrow.draft_vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
+from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
 from sparrow.models.presets import default_cache_dir
 from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy
-from sparrow.runner import runner_for
+from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 from sparrow.errors import UserError
 
@@ -341,7 +341,7 @@ class LayerSkipDrafter:
                  backoff: bool | None = None, enabled: bool = True, sample_drafts: bool = True,
                  tree: TreeShape | None = None, vocab: DraftVocab | None = None) -> None:
         """tree: draft an EAGLE-2 dynamic tree through the skipping view (models without sliding-window layers).
-        vocab: the view's LM head scores only these ids (FR-Spec; sparrow.draft_vocab)."""
+        vocab: the view's LM head scores only these ids (FR-Spec; sparrow.drafters.vocab)."""
         if tree is not None and "sliding_attention" in (getattr(_text_config(model.config), "layer_types", None) or ()):
             raise UserError("layer-skip: tree drafts need a model without sliding-window layers (use a chain)")
         self.tree = tree

@@ -27,13 +27,13 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from sparrow.attention_capture import QueryCapture
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.attention.capture import QueryCapture
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.drafters.chunk_retrieval import ChunkRetrieval, RetrievalSlots
+from sparrow.drafters.kv.chunk_retrieval import ChunkRetrieval, RetrievalSlots
 from sparrow.drafters.draft_loop import autoregressive_draft
-from sparrow.drafters.kv_compress import HybridKV
-from sparrow.drafters.kv_selection import (KVSelector, TopKAttention, candidate_span, check_budget, kept_positions,
+from sparrow.drafters.kv.compress import HybridKV
+from sparrow.drafters.kv.selection import (KVSelector, TopKAttention, candidate_span, check_budget, kept_positions,
                                            resolve_budget)
 from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy
@@ -191,7 +191,8 @@ def build(target, draft: None, num_draft_tokens: int, adaptive: bool, budget: in
     """Registry builder for "sparse" (`target` is a LoadedModel). For a VLM the span defaults to the
     visual tokens (Sparse-to-Dense); `draft_kv` names a selection policy (topk, mm-shiftkv, hybridkv),
     `draft_kv_budget` overrides `budget`, and `retrieve_every` (hybridkv) re-chooses chunks every R rounds."""
-    from sparrow.drafters import kv_compress, visual_prune
+    from sparrow.drafters import visual_prune
+    from sparrow.drafters.kv import compress as kv_compress
 
     if span is None and getattr(target.model.config, "vision_config", None) is not None:
         span = visual_prune.visual_span(target.model.config)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from sparrow import sampling as S
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.policy import measure_cost_curve
 from sparrow.types import Draft

@@ -38,12 +38,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparrow.attention_capture import QueryCapture
-from sparrow.cached_model import CachedModel
-from sparrow.drafters.draft_kv import DraftKVConfig, draft_kv_config, with_draft_kv
+from sparrow.runtime.attention.capture import QueryCapture
+from sparrow.runtime.cached_model import CachedModel
+from sparrow.drafters.kv.draft_kv import DraftKVConfig, draft_kv_config, with_draft_kv
 from sparrow.drafters.draft_model import DraftModelDrafter
-from sparrow.drafters.kv_selection import attention_scores
-from sparrow.runner import runner_for
+from sparrow.drafters.kv.selection import attention_scores
+from sparrow.runtime.runner import runner_for
 from sparrow.types import Prompt, TargetOutput
 from sparrow.vision.prompt import visual_token_positions
 from sparrow.errors import UserError

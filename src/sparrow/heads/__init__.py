@@ -1,10 +1,8 @@
-"""Trained draft heads that read the target's hidden states (EAGLE-1/3) or KV cache: the modules, their checkpoint
-layout, training; the seeds' variants: Dovetail's gated fusion and deeper heads (heads.fusion), LongSpec
-(heads.longspec), Sparrow for Video-LLMs (heads.sparrow_head)."""
+"""Trained draft heads that read the target's hidden states (EAGLE-1/3) or KV cache: the modules and their
+checkpoint layout; the seeds' variants: Dovetail's gated fusion and deeper heads (heads.fusion), LongSpec
+(heads.longspec), Sparrow for Video-LLMs (heads.sparrow_head). Training lives in `sparrow.training`."""
 
 from sparrow.heads.eagle import EagleHead, HeadConfig, TargetParts, new_head
 from sparrow.heads.layout import default_head_dir, load_head, save_head
-from sparrow.heads.train import TrainReport, extract_features, train_head
 
-__all__ = ["EagleHead", "HeadConfig", "TargetParts", "TrainReport", "default_head_dir", "extract_features", "load_head", "new_head",
-           "save_head", "train_head"]
+__all__ = ["EagleHead", "HeadConfig", "TargetParts", "default_head_dir", "load_head", "new_head", "save_head"]

@@ -10,7 +10,7 @@ One decoder layer over the token embeddings (the target's, frozen), in three sub
    attend to nothing;
 3. the MLP, then `norm` and the target's own LM head (shared, frozen), predicting x[t + 1].
 
-Training (`train_longspec`) runs the target and the head at anchor-offset positions (sparrow.heads.train:
+Training (`train_longspec`) runs the target and the head at anchor-offset positions (sparrow.training.heads:
 `anchor_offset_positions`): a few sink positions stay, the rest shift by a random large offset, so short text
 teaches the positions of long contexts. Rows are trained at random lags 0 .. max_lag - 1 (the draft depths).
 
@@ -37,7 +37,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from sparrow.errors import UserError
 from sparrow.heads.eagle import TargetParts
 from sparrow.heads.layers import MLP, Attention, RMSNorm, _rotate, init_parameters
-from sparrow.heads.train import (Evaluation, StepResult, TrainReport, anchor_offset_positions, draw_batch,
+from sparrow.training.heads import (Evaluation, StepResult, TrainReport, anchor_offset_positions, draw_batch,
                                  new_optimiser)
 
 ARCHITECTURE = "SparrowLongSpecHead"

@@ -16,7 +16,7 @@ The head is an EAGLE-3 head (`sparrow.heads.eagle`; same tensors, so it saves in
   (EAGLE-3's training-time test), the exposure bias Sparrow's MTP addresses.
 
 From Python: `train_sparrow` on `video_features`; from the command line, `sparrow train head --arch sparrow` (the
-target's answers about videos: `sparrow.heads.video_data`; steps: `sparrow_step` in `sparrow.heads.trainer`).
+target's answers about videos: `sparrow.training.video_data`; steps: `sparrow_step` in `sparrow.training.trainer`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from transformers import DynamicCache
 from sparrow.errors import UserError
 from sparrow.heads.eagle import EagleHead, new_head
 from sparrow.heads.longspec import window_mask
-from sparrow.heads.train import Evaluation, StepResult, TrainReport
+from sparrow.training.heads import Evaluation, StepResult, TrainReport
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def _on_device(f: VideoFeatures, device: torch.device) -> VideoFeatures:
 def sparrow_step(head: EagleHead, optimiser: torch.optim.Optimizer, batch: Sequence[VideoFeatures], ttt_steps: int,
                  decay: float = 0.8, clip: float = 0.5, bridge_weight: float = 0.5) -> StepResult:
     """One AdamW step on the mean Sparrow loss of `batch` (gradients clipped to norm `clip`): the step of
-    `sparrow.heads.trainer.run_training` for a Sparrow head."""
+    `sparrow.training.trainer.run_training` for a Sparrow head."""
     head.train()
     optimiser.zero_grad(set_to_none=True)
     device = head.fc.weight.device

@@ -90,11 +90,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = 
     """Map a dtype name (or a supported ``torch.dtype``) to a ``torch.dtype``.
 
     ``"auto"``: the fastest exact-enough dtype for ``device`` (resolved as ``resolve_device`` does) on this
-    machine, from its features and a short cached micro-benchmark: see ``sparrow.hardware.choose_dtype``."""
+    machine, from its features and a short cached micro-benchmark: see ``sparrow.runtime.hardware.choose_dtype``."""
     if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype.strip().lower() == AUTO_DTYPE:
-        from sparrow.hardware import choose_dtype
+        from sparrow.runtime.hardware import choose_dtype
 
         return choose_dtype(resolve_device(device))[0]
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
@@ -375,9 +375,9 @@ def load_model(
         model = model.to(dev).eval()  # already there when loaded in place (see _placement): a no-op
         processor = tokenizer if isinstance(tokenizer, ProcessorMixin) else None  # a VLM (see _from_dir)
         tokenizer = processor.tokenizer if processor is not None else tokenizer
-        from sparrow import decode_attention
-        from sparrow.hardware import choose_onednn
-        from sparrow.onednn import route_linears
+        from sparrow.runtime.attention import decode as decode_attention
+        from sparrow.runtime.hardware import choose_onednn
+        from sparrow.runtime.onednn import route_linears
 
         decode_attention.use(model)  # one-row decoding steps without torch's slow single-row CPU kernel
         kernel = ""

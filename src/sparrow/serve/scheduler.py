@@ -2,7 +2,7 @@
 then decodes them in batches and reports each request's progress as events.
 
 The HTTP layer (`sparrow.serve.app`) only submits `Job`s and reads their events on its event loop; it never
-touches the pipeline. Continuous batching (`sparrow.batch`): between two steps, waiting jobs join the batch (up
+touches the pipeline. Continuous batching (`sparrow.decoding.batch`): between two steps, waiting jobs join the batch (up
 to `max_batch`) and finished ones leave; each step drafts for every running job and verifies all drafts in one
 target forward, and the draft budget shrinks as the batch grows (`BatchPolicy`). Models batching does not
 support (sliding-window layers, M-RoPE VLMs) run one job at a time.
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparrow.batch import Batch, BatchPolicy, Generation, measure_batch_cost, supports_batching
+from sparrow.decoding.batch import Batch, BatchPolicy, Generation, measure_batch_cost, supports_batching
 from sparrow.errors import UserError
 from sparrow.locks import holding
 from sparrow.pipeline import Pipeline

@@ -1,6 +1,6 @@
 """Video-LLM support: video/image reading, processor inputs -> Prompt, and the VLM CachedModel subclasses."""
 
-from sparrow.vision.cached import (MRopeCachedModel, VisionCachedModel, cached_model_class, has_mrope, is_vlm,
+from sparrow.runtime.vision import (MRopeCachedModel, VisionCachedModel, cached_model_class, has_mrope, is_vlm,
                                    mrope_positions)
 from sparrow.vision.prompt import (build_prompt, supports_images, supports_video, visual_token_ids,
                                    visual_token_positions)

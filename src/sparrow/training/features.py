@@ -3,7 +3,7 @@
 A cache is a directory: `manifest.json` and shards `shard-00000.safetensors`, ... Shard s holds sequences
 s * shard_size .. (s + 1) * shard_size - 1, each as four tensors `{i}.tokens` [n] int64, `{i}.hidden`
 [n, fused_width] in the target's dtype, `{i}.label_ids` [n, k] int64 and `{i}.label_logprobs` [n, k] float32
-(`sparrow.heads.train.Features`). The manifest names what made it: the target (name, shapes, dtype and a
+(`sparrow.training.heads.Features`). The manifest names what made it: the target (name, shapes, dtype and a
 fingerprint of its embedding and LM head weights), the layers read, k, and per shard a digest of its token
 ids. A cache made by another target, other layers or another k is refused; a shard whose tokens differ from
 the corpus now given is refused (the corpus changed); missing shards are extracted, so an interrupted
@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from sparrow.errors import UserError
-from sparrow.heads.train import DEFAULT_TOP_K, Features, features_of
+from sparrow.training.heads import DEFAULT_TOP_K, Features, features_of
 
 MANIFEST = "manifest.json"
 SHARD_SIZE = 16  # sequences per shard: the unit of resumption

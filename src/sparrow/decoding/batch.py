@@ -6,7 +6,7 @@
 
 Each `Generation` is one generation with its own KV cache (a `CachedModel` over the shared model), its own
 drafter (a fork of the pipeline's that shares its models), verifier, sampling randomness and Stopper, so it
-runs exactly the rounds it would run alone: the engine's loop (`sparrow.engine`) with only the scoring forward
+runs exactly the rounds it would run alone: the engine's loop (`sparrow.decoding.engine`) with only the scoring forward
 shared. That forward (`forward_batch`, `score_batch` for targets) pads the ragged inputs [last token, *draft] of
 all sequences to one [B, Q] batch; a cache view (`BatchedKV`) appends each row's new keys to its own cache and
 hands attention the rows' caches padded to one length, with a 4-D mask in which row b sees its own cached prefix
@@ -35,7 +35,7 @@ from torch import Tensor
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, PretrainedConfig
 
 from sparrow import sampling as S
-from sparrow.cached_model import CachedModel, additive_mask
+from sparrow.runtime.cached_model import CachedModel, additive_mask
 from sparrow.config import SamplingConfig
 from sparrow.drafters.base import Drafter, watching_prefill
 from sparrow.drafters.draft_loop import DraftSteps, Forward
@@ -123,7 +123,7 @@ def _why_not_batched(model: PreTrainedModel) -> str | None:
 def score_batch(model: PreTrainedModel, seqs: list[Generation], drafts: list[Draft],
                 hidden_layers: tuple[int, ...] = ()) -> list[TargetOutput]:
     """One target forward over every sequence's [last committed token, *draft] -> per sequence [n_b + 1] rows
-    (the same rows `sparrow.engine.score` gives for it alone)."""
+    (the same rows `sparrow.decoding.engine.score` gives for it alone)."""
     assert len(seqs) == len(drafts) > 0
     device = seqs[0].target.device
     inputs = [torch.cat([seq.committed[-1:], draft.tokens.to(device)]) for seq, draft in zip(seqs, drafts)]

@@ -3,7 +3,7 @@
 Each training video is read once (`sparrow.vision.video.read_video`: `frames` frames sampled uniformly, their real
 timing kept) and paired with each of a small fixed set of generic questions (QUESTIONS: describe, what happens,
 list the objects, ...). The answer of a (video, question) pair is the target's own greedy continuation of the
-prompt its processor builds (chat template, visual placeholders expanded), as `sparrow.heads.data.self_distilled`
+prompt its processor builds (chat template, visual placeholders expanded), as `sparrow.training.data.self_distilled`
 does for text: the head learns the target's distribution on the target's own outputs. Answers are the expensive
 part; they are kept in OUT/video_corpus.json after each one (with the spec they were made for), so a run stopped
 by its time budget, or resumed, does not answer again.

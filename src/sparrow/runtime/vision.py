@@ -1,6 +1,6 @@
 """CachedModel subclasses for vision-language models: visual prefill and the model's real positions.
 
-`sparrow.runner.runner_for(model)` picks the class (see `cached_model_class`), so the engine, the baseline
+`sparrow.runtime.runner.runner_for(model)` picks the class (see `cached_model_class`), so the engine, the baseline
 and model-backed drafters need no change:
 
 * `VisionCachedModel` (LLaVA-OneVision and other 1-D-position VLMs): moves the prompt's pixel inputs to
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import Prompt, TargetOutput
 
 VISUAL_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",

@@ -7,7 +7,7 @@ from typing import Any
 
 
 def plot_training(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
-    """A PNG of a run's log rows (`sparrow.heads.trainer.read_log`): left, the training and held-out loss;
+    """A PNG of a run's log rows (`sparrow.training.trainer.read_log`): left, the training and held-out loss;
     right, held-out top-1 agreement at each draft depth and the expected tokens per round (right axis)."""
     import matplotlib
 

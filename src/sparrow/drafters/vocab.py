@@ -282,7 +282,7 @@ def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
 
 def _project(head: nn.Module, ids: Tensor) -> nn.Module:
     """The rows `ids` of `head` as a layer of the same kind (a weight-only quantized head stays quantized)."""
-    from sparrow.quantization import DynamicInt8Linear, QuantizedLinear, kernel_takes
+    from sparrow.models.quantization import DynamicInt8Linear, QuantizedLinear, kernel_takes
 
     if isinstance(head, DynamicInt8Linear):  # the int8 rows and their scales: the same values
         bias = head.bias[ids] if head.bias is not None else None
@@ -328,7 +328,7 @@ def _shallow(module: nn.Module) -> nn.Module:
 
 def reduced_head_view(model: nn.Module, vocab: DraftVocab) -> nn.Module:
     """`model` with its LM head scoring only `vocab.ids` (full-width logits, -inf elsewhere); shares every other
-    module and weight, and changes nothing in `model`. Run it with `sparrow.runner.runner_for(view)`."""
+    module and weight, and changes nothing in `model`. Run it with `sparrow.runtime.runner.runner_for(view)`."""
     head = model.get_output_embeddings()
     name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
     if not name:

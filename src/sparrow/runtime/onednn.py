@@ -5,7 +5,7 @@ AMD EPYC (Zen 3; torch 2.14.1, MKL 2024.2, 2 threads) a 8960x1536 float32 matmul
 11.6 ms for eight: a verify forward of 8 tokens cost ~3x a decoding step, where reading the weight once bounds
 both. The same matmul through oneDNN (``torch.ops.mkldnn._linear_pointwise``, the kernel torch's inductor
 uses for CPU linears), with the same dense weight and no copy, took 2.8 / 4.9 ms. ``route_linears`` sends a
-model's float32 CPU linear layers there; ``sparrow.hardware`` measures both paths once per machine and
+model's float32 CPU linear layers there; ``sparrow.runtime.hardware`` measures both paths once per machine and
 ``load_model`` routes a float32 model only where oneDNN measured faster. Results agree with torch's to
 float32 rounding (~3e-7 relative), so it is the same float32 model; plain decoding and verification both run
 it, which keeps speculative decoding exactly lossless against it.

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparrow.attention_capture import QueryCapture
-from sparrow.drafters.kv_compress import HybridKV
+from sparrow.runtime.attention.capture import QueryCapture
+from sparrow.drafters.kv.compress import HybridKV
 
 SpanKV = Callable[[int, Tensor], tuple[Tensor, Tensor]]
 """(layer, heads [h] int64) -> the full span's keys and values of those KV heads, each [h, L, d]."""

@@ -38,12 +38,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparrow.cached_model import _text_config
+from sparrow.runtime.cached_model import _text_config
 from sparrow.drafters.layer_skip import (LayerSkipDrafter, SkipRecord, SkipSet, anchor_layers, crop_layers,
                                          find_layers, skipping_view)
 from sparrow.models import LoadedModel
 from sparrow.policy import measure_cost_curve, tokens_per_second
-from sparrow.runner import runner_for
+from sparrow.runtime.runner import runner_for
 from sparrow.errors import UserError
 
 CALIBRATION_PROMPTS = (

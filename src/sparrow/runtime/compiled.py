@@ -22,7 +22,7 @@ keeps a second, prepacked copy of the weights, and weights changed in place afte
 CUDA graphs the outputs live in graph-owned memory that the next replay overwrites, so they are cloned.
 `compile=False` keeps the static cache with eager forwards (no compile time).
 
-Not supported: VLMs (their prefill and positions go through `sparrow.vision.cached`) and models with
+Not supported: VLMs (their prefill and positions go through `sparrow.runtime.vision`) and models with
 sliding-window layers (Gemma-3): a static sliding layer is a ring buffer, which cannot be rewound.
 """
 
@@ -33,7 +33,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from sparrow.cached_model import CachedModel, additive_mask
+from sparrow.runtime.cached_model import CachedModel, additive_mask
 from sparrow.errors import UserError
 from sparrow.types import Prompt, TargetOutput
 
@@ -51,7 +51,7 @@ it): patching it around each call instead cost milliseconds a step."""
 def traceable(model: PreTrainedModel) -> bool:
     """Whether torch.compile can trace the model's layers: not w8a8 ones (fbgemm's packed int8 weights are an
     opaque object dynamo cannot put in a graph)."""
-    from sparrow.quantization import DynamicInt8Linear
+    from sparrow.models.quantization import DynamicInt8Linear
 
     return not any(isinstance(m, DynamicInt8Linear) for m in model.modules())
 

@@ -43,7 +43,7 @@ from sparrow.errors import UserError
 
 QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4, "w8a8": 8}  # format -> bits per weight
 W8A8 = "w8a8"
-AUTO = "auto"  # --draft-quant auto: the draft format this machine runs fastest (sparrow.hardware.choose_draft_quant)
+AUTO = "auto"  # --draft-quant auto: the draft format this machine runs fastest (sparrow.runtime.hardware.choose_draft_quant)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 128
 CUDA_INT4_INNER_K_TILES = 8  # tinygemm tiling: K must be a multiple of 16 * inner_k_tiles
@@ -56,7 +56,7 @@ DENSE_FROM_TOKENS = 16  # with a dense fallback, forwards of >= this many tokens
 
 def parse_quant(quant: str | int | None, argument: str = "quant", auto: bool = False) -> str | None:
     """'int8' / 'int4' / 'w8a8' / 8 / 4 -> the format's name; None -> None; where `auto` is allowed (a draft's
-    format), also 'auto' -> 'auto' (chosen by sparrow.hardware) and 'none' -> None (dense). Raises UserError
+    format), also 'auto' -> 'auto' (chosen by sparrow.runtime.hardware) and 'none' -> None (dense). Raises UserError
     naming `argument`."""
     if quant is None:
         return None
@@ -73,28 +73,28 @@ def parse_quant(quant: str | int | None, argument: str = "quant", auto: bool = F
 def resolve_draft_quant(draft_quant: str | int | None, drafter: str, has_draft_model: bool,
                         device: str | torch.device | None, dtype: torch.dtype | None = None) -> str | None:
     """--draft-quant checked before any model is loaded. 'auto' becomes None for a drafter without a draft model,
-    the format sparrow.hardware measured fastest for one row on `device` in `dtype` (the target's) for
+    the format sparrow.runtime.hardware measured fastest for one row on `device` in `dtype` (the target's) for
     quantized-self (None: its int4 default), and stays 'auto' for a draft model (`draft_format` settles it once the
     draft is loaded)."""
     fmt = parse_quant(draft_quant, "draft_quant", auto=True)
     if fmt != AUTO:
         return fmt
     if drafter == "quantized-self":
-        from sparrow.hardware import choose_draft_quant
+        from sparrow.runtime.hardware import choose_draft_quant
 
         return choose_draft_quant(device, dtype=dtype)[0]
     return AUTO if has_draft_model else None
 
 
 def draft_format(model: nn.Module | None, draft_quant: str | None) -> str | None:
-    """The format a loaded draft model runs in: `draft_quant`, or for 'auto' the format sparrow.hardware measured
+    """The format a loaded draft model runs in: `draft_quant`, or for 'auto' the format sparrow.runtime.hardware measured
     fastest for one row on the model's device in its dtype, where that kernel takes at least one of the model's
     linear layers (None, a dense draft, otherwise and where there is no draft)."""
     if draft_quant != AUTO:
         return draft_quant
     if model is None:
         return None
-    from sparrow.hardware import choose_draft_quant
+    from sparrow.runtime.hardware import choose_draft_quant
 
     weight = next(model.parameters())
     device = weight.device
@@ -242,7 +242,7 @@ class QuantizedLinear(nn.Module):
 
 def _vnni() -> bool:
     """Whether the CPU multiplies u8 x s8 without int16 saturation (VNNI): then w8a8 uses all 8 activation bits."""
-    from sparrow.hardware import cpu_info
+    from sparrow.runtime.hardware import cpu_info
 
     return any(flag in cpu_info().flags for flag in ("avx512_vnni", "avx_vnni"))
 
@@ -275,7 +275,7 @@ class DynamicInt8Linear(nn.Module):
     zero: every call then sees exactly the range [-1, 1], each row is
     quantized on its own, the int32 accumulation is exact in any blocking, and the row is scaled back
     after. A token's output is bit-identical whatever else the forward holds (tests/test_quantization.py).
-    A w8a8 copy also attends row by row in short forwards (`sparrow.rowwise_attention`), so a verify forward
+    A w8a8 copy also attends row by row in short forwards (`sparrow.runtime.attention.rowwise`), so a verify forward
     equals one-token decoding of the copy bit for bit and speculation is lossless relative to it. Activations
     lose what 8 bits per token lose (7 bits without VNNI, where fbgemm's u8 x s8 pairs would saturate)."""
 
@@ -550,7 +550,7 @@ def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT
             if cached is None:
                 slot.commit(lambda directory: _save_cached(directory, _buffers(clone, take)))
     if fmt == W8A8:  # its int8 activations would amplify the last-bit differences of batched attention
-        from sparrow.rowwise_attention import use_rowwise
+        from sparrow.runtime.attention.rowwise import use_rowwise
 
         use_rowwise(clone)
         group_siblings(clone)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from sparrow.heads.eagle import EagleHead
 
 if TYPE_CHECKING:
-    from sparrow.cached_model import CachedModel
+    from sparrow.runtime.cached_model import CachedModel
     from sparrow.models import LoadedModel
 
 Target = Union["LoadedModel", "CachedModel", nn.Module]
@@ -91,7 +91,7 @@ def features_of(model: nn.Module, layers: Sequence[int], tokens: Tensor, top_k: 
 def extract_features(target: Target, layers: Sequence[int], sequences: Sequence[Tensor],
                      top_k: int = DEFAULT_TOP_K) -> list[Features]:
     """Run the target (LoadedModel, CachedModel or transformers causal LM) over each [n] sequence (n >= 2), in
-    memory (`sparrow.heads.features.FeatureCache`: the same on disk, resumable)."""
+    memory (`sparrow.training.features.FeatureCache`: the same on disk, resumable)."""
     model = _model(target)
     return [features_of(model, layers, tokens, top_k) for tokens in sequences]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparrow import sampling as S
-from sparrow.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.base import Drafter, watching_prefill
 from sparrow.noise import Randomness, at

@@ -20,8 +20,8 @@ model's) the last bits can differ (the same sums, blocked differently). Anything
 no grouped heads, dropout, position biases, paged caches, torch.compile, devices other than the CPU) goes to
 transformers' sdpa unchanged. Registered as the attention implementation "sparrow_sdpa" (with sdpa's masks);
 ``use(model)`` switches a model's decoder from "sdpa" to it (``load_model`` does for every model it loads).
-Row-wise attention (``sparrow.rowwise_attention``) attends through ``attend`` as well, so its one-token steps
-and verify rows stay the same call; query capture (``sparrow.attention_capture``) calls whichever of the two the
+Row-wise attention (``sparrow.runtime.attention.rowwise``) attends through ``attend`` as well, so its one-token steps
+and verify rows stay the same call; query capture (``sparrow.runtime.attention.capture``) calls whichever of the two the
 model had.
 """
 
@@ -75,7 +75,7 @@ def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attenti
 def use(model: nn.Module) -> int:
     """Switch the decoder attention of `model` (a transformers model) from "sdpa" to ``attend``, in place; returns
     how many configs were switched (0: not sdpa, or already switched). A VLM's vision tower is left alone."""
-    from sparrow.attention_capture import attention_configs
+    from sparrow.runtime.attention.capture import attention_configs
 
     count = 0
     for config in attention_configs(model):

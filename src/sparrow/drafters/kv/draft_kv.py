@@ -38,17 +38,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from sparrow.attention_capture import QueryCapture
-from sparrow.drafters.chunk_retrieval import ChunkRetrieval, RetrievalSlots
-from sparrow.drafters.kv_compress import SELECTORS, HybridKV, build_selector
-from sparrow.drafters.kv_selection import KVSelector, check_budget, kept_positions
+from sparrow.runtime.attention.capture import QueryCapture
+from sparrow.drafters.kv.chunk_retrieval import ChunkRetrieval, RetrievalSlots
+from sparrow.drafters.kv.compress import SELECTORS, HybridKV, build_selector
+from sparrow.drafters.kv.selection import KVSelector, check_budget, kept_positions
 from sparrow.errors import UserError
 from sparrow.types import Prompt, TargetOutput
-from sparrow.vision.cached import is_vlm
+from sparrow.runtime.vision import is_vlm
 from sparrow.vision.prompt import visual_token_positions
 
 if TYPE_CHECKING:
-    from sparrow.cached_model import CachedModel
+    from sparrow.runtime.cached_model import CachedModel
     from sparrow.drafters.draft_model import DraftModelDrafter
     from sparrow.drafters.visual_prune import PrunedView
 

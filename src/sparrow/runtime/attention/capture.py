@@ -1,7 +1,7 @@
 """Record the post-RoPE queries a model's prefill computes, without changing its numerics.
 
 A running `QueryCapture` routes the attention of its model's decoder layers from transformers' "sdpa" (or
-sparrow's "sparrow_sdpa", `sparrow.decode_attention`) to "sparrow_capture" (registered with
+sparrow's "sparrow_sdpa", `sparrow.runtime.attention.decode`) to "sparrow_capture" (registered with
 `transformers.AttentionInterface`, and its mask with the sdpa mask function): it calls the very function the
 layer's config named before, with the very same arguments, so outputs are bit-identical. Every forward that
 starts from an empty cache (query length == key length: a prefill) also stores, per layer, a copy of the
@@ -26,7 +26,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-from sparrow.decode_attention import NAME, SDPA, attend
+from sparrow.runtime.attention.decode import NAME, SDPA, attend
 from sparrow.errors import UserError
 
 IMPLEMENTATION = "sparrow_capture"

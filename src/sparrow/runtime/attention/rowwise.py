@@ -5,13 +5,13 @@ block a multi-row query differently from a single row, so the results differ in 
 models that only flips exact near-ties; a model that quantizes its activations (w8a8) turns a last-bit
 difference into a different int8 value now and then, which moves the logits visibly (measured on
 qwen2.5-coder-1.5b: ~1 logit after a few tokens). `rowwise_sdpa` therefore runs a forward of at most
-`MAX_ROWS` query rows one row at a time, each row through `sparrow.decode_attention.attend` (transformers'
+`MAX_ROWS` query rows one row at a time, each row through `sparrow.runtime.attention.decode.attend` (transformers'
 sdpa, a single row packed by KV head) with exactly the keys it may see and no mask: the same call, with the same
 tensors, as the one-token step at that position.
 Longer forwards (the prompt's prefill, the same in plain and speculative decoding) take the batched path.
 
 Registered as the attention implementation "sparrow_rowwise" (transformers' AttentionInterface, with sdpa's
-mask format), set on w8a8 copies by `sparrow.quantization`.
+mask format), set on w8a8 copies by `sparrow.models.quantization`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from sparrow.decode_attention import SDPA, attend
+from sparrow.runtime.attention.decode import SDPA, attend
 
 NAME = "sparrow_rowwise"
 MAX_ROWS = 64  # verify chains and trees; a longer forward is a prefill

@@ -3,8 +3,8 @@
 * CPU: the instruction-set flags of ``/proc/cpuinfo`` (``avx512_bf16``, ``amx_bf16``, ``avx512_vnni``, ...),
   and a short micro-benchmark: one decoder MLP projection (a 1536 x 8960 weight, Qwen2.5-1.5B's) applied to
   1 row (a plain decoding step) and to 8 rows (verifying a draft), in float32 (torch's linear and oneDNN's,
-  ``sparrow.onednn``) and bfloat16, then with int8 and int4 weight-only weights and w8a8
-  (``sparrow.quantization``'s kernels) in the dtype picked, each kernel cycling through copies of its weight
+  ``sparrow.runtime.onednn``) and bfloat16, then with int8 and int4 weight-only weights and w8a8
+  (``sparrow.models.quantization``'s kernels) in the dtype picked, each kernel cycling through copies of its weight
   worth twice the L3, so they stream from memory as a model's weights do. It takes about 0.6 s (3 s on an
   AVX2-only CPU) on 2 cores and is cached per machine in ``<cache>/hardware/`` (keyed by CPU model, flags,
   threads and torch version), so it runs once (``sparrow doctor --refresh`` measures again).
@@ -58,9 +58,9 @@ BENCH_SHAPE = (8960, 1536)  # [out_features, in_features]: Qwen2.5-1.5B's MLP ga
 BENCH_ROWS = (1, 8)  # a plain decoding step; verifying a draft of 8 tokens
 MIN_BF16_SPEEDUP = 1.1  # bfloat16 is picked over float32 only when at least this much faster
 MIN_DRAFT_QUANT_SPEEDUP = 1.1  # --draft-quant auto quantizes a draft only when one row runs at least this much faster
-ONEDNN = "float32_onednn"  # the float32 matmul through oneDNN (sparrow.onednn), beside torch's own
+ONEDNN = "float32_onednn"  # the float32 matmul through oneDNN (sparrow.runtime.onednn), beside torch's own
 MIN_ONEDNN_SPEEDUP = 1.1  # float32 models route their linears through oneDNN only when at least this much faster
-DRAFT_QUANTS = ("int8", "int4", "w8a8")  # the weight formats --draft-quant auto chooses among (sparrow.quantization)
+DRAFT_QUANTS = ("int8", "int4", "w8a8")  # the weight formats --draft-quant auto chooses among (sparrow.models.quantization)
 INT4_GROUP_SIZE = 128
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that compute in bfloat16 (ARM: "bf16" in Features)
 RELEVANT_FLAGS = (
@@ -206,8 +206,8 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
     "w8a8": {...}}`` (float32_onednn where this torch has oneDNN's linear). The
     weight-only kernels compute in the dtype picked from the first two (as a quantized draft would), named by
     ``quant_activations``; w8a8 (int8 weights and per-token int8 activations, fbgemm) takes that dtype too."""
-    from sparrow import onednn
-    from sparrow.quantization import DynamicInt8Linear, kernel_takes, pack_int4, quantize_int4, quantize_int8
+    from sparrow.runtime import onednn
+    from sparrow.models.quantization import DynamicInt8Linear, kernel_takes, pack_int4, quantize_int4, quantize_int8
 
     start = time.perf_counter()
     out_features, in_features = shape
@@ -464,7 +464,7 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
 
 def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool | None = None) -> tuple[bool, str]:
     """``(route, reason)``: whether a float32 model on ``device`` runs its linear layers through oneDNN
-    (``sparrow.onednn``): on a CPU where this machine measured that path at least ``MIN_ONEDNN_SPEEDUP`` times
+    (``sparrow.runtime.onednn``): on a CPU where this machine measured that path at least ``MIN_ONEDNN_SPEEDUP`` times
     faster than torch's own float32 linear; never without a measurement, on other devices, or with
     ``SPARROW_ONEDNN=0``."""
     from sparrow.models.loading import resolve_device

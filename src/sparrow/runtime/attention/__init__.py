@@ -1,0 +1,1 @@
+"""Attention implementations: query capture, packed decode attention, row-wise attention."""
