@@ -274,7 +274,7 @@ class DynamicInt8Linear(nn.Module):
     columns, +1, -1 and zeros up to a multiple of 16 (fbgemm runs ~2x slower on ragged K), whose weights are
     zero: every call then sees exactly the range [-1, 1], each row is
     quantized on its own, the int32 accumulation is exact in any blocking, and the row is scaled back
-    after. A token's output is bit-identical whatever else the forward holds (tests/test_quantization.py).
+    after. A token's output is bit-identical whatever else the forward holds (tests/models/test_quantization.py).
     A w8a8 copy also attends row by row in short forwards (`sparrow.runtime.attention.rowwise`), so a verify forward
     equals one-token decoding of the copy bit for bit and speculation is lossless relative to it. Activations
     lose what 8 bits per token lose (7 bits without VNNI, where fbgemm's u8 x s8 pairs would saturate)."""
@@ -336,7 +336,7 @@ class SiblingGroup:
     the weights are packed only here, once) and keeps the others' columns until each member takes its own;
     a member called with another input, or the same one again, computes afresh. Every output column is the
     member's own: the same int8 row, the same int32 sum, the same scale, so the results equal separate calls
-    bit for bit (tests/test_quantization.py), one call instead of three cuts what each call costs besides the
+    bit for bit (tests/models/test_quantization.py), one call instead of three cuts what each call costs besides the
     matmul (a 1.5B decoding step: 197 -> 113 calls)."""
 
     def __init__(self, members: list[DynamicInt8Linear]) -> None:

@@ -82,7 +82,9 @@ def expected() -> str:
 
 def run_worker(*args: str, wait: bool = True, **kwargs) -> subprocess.Popen | subprocess.CompletedProcess:
     cmd = [sys.executable, str(Path(__file__)), *args]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    tests = str(Path(__file__).resolve().parents[1])  # conftest's folder
+    pythonpath = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, **kwargs)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kwargs)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "llama_cpp.py"
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "llama_cpp.py"
 spec = importlib.util.spec_from_file_location("llama_cpp_bench", PATH)
 lc = importlib.util.module_from_spec(spec)
 sys.modules["llama_cpp_bench"] = lc  # dataclasses look their module up

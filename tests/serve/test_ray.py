@@ -36,7 +36,7 @@ from sparrow.errors import UserError  # noqa: E402
 from sparrow.serve import Scheduler, create_app  # noqa: E402
 from sparrow.serve import ray_deploy  # noqa: E402
 
-TESTS = str(Path(__file__).resolve().parent)
+TESTS = os.pathsep.join(str(Path(__file__).resolve().parents[i]) for i in (0, 1))  # this file's and conftest's
 PROMPT = "def add(a, b):"
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "The quick brown fox"}]
 KEY = "sk-ray"

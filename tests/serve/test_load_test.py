@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "load_test.py"
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "load_test.py"
 spec = importlib.util.spec_from_file_location("load_test", PATH)
 lt = importlib.util.module_from_spec(spec)
 sys.modules["load_test"] = lt  # dataclasses look their module up

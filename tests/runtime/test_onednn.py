@@ -101,7 +101,7 @@ NO_GAIN = {**ROUTE, hardware.ONEDNN: {"1": 3.9, "8": 13.9}}
 
 @pytest.fixture
 def measured(monkeypatch, tmp_path):
-    """A fresh hardware cache and a mocked measurement (as tests/test_hardware.py does)."""
+    """A fresh hardware cache and a mocked measurement (as tests/runtime/test_hardware.py does)."""
     monkeypatch.setenv("SPARROW_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("SPARROW_DTYPE_BENCHMARK", raising=False)
     monkeypatch.delenv("SPARROW_HARDWARE_CACHE", raising=False)

@@ -6,7 +6,7 @@ b) Greedy, float32, tiny Qwen2: draft-model (chain, tree), quantized-self and la
    vocabulary equal plain decoding token for token, drafts were accepted and never left the set; alone and
    in a batch. A token outside the set is still produced (by the target) when it is the answer.
 c) Sampling: a draft q that is zero outside the set keeps the target's joint distribution of two tokens under
-   the rejection verifier (bins within 6 sd + 5, as tests/test_distribution.py); accepting every draft fails.
+   the rejection verifier (bins within 6 sd + 5, as tests/lossless/test_distribution.py); accepting every draft fails.
 d) Frequencies: counting is deterministic and cached on disk; options and bad values are checked.
 """
 
