@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=HERE / "prompts.json")
     parser.add_argument("--out", type=Path, required=True, help="writes OUT.jsonl and OUT.md")
     args = parser.parse_args()
-    from sparrow.runtime.hardware import cpu_info
+    from sparrow.runtime.cpu import cpu_info
 
     meta = {"target": args.target, "draft": args.draft, "cpu": cpu_info().model, "threads": args.threads, "dtype": args.dtype,
             "max_new_tokens": args.max_new_tokens, "torch": torch.__version__, "python": platform.python_version()}

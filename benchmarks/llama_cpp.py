@@ -498,7 +498,7 @@ def machine_info(threads: int, bins: Path | None, version: str) -> dict:
     import importlib.metadata as md
 
     import torch
-    from sparrow.runtime.hardware import cpu_info
+    from sparrow.runtime.cpu import cpu_info
 
     cpu = cpu_info()
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,

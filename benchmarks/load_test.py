@@ -405,7 +405,8 @@ def transformers_model(target: str, dtype: str) -> tuple[str | None, str | None]
 
     from sparrow.models import cache
     from sparrow.models.loading import _cache_dir_for
-    from sparrow.models.presets import default_cache_dir, get_preset
+    from sparrow.models.presets import get_preset
+    from sparrow.paths import default_cache_dir
 
     try:
         preset = get_preset(target)

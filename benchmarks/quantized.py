@@ -128,7 +128,8 @@ def llama_cpp_runner(target: str, gguf: Path | None, threads: int):
         print("llama-cpp-python is not installed: no llama.cpp row", flush=True)
         return None
     if gguf is None:
-        from sparrow.models.presets import PRESETS, default_cache_dir, gguf_path
+        from sparrow.models.presets import PRESETS, gguf_path
+        from sparrow.paths import default_cache_dir
         gguf = gguf_path(PRESETS[target], default_cache_dir())
     llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, verbose=False)
 

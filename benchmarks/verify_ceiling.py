@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sparrow.runtime import hardware
+from sparrow.runtime import cpu
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.models import load_model
 from sparrow.runtime.onednn import routed
@@ -32,7 +32,7 @@ def measure(target: str, dtype: str, max_tokens: int, context: int, repeats: int
     loaded = load_model(target, dtype=dtype, progress=False)
     model = loaded.model
     curve = measure_cost_curve(CachedModel(model), max_tokens, None, context_tokens=context, repeats=repeats)
-    info = hardware.cpu_info()
+    info = cpu.cpu_info()
     points = measured_lengths(max_tokens)  # the measured n; the curve interpolates the others
     base = curve.verify_seconds[0]
     common = {"target": target, "dtype": str(model.dtype).removeprefix("torch."),

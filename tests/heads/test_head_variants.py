@@ -320,7 +320,8 @@ def video_target(request):
     """A tiny Video-LLM and a Sparrow head trained briefly on its own answers about 4- and 8-frame videos."""
     from vlm_models import byte_tokenizer, moving_squares, tiny_processor, tiny_vlm
 
-    from sparrow.heads.sparrow_head import train_sparrow, video_features
+    from sparrow.heads.sparrow_head import video_features
+    from sparrow.training.sparrow_head import train_sparrow
     from sparrow.vision.prompt import visual_token_ids
     from sparrow.vision.video import Video
 

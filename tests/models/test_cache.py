@@ -26,6 +26,7 @@ import torch
 
 from conftest import tiny_model, tiny_tokenizer
 from sparrow.models import quantization as Q
+from sparrow.runtime import quant
 from sparrow.models import cache, list_presets, loading, presets
 from sparrow.models.presets import PRESETS
 
@@ -456,7 +457,7 @@ def _worker_quant(directory: Path) -> None:
     def no_quantizing(*args, **kwargs):
         raise AssertionError("quantized again although the disk cache matches")
 
-    Q.QuantizedLinear.from_linear = no_quantizing
+    quant.QuantizedLinear.from_linear = no_quantizing
     for bits in (8, 4):
         copy = Q.quantize_model(model, bits, GROUP, cache_entry=directory / f"int{bits}")
         assert copy.sparrow_quantization.from_disk

@@ -16,7 +16,8 @@ import torch
 
 from sparrow.models import PRESETS, LoadedModel, list_presets, load_model, resolve_device, resolve_dtype
 from sparrow.models import loading, presets
-from sparrow.models.presets import Preset, default_cache_dir, gguf_path
+from sparrow.models.presets import Preset, gguf_path
+from sparrow.paths import default_cache_dir
 
 
 @pytest.mark.parametrize(

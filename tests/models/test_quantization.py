@@ -19,6 +19,7 @@ from sparrow.models import LoadedModel
 from sparrow.drafters import build_drafter
 from sparrow.pipeline import Pipeline
 from sparrow.models import quantization as Q
+from sparrow.runtime import quant
 from sparrow.policy import CostCurve, LengthPolicy, best_length, expected_tokens, measure_cost_curve
 from sparrow.types import StepStats
 
@@ -68,7 +69,7 @@ def run_all(pipe: Pipeline, expected: dict[str, list[int]]) -> tuple[int, int]:
 def test_quantized_linear_is_close_to_dense(bits, tolerance, dtype):
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 96, bias=True).to(dtype)
-    layer = Q.QuantizedLinear.from_linear(linear, bits, GROUP)
+    layer = quant.QuantizedLinear.from_linear(linear, bits, GROUP)
     for shape in [(1, 256), (8, 256), (2, 5, 256)]:
         x = torch.randn(shape, dtype=dtype)
         expected, actual = linear(x).float(), layer(x)
@@ -81,8 +82,8 @@ def test_quantize_model_copies_and_never_modifies_the_source(target):
     copy = Q.quantize_model(target.model, "int4", GROUP)
     info = copy.sparrow_quantization
     assert info.bits == 4 and not info.skipped and "lm_head" in info.quantized
-    assert all(not isinstance(m, Q.QuantizedLinear) for m in target.model.modules())
-    assert type(copy.lm_head) is Q.QuantizedLinear
+    assert all(not isinstance(m, quant.QuantizedLinear) for m in target.model.modules())
+    assert type(copy.lm_head) is quant.QuantizedLinear
     assert copy.model.embed_tokens.weight is target.model.model.embed_tokens.weight  # shared, not copied
     assert Q.weight_bytes(copy) < Q.weight_bytes(target.model)
     ids = torch.tensor([[1, 2, 3, 4]])
@@ -148,7 +149,7 @@ def test_quantized_target_speculative_equals_its_own_plain_decoding(target, quan
 def test_w8a8_is_close_to_dense_and_each_token_ignores_the_others(dtype):
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 96, bias=True).to(dtype)
-    layer = Q.DynamicInt8Linear.from_linear(linear)
+    layer = quant.DynamicInt8Linear.from_linear(linear)
     x = torch.randn(32, 256, dtype=dtype)
     x[::3, 5] *= 40  # an outlier channel in some tokens: their range, not the batch's, must set their scale
     full = layer(x)
@@ -194,15 +195,15 @@ def test_w8a8_siblings_in_one_call_equal_separate_calls_bit_for_bit(family, monk
     ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():  # the whole model: a prefill and its logits, bit for bit
         assert torch.equal(copy(ids).logits, separate(ids).logits) and not any(
-            isinstance(m, Q.DynamicInt8Linear) and m.group is not None for m in separate.modules())
+            isinstance(m, quant.DynamicInt8Linear) and m.group is not None for m in separate.modules())
     layers = len(model.model.layers)
-    groups = {id(m.group) for m in copy.modules() if isinstance(m, Q.DynamicInt8Linear) and m.group is not None}
+    groups = {id(m.group) for m in copy.modules() if isinstance(m, quant.DynamicInt8Linear) and m.group is not None}
     assert len(groups) == 2 * layers  # each layer's q / k / v and gate / up: 3 + 2 calls become 2
     attention = copy.model.layers[0].self_attn
     x = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     for name in ("q_proj", "k_proj", "v_proj"):  # each member alone == a fresh ungrouped layer with its weights
         member = getattr(attention, name)
-        alone = Q.DynamicInt8Linear(member.in_features, member.out_features, member.int8_weight(), member.scales,
+        alone = quant.DynamicInt8Linear(member.in_features, member.out_features, member.int8_weight(), member.scales,
                                     member.bias, member.reduce_range)
         expected = alone(x)
         got = member(x)
@@ -219,14 +220,14 @@ def test_w8a8_siblings_in_one_call_equal_separate_calls_bit_for_bit(family, monk
     y = x.clone()
     attention.q_proj(y)
     y.mul_(2)  # changed in place after q: k must not take columns computed from the old values
-    assert torch.equal(attention.k_proj(y), Q.DynamicInt8Linear(
+    assert torch.equal(attention.k_proj(y), quant.DynamicInt8Linear(
         model.config.hidden_size, attention.k_proj.out_features, attention.k_proj.int8_weight(), attention.k_proj.scales,
         attention.k_proj.bias, attention.k_proj.reduce_range)(y))
 
 
 def test_w8a8_refuses_other_devices_and_round_trips_the_disk_cache(target, tmp_path):
     with pytest.raises(ValueError, match="w8a8 runs on the CPU only"):
-        Q.check_device("w8a8", torch.device("cuda"), torch.float32)
+        quant.check_device("w8a8", torch.device("cuda"), torch.float32)
     built = Q.quantize_model(target.model, "w8a8", cache_entry=tmp_path / "w8a8")
     loaded = Q.quantize_model(target.model, "w8a8", cache_entry=tmp_path / "w8a8")
     assert loaded.sparrow_quantization.from_disk and not built.sparrow_quantization.from_disk
@@ -246,7 +247,7 @@ def test_quantized_copy_is_built_once_and_reused_from_disk(target, tmp_path, mon
     def no_requantizing(*args, **kwargs):
         raise AssertionError("quantized again although the disk cache matches")
 
-    monkeypatch.setattr(Q.QuantizedLinear, "from_linear", no_requantizing)
+    monkeypatch.setattr(quant.QuantizedLinear, "from_linear", no_requantizing)
     loaded = Q.quantize_model(target.model, 4, GROUP, cache_entry=entry)
     assert loaded.sparrow_quantization.from_disk
     ids = torch.tensor([[5, 6, 7, 8, 9]])
@@ -290,7 +291,7 @@ def test_measure_cost_curve_covers_every_length(target):
 def test_a_draft_copy_prefills_with_the_shared_dense_weights(target):
     copy = Q.quantized_copy(target, "int4", GROUP, keep_dense=True).model
     assert copy.lm_head.dense is target.model.lm_head.weight  # shared, not copied
-    long_ids = torch.arange(Q.DENSE_FROM_TOKENS)[None] % 300
+    long_ids = torch.arange(quant.DENSE_FROM_TOKENS)[None] % 300
     assert torch.equal(copy(long_ids).logits, target.model(long_ids).logits)  # prefill: the dense path
     short_ids = long_ids[:, :4]
     assert not torch.equal(copy(short_ids).logits, target.model(short_ids).logits)  # decode: the int4 kernel

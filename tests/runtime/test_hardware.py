@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
-from sparrow.runtime import hardware
+from sparrow.runtime import cpu, hardware
 from sparrow.cli import app
 from sparrow.errors import UserError
 from sparrow.models import resolve_dtype
@@ -54,20 +54,20 @@ class FakeBench:
 
 def machine(monkeypatch, text: str, costs: dict) -> FakeBench:
     bench = FakeBench(costs)
-    monkeypatch.setattr(hardware, "read_cpuinfo", lambda: text)
+    monkeypatch.setattr(cpu, "read_cpuinfo", lambda: text)
     monkeypatch.setattr(hardware, "measure", bench)
     return bench
 
 
 def test_parse_cpuinfo_x86_and_arm():
-    info = hardware.parse_cpuinfo(BF16_CPU)
+    info = cpu.parse_cpuinfo(BF16_CPU)
     assert info.model == "Fake EPYC 9R14" and info.physical_cores == 2
     assert info.flags == ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
     assert info.bf16 and info.bf16_flags == ["avx512_bf16"]
-    assert not hardware.parse_cpuinfo(VNNI_CPU).bf16
-    empty = hardware.parse_cpuinfo("")  # no /proc/cpuinfo: a model name from the platform, no flags
+    assert not cpu.parse_cpuinfo(VNNI_CPU).bf16
+    empty = cpu.parse_cpuinfo("")  # no /proc/cpuinfo: a model name from the platform, no flags
     assert empty.model and empty.flags == () and not empty.bf16 and empty.physical_cores is None
-    arm = hardware.parse_cpuinfo("processor\t: 0\nFeatures\t: fp asimd asimddp bf16 i8mm sve\nCPU part\t: 0xd40\n")
+    arm = cpu.parse_cpuinfo("processor\t: 0\nFeatures\t: fp asimd asimddp bf16 i8mm sve\nCPU part\t: 0xd40\n")
     assert {"asimd", "bf16", "i8mm", "sve"} <= set(arm.flags)
 
 
@@ -87,7 +87,7 @@ def test_without_bf16_instructions_the_measurement_decides(monkeypatch, costs, e
     assert "no bfloat16 instructions" in reason and "Fake Xeon" in reason and reason.endswith(str(expected)[6:])
     hardware.clear_cache()
     monkeypatch.setenv("SPARROW_DTYPE_BENCHMARK", "0")
-    monkeypatch.setattr(hardware, "read_cpuinfo", lambda: VNNI_CPU.replace("Fake Xeon", "Other Xeon"))  # not cached
+    monkeypatch.setattr(cpu, "read_cpuinfo", lambda: VNNI_CPU.replace("Fake Xeon", "Other Xeon"))  # not cached
     dtype, reason = hardware.choose_dtype("cpu")
     assert dtype is torch.float32 and "benchmark disabled" in reason and bench.calls == 1  # the flags alone
 
@@ -124,7 +124,7 @@ def test_the_measurement_is_cached_per_machine(monkeypatch, tmp_path):
     # the cache holds even with the benchmark disabled; another CPU (other flags) measures again
     hardware.clear_cache()
     assert hardware.choose_dtype("cpu", benchmark=False)[1].endswith(": bfloat16") and bench.calls == 1
-    monkeypatch.setattr(hardware, "read_cpuinfo", lambda: BF16_CPU.replace("avx512_bf16", "avx512_bf16 amx_bf16"))
+    monkeypatch.setattr(cpu, "read_cpuinfo", lambda: BF16_CPU.replace("avx512_bf16", "avx512_bf16 amx_bf16"))
     hardware.clear_cache()
     hardware.choose_dtype("cpu")
     assert bench.calls == 2 and len(list(path.parent.glob("cpu-*.json"))) == 2
@@ -134,7 +134,7 @@ def test_the_measurement_is_cached_per_machine(monkeypatch, tmp_path):
 def test_a_corrupt_cache_file_is_ignored_and_rewritten(monkeypatch, garbage):
     bench = machine(monkeypatch, BF16_CPU, FAST_BF16)
     hardware.choose_dtype("cpu")
-    [path] = (hardware.cache_path(hardware.cache_key(hardware.cpu_info())).parent).glob("cpu-*.json")
+    [path] = (hardware.cache_path(hardware.cache_key(cpu.cpu_info())).parent).glob("cpu-*.json")
     path.write_text(garbage)
     hardware.clear_cache()
     assert hardware.choose_dtype("cpu")[0] is torch.bfloat16 and bench.calls == 2
@@ -144,7 +144,7 @@ def test_a_corrupt_cache_file_is_ignored_and_rewritten(monkeypatch, garbage):
 def test_bad_costs_in_the_cache_are_ignored(monkeypatch):
     bench = machine(monkeypatch, BF16_CPU, FAST_BF16)
     hardware.choose_dtype("cpu")
-    path = hardware.cache_path(hardware.cache_key(hardware.cpu_info()))
+    path = hardware.cache_path(hardware.cache_key(cpu.cpu_info()))
     record = json.loads(path.read_text())
     record["costs"]["bfloat16"]["1"] = -1  # not a time
     path.write_text(json.dumps(record))

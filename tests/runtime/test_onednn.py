@@ -89,7 +89,7 @@ def test_subprocesses_never_read_this_machines_measurement():
     import subprocess
     import sys
 
-    code = ("from sparrow.runtime import hardware; print(hardware.cache_path(hardware.cache_key(hardware.cpu_info()))); "
+    code = ("from sparrow.runtime import cpu, hardware; print(hardware.cache_path(hardware.cache_key(cpu.cpu_info()))); "
             "print(hardware.choose_onednn('cpu')[1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].startswith(os.environ["SPARROW_HARDWARE_CACHE"]) and "no CPU measurement" in out[1]

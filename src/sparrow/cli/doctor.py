@@ -24,11 +24,11 @@ def doctor(
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
 ) -> None:
     """Show the device, CPU features, versions and measured costs, and what --dtype auto picks and why."""
-    from sparrow.runtime import hardware
+    from sparrow.runtime import cpu, hardware
     from sparrow.models import resolve_device
 
     dev = resolve_device(device)
-    info = hardware.cpu_info()
+    info = cpu.cpu_info()
     measured = hardware.cpu_costs(benchmark=benchmark, refresh=refresh, info=info)
     hardware.clear_cache()  # choose from the measurement just read or taken
     choice = hardware.choose(dev, benchmark=benchmark)

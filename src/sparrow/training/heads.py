@@ -199,7 +199,7 @@ def train_head(head: EagleHead, target: Target, sequences: Sequence[Tensor], ste
     averages `batch_size` sequences drawn with `generator`. The head is left in eval mode without gradients.
     anchor_offset: LongSpec heads (sparrow.heads.longspec) train at anchor-offset positions shifted by up to it."""
     if head.config.arch == "longspec":
-        from sparrow.heads.longspec import train_longspec
+        from sparrow.training.longspec import train_longspec
 
         return train_longspec(head, _model(target), sequences, steps, lr, generator, anchor_offset=anchor_offset,
                               max_lag=ttt_steps + 1, clip=clip)

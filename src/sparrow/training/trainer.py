@@ -166,7 +166,7 @@ def _trainer_of(head: EagleHead | LongSpecHead, settings: TrainSettings, model: 
                            Callable[[Sequence[Any]], Evaluation]]:
     """The optimiser step and the held-out evaluation of `head`'s arch (the generator: the run's data order)."""
     if head.config.arch == "longspec":
-        from sparrow.heads.longspec import evaluate_longspec, longspec_step
+        from sparrow.training.longspec import evaluate_longspec, longspec_step
 
         if model is None:
             raise ValueError("a LongSpec head trains with its target: pass model=")
@@ -177,7 +177,7 @@ def _trainer_of(head: EagleHead | LongSpecHead, settings: TrainSettings, model: 
     if settings.anchor_offset:
         raise UserError("--anchor-offset applies to --arch longspec only")
     if getattr(head, "sparrow", None) is not None:  # a Sparrow head trains on VideoFeatures (sparrow_head)
-        from sparrow.heads.sparrow_head import evaluate_sparrow, sparrow_step
+        from sparrow.training.sparrow_head import evaluate_sparrow, sparrow_step
 
         return (lambda optimiser, batch, generator: sparrow_step(head, optimiser, batch, settings.ttt_steps,
                                                                  settings.decay, settings.clip),

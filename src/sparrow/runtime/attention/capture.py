@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from sparrow.runtime.attention.decode import NAME, SDPA, attend
+from sparrow.runtime.attention.layers import attention_configs, decoder_layers
 from sparrow.errors import UserError
 
 IMPLEMENTATION = "sparrow_capture"
@@ -60,21 +61,6 @@ def register() -> None:
     """Make "sparrow_capture" known to transformers (idempotent: registering again changes nothing)."""
     AttentionInterface.register(IMPLEMENTATION, _capture_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The language model's modules with a `layer_idx` (decoder layers and their attention modules)."""
-    try:  # the language model only: a VLM's vision tower is neither switched nor recorded
-        decoder = model.get_decoder()
-    except (AttributeError, ValueError, NotImplementedError):
-        decoder = model
-    return [m for m in decoder.modules() if isinstance(getattr(m, "layer_idx", None), int)]
-
-
-def attention_configs(model: torch.nn.Module) -> list[Any]:
-    """The distinct configs the decoder's attention layers dispatch on (`config._attn_implementation`)."""
-    configs = {id(m.config): m.config for m in decoder_layers(model) if getattr(m, "config", None) is not None}
-    return list(configs.values()) or [model.config]
 
 
 def check_capturable(model: torch.nn.Module) -> None:

@@ -34,6 +34,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from sparrow.runtime.attention.layers import attention_configs
+
 NAME = "sparrow_sdpa"
 SDPA = ("sdpa", NAME)  # implementations that compute transformers' sdpa attention
 
@@ -75,8 +77,6 @@ def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attenti
 def use(model: nn.Module) -> int:
     """Switch the decoder attention of `model` (a transformers model) from "sdpa" to ``attend``, in place; returns
     how many configs were switched (0: not sdpa, or already switched). A VLM's vision tower is left alone."""
-    from sparrow.runtime.attention.capture import attention_configs
-
     count = 0
     for config in attention_configs(model):
         if getattr(config, "_attn_implementation", None) == "sdpa":
