@@ -4,7 +4,7 @@ One process, the same prompts (code writing, repeating/editing a text, summarisi
 greedy, chat template, bfloat16 by default, 128 new tokens. Methods:
 
 * sparrow-plain / hf-plain: plain decoding of the target (sparrow's loop / transformers' generate);
-* sparrow-cross-vocab: `--drafter cross-vocab` with the default back-off (sparrow.policy.LengthPolicy);
+* sparrow-cross-vocab: `--drafter cross-vocab` with the default back-off (sparrow.policy.length.LengthPolicy);
 * sparrow-cross-vocab-fixed: the same drafter always drafting `k` steps (no back-off);
 * hf-uad: `generate(assistant_model=d, tokenizer=t, assistant_tokenizer=ta)` (transformers' UAD);
 * sparrow-draft-model: for reference, sparrow's same-vocabulary draft model (`--ref-draft`, adaptive).

@@ -36,7 +36,7 @@ import torch
 
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline, build_drafter
-from sparrow.policy import follow_cost_curve
+from sparrow.policy.measure import follow_cost_curve
 from sparrow.models.quantization import quantized_copy
 
 HERE = Path(__file__).parent

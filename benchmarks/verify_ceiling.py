@@ -25,7 +25,7 @@ from sparrow.runtime import cpu
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.models import load_model
 from sparrow.runtime.onednn import routed
-from sparrow.policy import measure_cost_curve, measured_lengths
+from sparrow.policy.measure import measure_cost_curve, measured_lengths
 
 
 def measure(target: str, dtype: str, max_tokens: int, context: int, repeats: int) -> list[dict]:

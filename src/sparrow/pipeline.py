@@ -36,7 +36,7 @@ from sparrow.errors import UserError
 from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from sparrow.noise import PositionalNoise
-from sparrow.policy import follow_cost_curve
+from sparrow.policy.measure import follow_cost_curve
 from sparrow.models.quantization import AUTO, check_quant_args, draft_format, quantized_copy, resolve_draft_quant
 from sparrow.runtime.runner import runner_for
 from sparrow.stopping import OnText, Stopper

@@ -22,7 +22,8 @@ from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
-from sparrow.policy import DecayedLine, follow_cost_curve
+from sparrow.policy.measure import follow_cost_curve
+from sparrow.policy.estimates import DecayedLine
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "for i in range(10):"]
 REPETITIVE = "Paris is the capital of France. Berlin is the capital of Germany. Paris is the capital of"

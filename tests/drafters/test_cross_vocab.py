@@ -25,7 +25,7 @@ from sparrow.drafters import build_drafter
 from sparrow.drafters.cross_vocab import CrossVocabDrafter
 from sparrow.drafters.token_bytes import TokenBytes, valid_utf8_prefix
 from sparrow.models import LoadedModel
-from sparrow.policy import LengthPolicy
+from sparrow.policy.length import LengthPolicy
 from sparrow.pipeline import Pipeline
 from sparrow.types import Draft, Prompt, StepStats, Verdict
 

@@ -20,7 +20,9 @@ from sparrow.drafters import build_drafter
 from sparrow.pipeline import Pipeline
 from sparrow.models import quantization as Q
 from sparrow.runtime import quant
-from sparrow.policy import CostCurve, LengthPolicy, best_length, expected_tokens, measure_cost_curve
+from sparrow.policy.length import LengthPolicy
+from sparrow.policy.measure import measure_cost_curve
+from sparrow.policy.estimates import CostCurve, best_length, expected_tokens
 from sparrow.types import StepStats
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is"]

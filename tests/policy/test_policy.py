@@ -14,7 +14,8 @@ import torch
 
 from sparrow.config import SamplingConfig
 from sparrow.drafters.draft_loop import autoregressive_draft
-from sparrow.policy import DecayedLine, LengthPolicy, ProbeSchedule, best_length, expected_tokens
+from sparrow.policy.length import LengthPolicy
+from sparrow.policy.estimates import DecayedLine, ProbeSchedule, best_length, expected_tokens
 from sparrow.types import StepStats
 
 
@@ -127,7 +128,7 @@ def test_fixed_mode_never_changes_k():
 
 
 def test_cost_aware_mode_follows_the_curve_and_backs_off():
-    from sparrow.policy import CostCurve
+    from sparrow.policy.estimates import CostCurve
 
     policy = LengthPolicy(8, adaptive=True, backoff=True)
     policy.follow(CostCurve(verify_seconds=tuple(0.25 + 0.2 * n for n in range(1, 10)), draft_seconds=0.05))
@@ -186,7 +187,7 @@ def _step(drafted: int, accepted: int, draft: float, verify: float) -> StepStats
 
 
 def test_measured_backoff_leaves_trees_that_do_not_pay_and_probes_them():
-    from sparrow.policy import TreePolicy
+    from sparrow.policy.tree import TreePolicy
 
     policy = TreePolicy()
     decisions = []
@@ -202,7 +203,7 @@ def test_measured_backoff_leaves_trees_that_do_not_pay_and_probes_them():
 
 
 def test_measured_backoff_keeps_trees_that_pay():
-    from sparrow.policy import TreePolicy
+    from sparrow.policy.tree import TreePolicy
 
     policy = TreePolicy()
     drafted = 0

@@ -94,7 +94,7 @@ def unfit_methods(methods: Sequence[str], models: Models) -> dict[str, str]:
 def build_pipelines(methods: Sequence[str], models: Models, config: BenchConfig) -> dict[str, Pipeline]:
     """One Pipeline per sparrow method, all sharing the one loaded target (and drafts)."""
     import sparrow
-    from sparrow.policy import follow_cost_curve
+    from sparrow.policy.measure import follow_cost_curve
 
     pipes = {}
     for method in methods:

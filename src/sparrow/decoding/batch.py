@@ -17,7 +17,7 @@ seed. Draft models draft together the same way (`draft_together`: one batched dr
 
 The draft budget (`BatchPolicy`): a step of B sequences that drafts k tokens each costs k draft positions of B
 sequences plus one verify forward of T = sum(k_b + 1) tokens, and commits sum E_b[tokens](k)
-(`sparrow.policy.expected_tokens`). The step's cap is the k with the most tokens per second, from each
+(`sparrow.policy.estimates.expected_tokens`). The step's cap is the k with the most tokens per second, from each
 sequence's acceptance and two cost tables interpolated between measured steps (`CostTable`): as the batch grows
 the verify forward stops being memory-bound, so drafts get shorter, and stop where they no longer pay.
 """
@@ -41,7 +41,8 @@ from sparrow.drafters.base import Drafter, watching_prefill
 from sparrow.drafters.draft_loop import DraftSteps, Forward
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness, at
-from sparrow.policy import AcceptanceEstimate, LengthPolicy, ProbeSchedule, expected_tokens
+from sparrow.policy.length import LengthPolicy
+from sparrow.policy.estimates import AcceptanceEstimate, ProbeSchedule, expected_tokens
 from sparrow.stopping import Stopper
 from sparrow.timing import now
 from sparrow.tree import TreeLayout, on_first_branch

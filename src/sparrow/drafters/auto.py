@@ -11,7 +11,7 @@ Each option's throughput is estimated online from what its rounds cost and yield
     rate(none) = 1 / verify_seconds(1)
 
 with tokens = accepted drafts + the bonus token, and verify_seconds(n) = a + b n fitted to every
-round's target forward (sparrow.policy.DecayedLine). Draft and verify seconds are the engine's own
+round's target forward (sparrow.policy.estimates.DecayedLine). Draft and verify seconds are the engine's own
 measurements of the round (`StepStats`), less the cost of switching to a draft model: its lazy prefill
 and its catch-up on the tokens committed while other options drafted (one forward, timed apart). Counted
 in, a probe after 16 rounds without the draft paid for feeding it those tokens, measured the draft as
@@ -61,7 +61,8 @@ from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter
 from sparrow.drafters.registry import REGISTRY
 from sparrow.noise import Randomness
-from sparrow.policy import DecayedLine, LengthPolicy, ProbeSchedule
+from sparrow.policy.length import LengthPolicy
+from sparrow.policy.estimates import DecayedLine, ProbeSchedule
 from sparrow.timing import now
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 from sparrow.errors import UserError

@@ -44,7 +44,7 @@ from sparrow.config import SamplingConfig
 from sparrow.drafters.dtw import carry_confidence, dtw_path, target_to_source
 from sparrow.drafters.token_bytes import TokenBytes, valid_utf8_prefix
 from sparrow.noise import Randomness
-from sparrow.policy import LengthPolicy
+from sparrow.policy.length import LengthPolicy
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 from sparrow.errors import UserError

@@ -23,7 +23,7 @@ from sparrow import sampling as S
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.noise import Randomness, at
-from sparrow.policy import LengthPolicy
+from sparrow.policy.length import LengthPolicy
 from sparrow.types import Draft
 
 Step = Callable[[Tensor, int], Tensor]

@@ -22,7 +22,8 @@ from sparrow.drafters.draft_loop import DraftSteps, Forward, draft_chain, drive
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness
-from sparrow.policy import LengthPolicy, TreePolicy
+from sparrow.policy.length import LengthPolicy
+from sparrow.policy.tree import TreePolicy
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 from sparrow.errors import UserError

@@ -37,7 +37,8 @@ from sparrow.heads.longspec import LongSpecHead
 from sparrow.heads.link import DeviceLink
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness
-from sparrow.policy import LengthPolicy, TreePolicy
+from sparrow.policy.length import LengthPolicy
+from sparrow.policy.tree import TreePolicy
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 

@@ -27,7 +27,7 @@ from sparrow.drafters.tree_draft import TreeShape, dynamic_tree
 from sparrow.errors import UserError
 from sparrow.heads.longspec import LongSpecHead, target_layer_kv, window_mask
 from sparrow.noise import Randomness
-from sparrow.policy import LengthPolicy
+from sparrow.policy.length import LengthPolicy
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 

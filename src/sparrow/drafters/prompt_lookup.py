@@ -12,7 +12,7 @@ from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.tree_draft import TreeShape, resolve_shape
 from sparrow.noise import Randomness
-from sparrow.policy import LengthPolicy
+from sparrow.policy.length import LengthPolicy
 from sparrow.runtime.runner import runner_for
 from sparrow.tree import merge_paths
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict

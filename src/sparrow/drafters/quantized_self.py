@@ -14,7 +14,7 @@ from sparrow.runtime.runner import runner_for
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.tree_draft import resolve_shape
 from sparrow.models import LoadedModel
-from sparrow.policy import follow_cost_curve
+from sparrow.policy.measure import follow_cost_curve
 from sparrow.models.quantization import DEFAULT_GROUP_SIZE, quantized_copy
 from sparrow.errors import UserError
 

@@ -26,7 +26,7 @@ from sparrow.heads.eagle import EagleHead, HeadCache
 from sparrow.heads.longspec import window_mask
 from sparrow.heads.sparrow_head import spec_of
 from sparrow.noise import Randomness
-from sparrow.policy import LengthPolicy
+from sparrow.policy.length import LengthPolicy
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 

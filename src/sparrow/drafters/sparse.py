@@ -36,7 +36,7 @@ from sparrow.drafters.kv.compress import HybridKV
 from sparrow.drafters.kv.selection import (KVSelector, TopKAttention, candidate_span, check_budget, kept_positions,
                                            resolve_budget)
 from sparrow.noise import Randomness
-from sparrow.policy import LengthPolicy
+from sparrow.policy.length import LengthPolicy
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 from sparrow.errors import UserError
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from sparrow import sampling as S
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.policy import measure_cost_curve
+from sparrow.policy.measure import measure_cost_curve
 from sparrow.types import Draft
 from sparrow.errors import UserError
 

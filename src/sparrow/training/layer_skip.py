@@ -42,7 +42,8 @@ from sparrow.runtime.cached_model import _text_config
 from sparrow.drafters.layer_skip import (LayerSkipDrafter, SkipRecord, SkipSet, anchor_layers, crop_layers,
                                          find_layers, skipping_view)
 from sparrow.models import LoadedModel
-from sparrow.policy import measure_cost_curve, tokens_per_second
+from sparrow.policy.measure import measure_cost_curve
+from sparrow.policy.estimates import tokens_per_second
 from sparrow.runtime.runner import runner_for
 from sparrow.errors import UserError
 

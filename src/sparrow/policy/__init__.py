@@ -1,0 +1,1 @@
+"""How much to draft: the length, tree and batch policies, their estimates, and the cost measurements they use."""

@@ -1,0 +1,72 @@
+"""How a tree drafter decides whether to draft a tree this round, and how large."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparrow.policy.estimates import DecayedLine, ProbeSchedule
+from sparrow.types import StepStats
+
+
+@dataclass
+class TreePolicy:
+    """LengthPolicy's counterpart for trees, whose cost and yield do not follow one length k. From decayed
+    sums over the engine-measured tree rounds:
+
+    * back-off: drafting rounds' seconds per committed token against plain decoding's (the rounds without
+      a draft; one is forced after `warmup` tree rounds to measure it). While plain decoding is faster,
+      draft nothing and probe on a doubling schedule (`backoff=False`: always draft, e.g. inside auto).
+    * `min_prob`: when another tree level is worth a draft forward. EAGLE-2's scores approximate the chance
+      the target accepts a path, so a level whose best path has draft probability p adds about p tokens for
+      one draft forward: it pays while p * (seconds per committed token) > (seconds per draft forward).
+    """
+
+    backoff: bool = True
+    decay: float = 0.9
+    warmup: int = 3
+    probe_interval: int = 4
+    max_probe_interval: int = 64
+    probe_weight: float = 0.2  # weight left to the drafting evidence from before a probe
+    floor: float = 0.02  # min_prob: never stop expanding for a path more likely than this...
+    ceiling: float = 0.9  # ...and always stop under this
+
+    def __post_init__(self) -> None:
+        self.tokens = self.seconds = 0.0  # decayed sums over drafting rounds: committed tokens, round seconds
+        self.forwards = self.draft_seconds = 0.0  # the same: draft forwards, drafting seconds
+        self.plain = DecayedLine(self.decay)
+        self.probes = ProbeSchedule(self.probe_interval, self.max_probe_interval)
+        self._round = self._drafted = 0
+
+    def draft_now(self) -> bool:
+        """Whether this round drafts (False: a plain decoding step)."""
+        self._round += 1
+        if not self.backoff:
+            return True
+        if not self.plain.known:
+            return self._drafted < self.warmup
+        if not self.seconds or self.tokens / self.seconds > 1.0 / self.plain(1):
+            self.probes.restart(self._round + self.probes.start)
+            return True
+        if self.probes.due(self._round):
+            self.probes.wait(self._round, won=False)
+            self.tokens, self.seconds = self.probe_weight * self.tokens, self.probe_weight * self.seconds
+            return True
+        return False
+
+    @property
+    def min_prob(self) -> float:
+        if not self.forwards or not self.seconds:
+            return self.floor
+        per_forward, per_token = self.draft_seconds / self.forwards, self.seconds / self.tokens
+        return min(self.ceiling, max(self.floor, per_forward / per_token))
+
+    def observe(self, step: StepStats, forwards: int = 1) -> None:
+        """The engine-measured round; `forwards`: the draft forwards its tree took."""
+        if step.num_draft_tokens == 0:
+            self.plain.add(1, step.verify_seconds)
+            return
+        self._drafted += 1
+        new = (step.num_accepted + 1, step.draft_seconds + step.verify_seconds, forwards, step.draft_seconds)
+        old = (self.tokens, self.seconds, self.forwards, self.draft_seconds)
+        self.tokens, self.seconds, self.forwards, self.draft_seconds = (self.decay * o + n for o, n in zip(old, new))
+
