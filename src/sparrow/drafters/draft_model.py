@@ -15,18 +15,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
 from sparrow.drafters.draft_loop import DraftSteps, Forward, draft_chain, drive
+from sparrow.drafters.kv.draft_kv import draft_kv_config, with_draft_kv
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
+from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
+from sparrow.errors import UserError
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness
 from sparrow.policy.length import LengthPolicy
 from sparrow.policy.tree import TreePolicy
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
-from sparrow.errors import UserError
 
 
 def common_prefix_length(a: Tensor, b: Tensor) -> int:
@@ -145,8 +146,6 @@ def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adapti
     draft_vocab: N (or "auto", or a DraftVocab): the draft scores only the N most frequent target tokens.
     draft_kv / draft_kv_budget / retrieve_every: a VLM draft keeps only a budget of its visual KV, chosen by
     a policy (topk, mm-shiftkv, hybridkv; drafters/draft_kv.py)."""
-    from sparrow.drafters.kv.draft_kv import draft_kv_config, with_draft_kv
-
     kv_config = draft_kv_config(draft_kv, draft_kv_budget, retrieve_every)  # validated before any measuring
     target_runner, draft_runner = runner_for(target.model), runner_for(draft.model)
     shape = resolve_shape(tree_budget, tree_topk, tree_depth, target_runner)

@@ -40,6 +40,8 @@ import torch
 from torch import Tensor, nn
 
 from sparrow.errors import UserError
+from sparrow.paths import default_cache_dir
+from sparrow.runtime.quant import DynamicInt8Linear, QuantizedLinear, kernel_takes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -182,8 +184,6 @@ def token_frequencies(tokenizer: PreTrainedTokenizerBase, vocab_size: int, files
     """[vocab_size] int64 token counts over `files` (default: `corpus_files()`), read from / written to
     <cache_dir>/draft_vocab/<digest>.pt (default cache: sparrow's, `SPARROW_CACHE`). An unreadable entry
     is counted again; an unwritable cache only costs the count next time."""
-    from sparrow.paths import default_cache_dir
-
     files = corpus_files() if files is None else [Path(f) for f in files]
     directory = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "draft_vocab"
     path = directory / f"{_vocab_digest(tokenizer, vocab_size, files)}.pt"
@@ -282,8 +282,6 @@ def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
 
 def _project(head: nn.Module, ids: Tensor) -> nn.Module:
     """The rows `ids` of `head` as a layer of the same kind (a weight-only quantized head stays quantized)."""
-    from sparrow.runtime.quant import DynamicInt8Linear, QuantizedLinear, kernel_takes
-
     if isinstance(head, DynamicInt8Linear):  # the int8 rows and their scales: the same values
         bias = head.bias[ids] if head.bias is not None else None
         return DynamicInt8Linear(head.in_features, ids.numel(), head.int8_weight()[ids], head.scales[ids], bias,

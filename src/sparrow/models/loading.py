@@ -34,11 +34,14 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from sparrow.errors import UserError
 from sparrow.models import cache
 from sparrow.models.presets import PRESETS, Preset, is_installed, open_gguf
 from sparrow.paths import default_cache_dir
-from sparrow.errors import UserError
+from sparrow.runtime.attention import decode as decode_attention
 from sparrow.runtime.devices import resolve_device
+from sparrow.runtime.hardware import choose_dtype, choose_onednn
+from sparrow.runtime.onednn import route_linears
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -83,8 +86,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = 
     if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype.strip().lower() == AUTO_DTYPE:
-        from sparrow.runtime.hardware import choose_dtype
-
         return choose_dtype(resolve_device(device))[0]
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
@@ -364,9 +365,6 @@ def load_model(
         model = model.to(dev).eval()  # already there when loaded in place (see _placement): a no-op
         processor = tokenizer if isinstance(tokenizer, ProcessorMixin) else None  # a VLM (see _from_dir)
         tokenizer = processor.tokenizer if processor is not None else tokenizer
-        from sparrow.runtime.attention import decode as decode_attention
-        from sparrow.runtime.hardware import choose_onednn
-        from sparrow.runtime.onednn import route_linears
 
         decode_attention.use(model)  # one-row decoding steps without torch's slow single-row CPU kernel
         kernel = ""

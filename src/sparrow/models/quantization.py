@@ -36,11 +36,21 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from sparrow.models import LoadedModel, PRESETS, cache
-from sparrow.paths import default_cache_dir
 from sparrow.errors import UserError
-from sparrow.runtime.quant import (CPU_INT8_K_MULTIPLE, W8A8, DynamicInt8Linear, QuantizedLinear, _vnni, check_device,
-                                   group_siblings, kernel_takes)
+from sparrow.models import PRESETS, LoadedModel, cache
+from sparrow.paths import default_cache_dir
+from sparrow.runtime.attention.rowwise import use_rowwise
+from sparrow.runtime.hardware import choose_draft_quant
+from sparrow.runtime.quant import (
+    CPU_INT8_K_MULTIPLE,
+    W8A8,
+    DynamicInt8Linear,
+    QuantizedLinear,
+    _vnni,
+    check_device,
+    group_siblings,
+    kernel_takes,
+)
 
 QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4, "w8a8": 8}  # format -> bits per weight
 AUTO = "auto"  # --draft-quant auto: the draft format this machine runs fastest (sparrow.runtime.hardware.choose_draft_quant)
@@ -76,8 +86,6 @@ def resolve_draft_quant(draft_quant: str | int | None, drafter: str, has_draft_m
     if fmt != AUTO:
         return fmt
     if drafter == "quantized-self":
-        from sparrow.runtime.hardware import choose_draft_quant
-
         return choose_draft_quant(device, dtype=dtype)[0]
     return AUTO if has_draft_model else None
 
@@ -90,7 +98,6 @@ def draft_format(model: nn.Module | None, draft_quant: str | None) -> str | None
         return draft_quant
     if model is None:
         return None
-    from sparrow.runtime.hardware import choose_draft_quant
 
     weight = next(model.parameters())
     device = weight.device
@@ -280,7 +287,6 @@ def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT
             if cached is None:
                 slot.commit(lambda directory: _save_cached(directory, _buffers(clone, take)))
     if fmt == W8A8:  # its int8 activations would amplify the last-bit differences of batched attention
-        from sparrow.runtime.attention.rowwise import use_rowwise
 
         use_rowwise(clone)
         group_siblings(clone)

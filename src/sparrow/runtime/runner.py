@@ -10,6 +10,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from sparrow.runtime.cached_model import CachedModel
+from sparrow.runtime.compiled import StaticCachedModel
 from sparrow.runtime.vision import cached_model_class
 
 
@@ -18,7 +19,5 @@ def runner_for(model: PreTrainedModel, compiled: bool = False) -> CachedModel:
     `sparrow.runtime.compiled.StaticCachedModel` instead (static KV cache, torch.compile'd steps; text LMs without
     sliding-window layers only, else a UserError)."""
     if compiled:
-        from sparrow.runtime.compiled import StaticCachedModel
-
         return StaticCachedModel(model)
     return cached_model_class(model)(model)

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from sparrow.errors import UserError
+from sparrow.pipeline import Pipeline
 
 SUFFIXES = (".py", ".md", ".rst")
 EXCLUDED_DIRS = frozenset({"__pycache__", "benchmarks", "spec_bench", "Spec-Bench", ".git", "node_modules"})
@@ -176,8 +177,6 @@ def self_distilled(target, snippets: Sequence[str], new_tokens: int,
     """prompt + the target's greedy answer (ids) for each snippet (a LoadedModel target, chat template if any).
     batch_size 1: sparrow's own plain decoding, one prompt at a time; more: transformers' batched greedy
     `generate` over left-padded prompts (a GPU's way: the same answers up to near-ties, much faster)."""
-    from sparrow.pipeline import Pipeline
-
     if batch_size < 1:
         raise UserError(f"--distill-batch must be an integer >= 1, got {batch_size}")
     plain = Pipeline(target, None)

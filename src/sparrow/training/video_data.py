@@ -32,6 +32,10 @@ import torch
 from torch import Tensor
 
 from sparrow.errors import UserError
+from sparrow.heads.sparrow_head import video_features
+from sparrow.pipeline import Pipeline
+from sparrow.vision.prompt import visual_token_ids
+from sparrow.vision.video import IMAGE_SUFFIXES, read_video
 
 QUESTIONS = (
     "Describe this video in detail.",
@@ -62,8 +66,6 @@ def video_sources(paths: Sequence[str | Path]) -> list[str]:
     """--videos values -> the videos they name, each a file or a directory of frame images (what
     `read_video` takes): a directory holding video files stands for each of them (sorted by name), a directory
     without any for itself (its frames)."""
-    from sparrow.vision.video import IMAGE_SUFFIXES
-
     found: list[str] = []
     for given in paths:
         path = Path(given).expanduser()
@@ -167,8 +169,6 @@ def stored_spec(directory: Path) -> VideoSpec | None:
 
 def read_videos(spec: VideoSpec) -> dict[str, Any]:
     """Each video of `spec`, read once (`spec.frames` frames sampled uniformly)."""
-    from sparrow.vision.video import read_video
-
     return {v: read_video(v, spec.frames) for v in spec.videos}
 
 
@@ -178,8 +178,6 @@ def self_distilled_answers(spec: VideoSpec, loaded: Any, directory: Path, target
                            videos: dict[str, Any] | None = None) -> list[Sample] | None:
     """The target's greedy answer to every (video, question) pair of `spec` (kept answers reused, new ones saved
     after each). None when `out_of_time()` said stop before all were answered (those made so far are kept)."""
-    from sparrow.pipeline import Pipeline
-
     if not loaded.is_vlm:
         raise UserError(f"--target {target!r} is a text-only model; --arch sparrow needs a Video-LLM target "
                         "(Qwen2.5-VL or LLaVA-OneVision, a directory with its processor)")
@@ -216,10 +214,6 @@ def sample_features(loaded: Any, head: Any, samples: Sequence[Sample], spec: Vid
                     videos: dict[str, Any] | None = None) -> list[Any] | None:
     """The Sparrow head's training features (`video_features`) of each sample, on the CPU in the target's dtype.
     None when `out_of_time()` said stop first."""
-    from sparrow.heads.sparrow_head import video_features
-    from sparrow.pipeline import Pipeline
-    from sparrow.vision.prompt import visual_token_ids
-
     model = loaded.model
     parameter = next(model.parameters())
     visual = visual_token_ids(model.config)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparrow.drafters.kv.selection import KVSelector, TopKAttention
+from sparrow.drafters.kv.selection import KVSelector, TopKAttention, check_budget
 from sparrow.errors import UserError
 
 SELECTORS = ("topk", "mm-shiftkv", "hybridkv")
@@ -230,8 +230,6 @@ def build_selector(name: str, model: torch.nn.Module | None = None, **options) -
 def configure_draft_kv(drafter, policy: str | None, budget: int | float | None) -> None:
     """Point a built sparse drafter at a draft-KV policy by name and/or a new visual KV budget
     (takes effect at its next prefill; the target's cache is never touched)."""
-    from sparrow.drafters.kv.selection import check_budget
-
     if not (hasattr(drafter, "selector") and hasattr(drafter, "budget")):
         raise UserError(f"configure_draft_kv re-points the sparse drafter, not {getattr(drafter, 'name', drafter)!r}; "
                         "build visual-prune / draft-model with draft_kv=... (and draft_kv_budget=) instead")
