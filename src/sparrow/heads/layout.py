@@ -3,7 +3,13 @@
 EAGLE-3, as SpecForge exports it and vLLM / SGLang load it unchanged: `config.json` with
 `architectures: ["LlamaForCausalLMEagle3"]`, `hidden_size`, `draft_vocab_size`, `vocab_size`, the Llama layer
 fields (`num_hidden_layers: 1`), optionally `target_hidden_size` and `eagle_aux_hidden_state_layer_ids`
-(sparrow writes it: the target layers read, transformers' hidden_states indexing = vLLM's); tensors
+(top level and in `eagle_config`). Those ids are SpecForge's and SGLang's: id i is the OUTPUT of decoder layer i,
+= transformers' `hidden_states[i + 1]` (SGLang captures the input of layer i + 1; SpecForge's default ids are
+[1, L // 2 - 1, L - 4], i.e. hidden_states 2, L // 2, L - 3; id -1 is the embedding output). Sparrow keeps
+hidden_states indices inside (`HeadConfig.target_layers`) and converts at the file boundary (`layer_ids_of`,
+`target_layers_of`). Heads saved by sparrow carry `"sparrow_format": 2`; older sparrow heads (format 1, no such
+key) wrote hidden_states indices under the same name and are recognised by their exact key set
+(`is_format1`) and read with their own meaning. Tensors
 `fc.weight`, `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
 `midlayer.self_attn.{q,k,v,o}_proj.weight`, `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`,
 `lm_head.weight`, `d2t` (int64 offsets: target id = draft id + d2t[draft id]) and `t2d` (bool over the target
@@ -23,6 +29,7 @@ SafeAILab's / Dovetail's `layers.i.*` naming).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,33 @@ from sparrow.heads.eagle import EagleHead, TargetParts
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 EAGLE1_ARCHITECTURE = "LlamaForCausalLM"
 WEIGHTS = "model.safetensors"
+FORMAT_KEY = "sparrow_format"
+FORMAT = 2  # 2: eagle_aux_hidden_state_layer_ids in SpecForge's / SGLang's meaning (1: hidden_states indices)
+LAYER_IDS = "eagle_aux_hidden_state_layer_ids"
+
+
+def layer_ids_of(target_layers: Sequence[int]) -> list[int]:
+    """hidden_states indices -> the layer ids SpecForge and SGLang read (output of decoder layer i = index i + 1)."""
+    return [int(i) - 1 for i in target_layers]
+
+
+def is_format1(raw: dict[str, Any]) -> bool:
+    """Whether a config.json is one sparrow wrote before format 2: no `sparrow_format`, and the layer ids written
+    both at the top level and in `eagle_config` (equal), beside sparrow's `bias` key (SpecForge writes neither pair)."""
+    if FORMAT_KEY in raw or "bias" not in raw:
+        return False
+    nested = raw.get("eagle_config")
+    return isinstance(nested, dict) and raw.get(LAYER_IDS) is not None and nested.get(LAYER_IDS) == raw[LAYER_IDS]
+
+
+def target_layers_of(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+    """The hidden_states indices an EAGLE-3 config.json asks for: its layer ids + 1 (SpecForge / SGLang), or a
+    format-1 sparrow head's ids as they are, or the default when it lists none (EAGLE-1: the final state)."""
+    ids = raw.get(LAYER_IDS) or (raw.get("eagle_config") or {}).get(LAYER_IDS)
+    if not ids or arch != "eagle3":
+        return default_layers(arch, num_layers)
+    shift = 0 if is_format1(raw) else 1
+    return tuple(int(i) + shift for i in ids)
 
 
 def head_config_json(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -55,10 +89,11 @@ def head_config_json(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
     if config.fusion != "concat":
         record["fusion"] = config.fusion  # sparrow-only (see the module docstring)
     if eagle3:
-        layers = list(config.target_layers)
+        ids = layer_ids_of(config.target_layers)
         record.update(draft_vocab_size=config.draft_vocab_size, target_hidden_size=config.target_hidden_size,
-                      eagle_aux_hidden_state_layer_ids=layers,
-                      eagle_config={"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layers})
+                      eagle_aux_hidden_state_layer_ids=ids,
+                      eagle_config={"use_aux_hidden_state": True, LAYER_IDS: ids})
+    record[FORMAT_KEY] = FORMAT
     return record
 
 
@@ -144,8 +179,8 @@ def check_fits(config: HeadConfig, model: torch.nn.Module, where: str = "head") 
         raise UserError(f"{where} has a vocabulary of {config.vocab_size} tokens but the target's has {vocab}; "
                         "a head must be trained for this target")
     if any(not 0 <= i <= num_layers for i in config.target_layers):
-        raise UserError(f"{where} reads target layers {list(config.target_layers)} but the target has "
-                        f"{num_layers} layers (hidden_states 0..{num_layers})")
+        raise UserError(f"{where} reads target layer ids {layer_ids_of(config.target_layers)} (outputs of those "
+                        f"decoder layers) but the target has {num_layers} layers (ids -1..{num_layers - 1})")
 
 
 def load_head(directory: str | Path, model: torch.nn.Module, device: torch.device | str | None = None) -> EagleHead:
@@ -205,15 +240,12 @@ def _config(raw: dict[str, Any], arch: str, num_layers: int, fc_bias: bool, wher
     try:
         d, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         vocab = int(raw["vocab_size"])
-        layers = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids")
         return HeadConfig(
             arch=arch, hidden_size=d, intermediate_size=int(raw["intermediate_size"]), num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or d // heads), vocab_size=vocab,
             draft_vocab_size=int(raw.get("draft_vocab_size") or vocab) if arch == "eagle3" else vocab,
-            target_layers=tuple(int(i) for i in layers) if layers and arch == "eagle3"
-            else default_layers(arch, num_layers),
+            target_layers=target_layers_of(raw, arch, num_layers),
             target_hidden_size=int(raw.get("target_hidden_size") or d),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(raw.get("rope_theta", 10000.0)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
