@@ -253,7 +253,8 @@ def train_step(head: EagleHead, optimiser: torch.optim.Optimizer, batch: Sequenc
     tokens = 0
     for features in batch:
         loss, agreements = ttt_loss(head, features, ttt_steps, decay, feature_weight)
-        (loss / len(batch)).backward()
+        if loss.requires_grad:  # a constant zero when no row's target argmax lies in the draft vocabulary
+            (loss / len(batch)).backward()
         step_loss += float(loss.detach()) / len(batch)
         step_agreement += agreements[0] / len(batch)
         tokens += features.tokens.numel() - 1
