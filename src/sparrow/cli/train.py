@@ -159,6 +159,21 @@ def head(
     run.go(dtype.value, device)
 
 
+@train_app.command("export-int8")
+@cli_errors
+def export_int8(
+    head: Annotated[Path, typer.Option(help="A dense head directory (config.json + model.safetensors: saved by `sparrow train head` or exported by SpecForge).")],
+    out: Annotated[Path, typer.Option(help="New directory for the int8 export: manifest.json + int8 safetensors shards of at most 15 MB, 60 MB in all; loads with --drafter eagle --head OUT.")],
+) -> None:
+    """Write a head's per-channel int8 export (symmetric per-row scales; norms and maps kept as they are), which
+    --drafter eagle --head loads transparently, dequantized to the target's dtype."""
+    from sparrow.heads.layout import export_int8 as export
+
+    written = export(head, out)
+    typer.echo(json.dumps({"out": str(out), "head_id": written.head_id, "shards": len(written.shard_bytes),
+                           "bytes": written.total_bytes}))
+
+
 @dataclass(frozen=True)
 class HeadVariant:
     """The shape options of a new head beyond its arch (a resumed head takes its checkpoint's)."""
@@ -487,8 +502,23 @@ class _Run:
                 "expected_tokens_per_round": evaluation.expected_accepted},
             **self.timings,
         }
+        if c.arch in ("eagle3", "eagle1"):
+            report["int8"] = self.export_int8(head)
         self._publish(report, rows, f"{head.config.arch} head for {self.target_name}", outcome, evaluation,
                       f"--drafter eagle --head {self.out}", f"{len(held_out)} sequences")
+
+    def export_int8(self, head: Any) -> dict[str, Any]:
+        """OUT/int8: the head's int8 export beside the dense one (replaced at each finish); its size, or why not."""
+        from sparrow.heads.layout import export_int8
+
+        try:
+            written = export_int8(head, self.out / "int8", replace=True)
+        except UserError as error:
+            self.say(f"no int8 export: {error}")
+            return {"error": str(error)}
+        self.say(f"int8 export: {self.out / 'int8'} ({written.total_bytes / 1e6:.1f} MB in {len(written.shard_bytes)} "
+                 f"shards; use: --drafter eagle --head {self.out / 'int8'})")
+        return {"dir": str(self.out / "int8"), "bytes": written.total_bytes, "shards": len(written.shard_bytes)}
 
     def _publish(self, report: dict[str, Any], rows: list[dict], title: str, outcome: Any, evaluation: Any,
                  use: str, held_out: str) -> None:

@@ -24,6 +24,9 @@ config.json with the gate's tensors `gate.*` (and, for EAGLE-3, a `midlayer` wit
 `hidden_norm` whose attention reads d, not 2d; for EAGLE-1 an `fc` over the feature alone), and
 `num_hidden_layers` > 1 with the deeper layers as `layers.1.*` .. (EAGLE-1 heads of several layers follow
 SafeAILab's / Dovetail's `layers.i.*` naming).
+
+Int8 (sparrow's, for shipping): `manifest.json` + int8 safetensors shards (`sparrow.heads.int8`); `load_head` reads
+it transparently (checked, dequantized), `export_int8` writes one from a dense head.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from torch import Tensor
 from sparrow.errors import UserError
 from sparrow.heads.config import HeadConfig, default_layers
 from sparrow.heads.eagle import EagleHead, TargetParts
+from sparrow.heads.int8 import MANIFEST as INT8_MANIFEST
+from sparrow.heads.int8 import Int8Export, is_int8_dir, read_int8, replace_int8, write_int8
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 EAGLE1_ARCHITECTURE = "LlamaForCausalLM"
@@ -117,15 +122,49 @@ def save_head(head: EagleHead, directory: str | Path) -> Path:
         return save_longspec(head, directory)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    dtype = head.fc.weight.dtype
-    record = head_config_json(head.config, dtype)
-    spec = getattr(head, "sparrow", None)  # a Sparrow head: EAGLE-3 tensors, drafted text-anchored by sparrow
-    if spec is not None:
-        record["sparrow"] = {"text_window": spec.text_window, "bridge_layer": spec.bridge_layer}
-    (directory / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(config_record(head), indent=2) + "\n")
     tensors = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
     return directory
+
+
+def config_record(head: EagleHead) -> dict[str, Any]:
+    """The config.json record of an EAGLE head (a Sparrow head's spec included)."""
+    record = head_config_json(head.config, head.fc.weight.dtype)
+    spec = getattr(head, "sparrow", None)  # a Sparrow head: EAGLE-3 tensors, drafted text-anchored by sparrow
+    if spec is not None:
+        record["sparrow"] = {"text_window": spec.text_window, "bridge_layer": spec.bridge_layer}
+    return record
+
+
+def export_int8(source: str | Path | EagleHead, directory: str | Path, replace: bool = False) -> Int8Export:
+    """The int8 export (`sparrow.heads.int8`) of a head: a dense head directory (config.json + weights, sparrow's
+    or SpecForge's) or an EagleHead; written into the new directory `directory`, or with `replace` swapped in for
+    the export there."""
+    if isinstance(source, EagleHead):
+        config, tensors = config_record(source), dict(source.state_dict())
+    else:
+        source = Path(source)
+        where = f"head {str(source)!r}"
+        if is_int8_dir(source):
+            raise UserError(f"{where} is already an int8 export")
+        config, tensors = _read_config(source, where), _read_tensors(source)
+        if "SparrowLongSpecHead" in (config.get("architectures") or []):
+            raise UserError(f"{where} is a LongSpec head: the int8 export takes EAGLE-1/3 heads")
+        tensors = _normalised(tensors, _arch(config, tensors, where) == "eagle3")
+    config = {**config, FORMAT_KEY: config.get(FORMAT_KEY, FORMAT if not is_format1(config) else 1)}
+    write = replace_int8 if replace else write_int8
+    return write(tensors, config, directory)
+
+
+def _read_config(directory: Path, where: str) -> dict[str, Any]:
+    if not (directory / "config.json").is_file():
+        raise UserError(f"{where}: no config.json or {INT8_MANIFEST} (expected a directory saved by sparrow or "
+                        "exported by SpecForge)")
+    try:
+        return json.loads((directory / "config.json").read_text())
+    except json.JSONDecodeError as error:
+        raise UserError(f"{where}: config.json is not valid JSON ({error})") from None
 
 
 def _read_tensors(directory: Path) -> dict[str, Tensor]:
@@ -188,13 +227,10 @@ def load_head(directory: str | Path, model: torch.nn.Module, device: torch.devic
     dtype on its device, or on `device` (Dovetail's split). Refuses (UserError) a head that does not fit."""
     directory = Path(directory)
     where = f"head {str(directory)!r}"
-    if not (directory / "config.json").is_file():
-        raise UserError(f"{where}: no config.json (expected a directory saved by sparrow or exported by SpecForge)")
-    try:
-        raw = json.loads((directory / "config.json").read_text())
-    except json.JSONDecodeError as error:
-        raise UserError(f"{where}: config.json is not valid JSON ({error})") from None
-    tensors = _read_tensors(directory)
+    if is_int8_dir(directory):  # dequantized to float32 here, to the target's dtype by load_state_dict
+        raw, tensors = read_int8(directory)
+    else:
+        raw, tensors = _read_config(directory, where), _read_tensors(directory)
     if "SparrowLongSpecHead" in (raw.get("architectures") or []):
         from sparrow.heads.longspec import load_longspec
 
