@@ -701,21 +701,10 @@ def _duration(seconds: float) -> str:
 
 
 def init_from_target(head: Any, model: Any) -> None:
-    """Start an EAGLE-3 head's norm and LM head from the target's final norm and LM head rows of the draft
-    vocabulary (the head's output then begins as a reading of a target-like state; it trains from there); a
-    LongSpec head's norm from the target's final norm."""
-    import torch
+    """`sparrow.heads.train.init_from_target` (imported when used: the CLI starts without torch)."""
+    from sparrow.heads.train import init_from_target as start_from_target
 
-    if head.config.arch not in ("eagle3", "longspec"):
-        return
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    norm = getattr(decoder, "norm", None)
-    with torch.no_grad():
-        if head.config.arch == "eagle3":  # a LongSpec head drafts through the target's own LM head: its norm only
-            weight = model.get_output_embeddings().weight
-            head.lm_head.weight.copy_(weight[head.draft_to_target].to(head.lm_head.weight))
-        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == head.norm.weight.shape:
-            head.norm.weight.copy_(norm.weight.to(head.norm.weight))
+    start_from_target(head, model)
 
 
 def _default_anchor_offset(model: Any, corpus: Any) -> int:
