@@ -177,3 +177,24 @@ def test_cli_export_int8_then_generate_with_it(target, head, tmp_path, monkeypat
     assert result.exit_code == 2 and "truncated or damaged" in result.output and "Traceback" not in result.output
     result = runner.invoke(app, ["train", "export-int8", "--head", str(tmp_path / "q"), "--out", str(tmp_path / "q2")])
     assert result.exit_code == 2 and "already an int8 export" in result.output
+
+
+def test_the_recipes_default_head_for_qwen2_5_coder_1_5b_fits_60_mb_in_4_shards(tmp_path):
+    """The GPU recipe's default head shape for the 1.5B preset (hidden 1536, 12 / 2 heads, vocabulary 151,936;
+    draft vocabulary 16,384, MLP 3,584) exports within the limits, so its 4 shards + manifest + eval.json +
+    metrics.jsonl are the 7 files a device call returns."""
+    from torch import nn
+
+    from sparrow.heads.config import HeadConfig
+    from sparrow.heads.eagle import TargetParts
+    from sparrow.heads.recipe import RecipeSettings
+
+    defaults = RecipeSettings(out="", target="-")
+    config = HeadConfig(arch="eagle3", hidden_size=1536, intermediate_size=defaults.intermediate_size,
+                        num_attention_heads=12, num_key_value_heads=2, head_dim=128, vocab_size=151936,
+                        draft_vocab_size=defaults.draft_vocab, target_layers=(2, 14, 25), target_hidden_size=1536)
+    head = EagleHead(config, TargetParts(nn.Embedding(1, 1), nn.Linear(1, 1)), device="cpu", dtype=torch.float32)
+    head.reset_parameters(torch.Generator().manual_seed(0))
+    written = export_int8(head, tmp_path / "q")
+    assert len(written.shard_bytes) == 4 and max(written.shard_bytes) <= 15_000_000
+    assert written.total_bytes <= 60_000_000, written.total_bytes

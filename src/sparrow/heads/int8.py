@@ -5,8 +5,8 @@ An int8 export is a directory holding `manifest.json` and shards `int8-00001-of-
   float32 scale per output row, symmetric: w[r, :] ~= q[r, :] * scale[r], scale[r] = max|w[r, :]| / 127 (a zero
   row gets scale 1); the scale is stored as `<name>.scale`;
 * every other tensor as it is (norms in float32, d2t int64, t2d bool);
-* a tensor larger than a shard is cut along its rows into pieces `<name>.part<i>`, so each shard stays within
-  `shard_bytes` (15 MB by default) and the whole within `total_bytes` (60 MB);
+* the shards are filled in turn, a tensor cut along its rows into pieces `<name>.part<i>` where a shard ends, so
+  each shard stays within `shard_bytes` (15 MB by default) and the whole within `total_bytes` (60 MB);
 * each shard's safetensors metadata names the head (`head_id`) and its place (`shard`: "i/N").
 
 `manifest.json`: {"format": "sparrow-head-int8", "version": 1, "head_id", "config" (the head's config.json record,
@@ -90,16 +90,6 @@ class Int8Export:
         return sum(self.shard_bytes)
 
 
-def _pieces(name: str, tensor: Tensor, limit: int) -> list[tuple[str, Tensor]]:
-    """`tensor` whole, or cut along dim 0 into pieces of at most `limit` bytes each."""
-    size = tensor.numel() * tensor.element_size()
-    if size <= limit or tensor.ndim == 0:
-        return [(name, tensor)]
-    row = max(size // tensor.shape[0], 1)
-    rows = max(limit // row, 1)
-    return [(f"{name}.part{i}", tensor[start : start + rows]) for i, start in enumerate(range(0, tensor.shape[0], rows))]
-
-
 def write_int8(tensors: dict[str, Tensor], config: dict[str, Any], directory: str | Path,
                shard_bytes: int = SHARD_BYTES, total_bytes: int = TOTAL_BYTES) -> Int8Export:
     """Quantize a head's dense `tensors` (its state dict) and write them with `config` (its config.json record) as
@@ -129,15 +119,25 @@ def write_int8(tensors: dict[str, Tensor], config: dict[str, Any], directory: st
     shards: list[dict[str, Tensor]] = [{}]
     used = [0]
     places: dict[str, list[tuple[int, str]]] = {}
-    for name, tensor in stored.items():
-        for key, piece in _pieces(name, tensor, room):
-            piece_bytes = piece.numel() * piece.element_size()
-            if used[-1] + piece_bytes > room and shards[-1]:
+    for name, tensor in stored.items():  # each shard filled up, a tensor cut along its rows where one ends
+        count = tensor.shape[0] if tensor.ndim else 1
+        row_bytes = max(tensor.numel() * tensor.element_size() // max(count, 1), 1)
+        start = 0
+        while start < count:
+            take = min(count - start, (room - used[-1]) // row_bytes) if tensor.ndim else int(row_bytes <= room - used[-1])
+            if take == 0:
+                if not shards[-1]:
+                    raise UserError(f"tensor {name} has rows of {row_bytes} bytes, over a shard's {room}")
                 shards.append({})
                 used.append(0)
+                continue
+            whole = start == 0 and take == count
+            key = name if whole else f"{name}.part{len(places.get(name, []))}"
+            piece = tensor if whole else tensor[start : start + take]
             shards[-1][key] = piece.contiguous()
-            used[-1] += piece_bytes
+            used[-1] += take * row_bytes
             places.setdefault(name, []).append((len(shards) - 1, key))
+            start += take
     directory.mkdir(parents=True, exist_ok=True)
     records = []
     for index, shard in enumerate(shards):
