@@ -198,3 +198,82 @@ def test_the_recipes_default_head_for_qwen2_5_coder_1_5b_fits_60_mb_in_4_shards(
     written = export_int8(head, tmp_path / "q")
     assert len(written.shard_bytes) == 4 and max(written.shard_bytes) <= 15_000_000
     assert written.total_bytes <= 60_000_000, written.total_bytes
+
+
+# shipping: a head in the package, found before the user cache (issue #28 item 6) ---------------------------------
+
+
+@pytest.fixture
+def shipped(exported, tmp_path, monkeypatch):
+    """`exported` shipped for the preset name smollm2-135m (the package's shipped dir moved to tmp_path); an
+    untrained head in the user cache for the same preset."""
+    from sparrow.heads import layout
+
+    monkeypatch.setattr(layout, "SHIPPED", tmp_path / "shipped")
+    monkeypatch.setenv("SPARROW_CACHE", str(tmp_path / "cache"))
+    shutil.copytree(exported, tmp_path / "shipped" / "smollm2-135m")
+    return tmp_path / "shipped" / "smollm2-135m"
+
+
+def test_eagle_without_head_uses_the_shipped_head_before_the_users(target, head, shipped, tmp_path):
+    from sparrow.heads import default_head_dir
+    from sparrow.heads.layout import find_head
+
+    as_preset = LoadedModel(target.model, target.tokenizer, "smollm2-135m")
+    untrained = new_head(target.model, "eagle3", torch.Generator().manual_seed(7), draft_vocab=head.draft_to_target)
+    save_head(untrained, default_head_dir("smollm2-135m"))
+    assert find_head("smollm2-135m") == shipped and find_head("tiny") is None
+    drafter = build_drafter("eagle", as_preset, None, 4)
+    assert torch.equal(drafter.head.fc.weight, load_head(shipped, target.model).fc.weight)
+    shutil.rmtree(shipped)
+    assert find_head("smollm2-135m") == default_head_dir("smollm2-135m")  # then the user's
+    assert torch.equal(build_drafter("eagle", as_preset, None, 4).head.fc.weight, untrained.fc.weight)
+
+
+def test_auto_counts_an_available_head_among_its_candidates_and_stays_lossless(target, shipped):
+    """auto drafts with the head in some rounds; in the others (plain steps, prompt lookup) the head still takes
+    the target's features of the committed rows, so its cache equals one computed from the whole text at once."""
+    from sparrow.heads.eagle import causal_mask
+
+    as_preset = LoadedModel(target.model, target.tokenizer, "smollm2-135m")
+    drafter = build_drafter("auto", as_preset, None, 4)
+    assert "eagle" in drafter.candidates and drafter.hidden_layers == drafter.candidates["eagle"].hidden_layers
+    plain, pipe = Pipeline(as_preset, None), Pipeline(as_preset, drafter)
+    eagle = drafter.candidates["eagle"]
+    head = eagle.head
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=40)
+        expected = plain.generate_plain(prompt, max_new_tokens=40).token_ids
+        assert result.token_ids == expected
+        assert "eagle" in drafter.choices or prompt == PROMPTS[2], drafter.choices  # probed (lookup wins repeats)
+        text = torch.cat([plain.encode(prompt).input_ids, torch.tensor(expected)])
+        fed, pending = eagle.runner.target_rows, eagle.runner.pending
+        assert fed + pending.shape[0] == text.numel() - 1  # every committed row's features, whoever drafted
+        states = as_preset.model(input_ids=text[None], output_hidden_states=True).hidden_states
+        features = torch.cat([states[i][0, : text.numel() - 1] for i in head.config.target_layers], -1)
+        assert torch.allclose(pending, features[fed:], atol=1e-4)
+        if fed:  # the rows the head ran when it drafted: as from the whole text at once
+            out, _, _ = head.step(text[1 : fed + 1], head.fuse(features[:fed]), torch.arange(fed),
+                                  causal_mask(fed, 0, "cpu"), None)
+            assert torch.allclose(eagle.runner.cache.hidden[:fed], out, atol=1e-4)
+    assert sum(r.choice == "eagle" for r in drafter.rounds) == 0 and fed == 0  # the last prompt: lookup throughout
+
+
+def test_bench_eagle_without_head_runs_the_shipped_head(shipped, monkeypatch, tmp_path):
+    from sparrow.bench import command
+    from sparrow.bench.data import DEFAULT_DATA
+
+    seen = {}
+
+    def stop(config, progress=True):
+        seen["head"] = config.head
+        raise RuntimeError("stop before loading models")
+
+    monkeypatch.setattr(command, "load_models", stop)
+    with pytest.raises(RuntimeError, match="stop before loading"):
+        command.run(data=DEFAULT_DATA, methods="eagle",
+                    categories=None, limit=1, per_task=None, max_new_tokens=4, repeats=1, first_repeat=0, warmup=0,
+                    all_turns=False, target="smollm2-135m", draft="none", cross_draft="none", k=None, adaptive=False,
+                    dtype="float32", device="cpu", quant=None, draft_quant=None, lookup_tokens=2, chat=False,
+                    out=tmp_path / "bench", quick=False, progress=False)
+    assert seen["head"] == str(shipped)

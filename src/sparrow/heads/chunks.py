@@ -17,7 +17,7 @@ from pathlib import Path
 from sparrow.errors import UserError
 
 SUMS = "SHA256SUMS"
-CHUNK_BYTES = 60 * 1024 * 1024  # under the 64 MiB a device call carries
+CHUNK_BYTES = 56 * 1024 * 1024  # with the ~5 MiB working tree, under the 64 MiB a device call carries
 _BLOCK = 1 << 22
 
 

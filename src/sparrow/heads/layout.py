@@ -114,6 +114,28 @@ def default_head_dir(target: str, cache_dir: str | Path | None = None) -> Path |
     return (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "heads" / name
 
 
+SHIPPED = Path(__file__).parent / "shipped"
+"""Heads shipped in the package: SHIPPED/<preset>/ holding an int8 export (manifest.json + shards)."""
+
+
+def shipped_head_dir(target: str) -> Path | None:
+    """The head shipped in the package for preset `target` (an int8 export or a dense head), else None."""
+    where = SHIPPED / target.strip().lower()
+    return where if (where / INT8_MANIFEST).is_file() or (where / "config.json").is_file() else None
+
+
+def find_head(target: str, cache_dir: str | Path | None = None) -> Path | None:
+    """The head `--drafter eagle` uses without --head for `target`: the one shipped in the package for that preset,
+    else the one `sparrow train head` keeps in the user cache (default_head_dir), else None."""
+    shipped = shipped_head_dir(target)
+    if shipped is not None:
+        return shipped
+    trained = default_head_dir(target, cache_dir)
+    if trained is not None and ((trained / "config.json").is_file() or is_int8_dir(trained)):
+        return trained
+    return None
+
+
 def save_head(head: EagleHead, directory: str | Path) -> Path:
     """Write `head` to `directory` (created) in its layout; returns the directory."""
     if head.config.arch == "longspec":  # sparrow-only layouts

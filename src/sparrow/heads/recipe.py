@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from sparrow.errors import UserError
+from sparrow.heads.chunks import CHUNK_BYTES
 
 STATE = "recipe_state.pt"
 METRICS = "metrics.jsonl"
@@ -521,7 +522,7 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("prepare", help="split an installed preset's GGUF into chunks to carry to a device")
     p.add_argument("--preset", default="qwen2.5-coder-1.5b")
     p.add_argument("--dir", default=".gpu/gguf")
-    p.add_argument("--chunk-bytes", type=int, default=60 * 1024 * 1024)
+    p.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES)
     r = commands.add_parser("run", help="the whole recipe within --time-budget seconds")
     defaults = RecipeSettings(out="", target="-")
     for f in fields(RecipeSettings):
