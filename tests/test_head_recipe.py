@@ -176,3 +176,36 @@ def test_chunks_join_back_and_damage_is_refused(tmp_path):
     with pytest.raises(UserError, match="not the expected"):
         split_file(parts, "model.gguf", tmp_path / "d", chunk_bytes=1000, expected_sha256="0" * 64)
     assert (tmp_path / "c" / SUMS).read_text().splitlines()[-1] == f"{whole}  model.gguf"
+
+
+def test_gguf_tensors_dequantized_in_parallel_are_handed_to_transformers_unchanged(tmp_path):
+    """The recipe's parallel dequantization answers gguf.dequantize for the tensors of another reader of the same
+    file (as transformers opens it), matched by file offset; anything else goes to gguf's own function."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from sparrow.heads.recipe import parallel_gguf_dequantize
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for i in range(3):  # equal shapes and types: only the offset tells them apart
+        data = rng.standard_normal((4, 64)).astype(np.float32)
+        writer.add_tensor(f"w{i}", gguf.quants.quantize(data, q8), raw_dtype=q8)
+    writer.add_tensor("f", rng.standard_normal((8,)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    original = gguf.dequantize
+    with parallel_gguf_dequantize(path, 2):
+        assert gguf.dequantize is not original
+        from gguf import dequantize  # what transformers does inside load_gguf_checkpoint
+
+        other = gguf.GGUFReader(str(path))
+        for tensor in other.tensors:
+            assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), original(tensor.data, tensor.tensor_type))
+        stray = gguf.quants.quantize(rng.standard_normal((2, 32)).astype(np.float32), q8)
+        assert dequantize(stray, q8).shape == (2, 32)
+    assert gguf.dequantize is original
