@@ -25,6 +25,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import CORPUS, VOCAB, tiny_model, tiny_tokenizer
+from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
 from sparrow.heads.data import CorpusSpec, build_corpus, is_held_out, load_corpus, save_corpus
@@ -240,6 +241,10 @@ def test_cli_trains_resumes_and_the_head_decodes_losslessly(target, corpus_dir, 
                  "eval.json", "corpus.json", "features/train/manifest.json"):
         assert (out / name).is_file(), name
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert report["int8"]["dir"] == str(out / "int8") and (out / "int8" / "manifest.json").is_file()  # both exports
+    int8_pipe = Pipeline(target, build_drafter("eagle", target, None, 4, head=str(out / "int8")))
+    assert int8_pipe.generate("def add(a, b):", max_new_tokens=12).token_ids == Pipeline(target, None).generate_plain(
+        "def add(a, b):", max_new_tokens=12).token_ids
 
     again = CliRunner().invoke(app, args)  # a finished run is not overwritten by accident
     assert again.exit_code == 2 and "--resume" in again.output
