@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 import torch
+from conftest import CORPUS, continuations, tiny_model, tiny_tokenizer
 from typer.testing import CliRunner
 
-from conftest import CORPUS, continuations, tiny_model, tiny_tokenizer
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
@@ -162,7 +162,8 @@ def test_cli_export_int8_then_generate_with_it(target, head, tmp_path, monkeypat
     target.tokenizer.save_pretrained(tmp_path / "target")
     save_head(head, tmp_path / "dense")
     runner = CliRunner()
-    result = runner.invoke(app, ["train", "export-int8", "--head", str(tmp_path / "dense"), "--out", str(tmp_path / "q")])
+    export = ["train", "export-int8", "--head", str(tmp_path / "dense"), "--out", str(tmp_path / "q")]
+    result = runner.invoke(app, export)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["shards"] == 1
     common = ["generate", PROMPTS[2], "--target", str(tmp_path / "target"), "--dtype", "float32", "--device", "cpu",

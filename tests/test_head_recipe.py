@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import CORPUS, tiny_model, tiny_tokenizer
+
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head
@@ -38,8 +38,9 @@ SNIPPETS = [*sorted(set(CORPUS)), "class Point:\n    def __init__(self, x, y):\n
             "import os\nprint(os.getcwd())\n"]
 BLOCKED = ("typer", "rich", "gguf", "av", "accelerate", "PIL", "torchvision", "sentencepiece", "fastapi", "uvicorn",
            "matplotlib", "prometheus_client", "ray")
-SMALL = dict(batch_size=8, seq_len=64, distill=16, distill_tokens=32, distill_batch=8, draft_vocab=200,
-             intermediate_size=128, ttt_steps=3, lr=3e-3, warmup=10, tokens=4000, held_out_tokens=300, threads=1)
+SMALL = {"batch_size": 8, "seq_len": 64, "distill": 16, "distill_tokens": 32, "distill_batch": 8, "draft_vocab": 200,
+         "intermediate_size": 128, "ttt_steps": 3, "lr": 3e-3, "warmup": 10, "tokens": 4000,
+         "held_out_tokens": 300, "threads": 1}
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +206,8 @@ def test_gguf_tensors_dequantized_in_parallel_are_handed_to_transformers_unchang
 
         other = gguf.GGUFReader(str(path))
         for tensor in other.tensors:
-            assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), original(tensor.data, tensor.tensor_type))
+            ours, theirs = dequantize(tensor.data, tensor.tensor_type), original(tensor.data, tensor.tensor_type)
+            assert np.array_equal(ours, theirs)
         stray = gguf.quants.quantize(rng.standard_normal((2, 32)).astype(np.float32), q8)
         assert dequantize(stray, q8).shape == (2, 32)
     assert gguf.dequantize is original

@@ -82,7 +82,7 @@ def batched_ttt_loss(head: EagleHead, tokens: Tensor, lengths: Tensor, features:
     top-k for token t + 1)."""
     c = head.config
     assert c.arch == "eagle3" and c.fusion == "concat", (c.arch, c.fusion)
-    b, t = tokens.shape
+    t = tokens.shape[1]
     m = t - 1
     device = head.fc.weight.device
     tokens, lengths = tokens.to(device), lengths.to(device)

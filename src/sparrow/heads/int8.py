@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -124,7 +124,8 @@ def write_int8(tensors: dict[str, Tensor], config: dict[str, Any], directory: st
         row_bytes = max(tensor.numel() * tensor.element_size() // max(count, 1), 1)
         start = 0
         while start < count:
-            take = min(count - start, (room - used[-1]) // row_bytes) if tensor.ndim else int(row_bytes <= room - used[-1])
+            free = room - used[-1]
+            take = min(count - start, free // row_bytes) if tensor.ndim else int(row_bytes <= free)
             if take == 0:
                 if not shards[-1]:
                     raise UserError(f"tensor {name} has rows of {row_bytes} bytes, over a shard's {room}")
@@ -143,7 +144,8 @@ def write_int8(tensors: dict[str, Tensor], config: dict[str, Any], directory: st
     for index, shard in enumerate(shards):
         file = f"int8-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         path = directory / file
-        save_file(shard, str(path), metadata={"format": FORMAT, "head_id": head_id, "shard": f"{index + 1}/{len(shards)}"})
+        metadata = {"format": FORMAT, "head_id": head_id, "shard": f"{index + 1}/{len(shards)}"}
+        save_file(shard, str(path), metadata=metadata)
         records.append({"file": file, "bytes": path.stat().st_size, "sha256": _sha256(path)})
         if records[-1]["bytes"] > shard_bytes:
             raise AssertionError(f"shard {file} is {records[-1]['bytes']} bytes, over {shard_bytes}")
@@ -224,7 +226,7 @@ def verify_int8(directory: str | Path) -> dict[str, Any]:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata() or {}
-        except Exception as error:  # safetensors raises its own error types for a bad header
+        except (OSError, SafetensorError) as error:
             raise UserError(f"{where}: shard {record['file']} is not a readable safetensors file ({error})") from None
         if metadata.get("head_id") != manifest["head_id"]:
             raise UserError(f"{where}: shard {record['file']} belongs to another head (head_id "

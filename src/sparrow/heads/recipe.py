@@ -276,7 +276,10 @@ def load_corpus(path: Path) -> tuple[list[Tensor], list[Tensor], dict[str, Any]]
     with safe_open(str(path), framework="pt") as handle:
         summary = json.loads((handle.metadata() or {}).get("summary", "{}"))
     tensors = load_file(str(path))
-    split = lambda name: [tensors[f"{name}.{i}"] for i in range(sum(k.startswith(name + ".") for k in tensors))]  # noqa: E731
+
+    def split(name: str) -> list[Tensor]:
+        return [tensors[f"{name}.{i}"] for i in range(sum(k.startswith(name + ".") for k in tensors))]
+
     return split("train"), split("held_out"), summary
 
 
