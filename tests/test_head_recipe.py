@@ -211,3 +211,34 @@ def test_gguf_tensors_dequantized_in_parallel_are_handed_to_transformers_unchang
         stray = gguf.quants.quantize(rng.standard_normal((2, 32)).astype(np.float32), q8)
         assert dequantize(stray, q8).shape == (2, 32)
     assert gguf.dequantize is original
+
+
+def test_sigterm_ends_training_and_the_exports_still_run(files, target, tmp_path, monkeypatch):
+    import signal
+
+    from sparrow.heads import batched
+
+    calls = []
+    loss = batched.batched_ttt_loss
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGTERM)  # as `timeout` sends it
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(batched, "batched_ttt_loss", counting)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "run"
+    report = run(RecipeSettings(out=str(out), target=str(files / "target"), data=(str(files / "data"),),
+                                time_budget=120, checkpoint_every=1e6, **{**SMALL, "distill": 2}))
+    assert report["stopped"] == f"signal {int(signal.SIGTERM)}" and report["step"] == 3
+    assert (out / "eval.json").is_file() and load_head(out / "int8", target.model).config.draft_vocab_size == 200
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_learning_rate_warms_up_then_decays_with_the_time_spent():
+    from sparrow.heads.recipe import lr_scale
+
+    assert lr_scale(0, 10, 0.0) == pytest.approx(0.1) and lr_scale(9, 10, 0.0) == 1.0
+    assert lr_scale(100, 10, 0.5) == pytest.approx(0.5) and lr_scale(100, 10, 1.0) == pytest.approx(0.1)

@@ -364,6 +364,12 @@ class _Meter:
                 "target_seconds": self.target_seconds, "head_seconds": self.head_seconds}
 
 
+def lr_scale(step: int, warmup: int, fraction: float) -> float:
+    """The learning rate's factor at optimiser step `step` (0-based) with `fraction` of the training time spent:
+    linear warmup over `warmup` steps, then a cosine decay over the time, never below 0.1."""
+    return min(1.0, (step + 1) / warmup) * max(0.1, 0.5 * (1 + math.cos(math.pi * min(max(fraction, 0.0), 1.0))))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -459,46 +465,49 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
     train_until = deadline - reserve
     stopped, error = "time budget", None
     meter, last_checkpoint = _Meter(), time.monotonic()
+    signalled: list[int] = []
     try:
-        while True:
-            if settings.max_steps is not None and progress["step"] >= settings.max_steps:
-                stopped = "max steps"
-                break
-            if time.monotonic() >= train_until:
-                break
-            head.train()
-            fraction = (time.monotonic() - train_start) / max(train_until - train_start, 1e-9)
-            scale = min(1.0, (progress["step"] + 1) / settings.warmup) * max(0.1, 0.5 * (1 + math.cos(math.pi * min(
-                fraction, 1.0))))
-            for group in optimiser.param_groups:
-                group["lr"] = settings.lr * scale
-            picks = torch.randint(len(train), (settings.batch_size,), generator=order).tolist()
-            tokens, lengths = padded([train[i] for i in picks], settings.seq_len * 2)
-            tokens, lengths = tokens.to(device), lengths.to(device)
-            t0 = time.monotonic()
-            features, ids, logprobs = target_features(model, tokens, lengths, head.config.target_layers,
-                                                      settings.top_k)
-            _sync(device)
-            t1 = time.monotonic()
-            optimiser.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                batch = batched_ttt_loss(head, tokens, lengths, features, ids, logprobs, settings.ttt_steps,
-                                         settings.decay)
-            if batch.loss.requires_grad:  # a constant zero when no row had a label in the draft vocabulary
-                batch.loss.backward()
-                nn.utils.clip_grad_norm_(head.parameters(), settings.clip)
-                optimiser.step()
-            _sync(device)
-            t2 = time.monotonic()
-            progress["step"] += 1
-            progress["tokens_seen"] += batch.positions
-            progress["train_seconds"] += t2 - t0
-            meter.add(float(batch.loss.detach()), batch, t1 - t0, t2 - t1)
-            if time.monotonic() - last_checkpoint >= settings.checkpoint_every:
-                write_checkpoint(out, head, optimiser, order, progress, settings)
-                _metrics(out, {"elapsed": time.monotonic() - started, "stage": "training", **progress,
-                               **meter.row()})
-                meter, last_checkpoint = _Meter(), time.monotonic()
+        with _stop_on_signals(signalled):  # SIGTERM / SIGINT end training; the exports below still run
+            while True:
+                if signalled:
+                    stopped = f"signal {signalled[0]}"
+                    break
+                if settings.max_steps is not None and progress["step"] >= settings.max_steps:
+                    stopped = "max steps"
+                    break
+                if time.monotonic() >= train_until:
+                    break
+                head.train()
+                fraction = (time.monotonic() - train_start) / max(train_until - train_start, 1e-9)
+                for group in optimiser.param_groups:
+                    group["lr"] = settings.lr * lr_scale(progress["step"], settings.warmup, fraction)
+                picks = torch.randint(len(train), (settings.batch_size,), generator=order).tolist()
+                tokens, lengths = padded([train[i] for i in picks], settings.seq_len * 2)
+                tokens, lengths = tokens.to(device), lengths.to(device)
+                t0 = time.monotonic()
+                features, ids, logprobs = target_features(model, tokens, lengths, head.config.target_layers,
+                                                          settings.top_k)
+                _sync(device)
+                t1 = time.monotonic()
+                optimiser.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    batch = batched_ttt_loss(head, tokens, lengths, features, ids, logprobs, settings.ttt_steps,
+                                             settings.decay)
+                if batch.loss.requires_grad:  # a constant zero when no row had a label in the draft vocabulary
+                    batch.loss.backward()
+                    nn.utils.clip_grad_norm_(head.parameters(), settings.clip)
+                    optimiser.step()
+                _sync(device)
+                t2 = time.monotonic()
+                progress["step"] += 1
+                progress["tokens_seen"] += batch.positions
+                progress["train_seconds"] += t2 - t0
+                meter.add(float(batch.loss.detach()), batch, t1 - t0, t2 - t1)
+                if time.monotonic() - last_checkpoint >= settings.checkpoint_every:
+                    write_checkpoint(out, head, optimiser, order, progress, settings)
+                    _metrics(out, {"elapsed": time.monotonic() - started, "stage": "training", **progress,
+                                   **meter.row()})
+                    meter, last_checkpoint = _Meter(), time.monotonic()
     except Exception as failure:  # noqa: BLE001 - the head trained so far is still exported below
         stopped, error = "error", f"{type(failure).__name__}: {failure}"
         print(f"training stopped by {error}; exporting what there is", file=sys.stderr)
@@ -523,6 +532,25 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
     _metrics(out, {"elapsed": report["elapsed_seconds"], "stage": "done", "stopped": stopped,
                    "held_out": evaluation})
     return report
+
+
+@contextlib.contextmanager
+def _stop_on_signals(signalled: list[int]) -> Iterator[None]:
+    """Inside the block SIGTERM and SIGINT append their number to `signalled` instead of ending the process (main
+    thread only; elsewhere nothing changes); the previous handlers come back after it."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kinds = (signal.SIGTERM, signal.SIGINT)
+    previous = {kind: signal.signal(kind, lambda number, frame: signalled.append(number)) for kind in kinds}
+    try:
+        yield
+    finally:
+        for kind, handler in previous.items():
+            signal.signal(kind, handler)
 
 
 def _resume_state(out: Path, settings: RecipeSettings) -> dict[str, Any] | None:
