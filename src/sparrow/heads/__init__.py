@@ -3,8 +3,8 @@ layout, training; the seeds' variants: Dovetail's gated fusion and deeper heads 
 (heads.longspec), Sparrow for Video-LLMs (heads.sparrow_head)."""
 
 from sparrow.heads.eagle import EagleHead, HeadConfig, TargetParts, new_head
-from sparrow.heads.layout import default_head_dir, load_head, save_head
+from sparrow.heads.layout import default_head_dir, export_int8, find_head, load_head, save_head
 from sparrow.heads.train import TrainReport, extract_features, train_head
 
-__all__ = ["EagleHead", "HeadConfig", "TargetParts", "TrainReport", "default_head_dir", "extract_features", "load_head", "new_head",
-           "save_head", "train_head"]
+__all__ = ["EagleHead", "HeadConfig", "TargetParts", "TrainReport", "default_head_dir", "export_int8", "extract_features",
+           "find_head", "load_head", "new_head", "save_head", "train_head"]

@@ -60,9 +60,12 @@ def layer_ids_of(target_layers: Sequence[int]) -> list[int]:
 
 
 def is_format1(raw: dict[str, Any]) -> bool:
-    """Whether a config.json is one sparrow wrote before format 2: no `sparrow_format`, and the layer ids written
-    both at the top level and in `eagle_config` (equal), beside sparrow's `bias` key (SpecForge writes neither pair)."""
-    if FORMAT_KEY in raw or "bias" not in raw:
+    """Whether a config.json is one sparrow wrote before format 2: no `sparrow_format` (or 1, as an int8 export of
+    such a head records it), and the layer ids written both at the top level and in `eagle_config` (equal), beside
+    sparrow's `bias` key (SpecForge writes neither pair)."""
+    if FORMAT_KEY in raw:  # an int8 export of a format-1 head says so
+        return raw[FORMAT_KEY] == 1
+    if "bias" not in raw:
         return False
     nested = raw.get("eagle_config")
     return isinstance(nested, dict) and raw.get(LAYER_IDS) is not None and nested.get(LAYER_IDS) == raw[LAYER_IDS]
