@@ -242,3 +242,16 @@ def test_the_learning_rate_warms_up_then_decays_with_the_time_spent():
 
     assert lr_scale(0, 10, 0.0) == pytest.approx(0.1) and lr_scale(9, 10, 0.0) == 1.0
     assert lr_scale(100, 10, 0.5) == pytest.approx(0.5) and lr_scale(100, 10, 1.0) == pytest.approx(0.1)
+
+
+def test_bad_recipe_options_are_one_line_errors(tmp_path, capsys):
+    from sparrow.heads.recipe import main
+
+    assert main(["run", "--out", str(tmp_path / "o")]) == 2
+    assert "give exactly one of --target" in capsys.readouterr().err
+    assert main(["run", "--out", str(tmp_path / "o"), "--target", str(tmp_path / "nowhere")]) == 2
+    assert "no such directory or .gguf file" in capsys.readouterr().err
+    assert main(["run", "--out", str(tmp_path / "o"), "--target", "x", "--batch-size", "0"]) == 2
+    assert "--batch-size must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["run", "--out", str(tmp_path / "o"), "--gguf-chunks", str(tmp_path), "--resume"]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
