@@ -224,6 +224,7 @@ def test_eagle_without_head_uses_the_shipped_head_before_the_users(target, head,
     untrained = new_head(target.model, "eagle3", torch.Generator().manual_seed(7), draft_vocab=head.draft_to_target)
     save_head(untrained, default_head_dir("smollm2-135m"))
     assert find_head("smollm2-135m") == shipped and find_head("tiny") is None
+    assert find_head(str(shipped)) is None  # a path is no preset (a model directory has a config.json too)
     drafter = build_drafter("eagle", as_preset, None, 4)
     assert torch.equal(drafter.head.fc.weight, load_head(shipped, target.model).fc.weight)
     shutil.rmtree(shipped)

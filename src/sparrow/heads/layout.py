@@ -122,8 +122,14 @@ SHIPPED = Path(__file__).parent / "shipped"
 
 
 def shipped_head_dir(target: str) -> Path | None:
-    """The head shipped in the package for preset `target` (an int8 export or a dense head), else None."""
-    where = SHIPPED / target.strip().lower()
+    """The head shipped in the package for preset `target` (an int8 export or a dense head), else None (also for
+    any target that is not a preset name)."""
+    from sparrow.models.presets import PRESETS
+
+    name = target.strip().lower()
+    if name not in PRESETS:
+        return None
+    where = SHIPPED / name
     return where if (where / INT8_MANIFEST).is_file() or (where / "config.json").is_file() else None
 
 
