@@ -179,13 +179,14 @@ def test_chunks_join_back_and_damage_is_refused(tmp_path):
     assert (tmp_path / "c" / SUMS).read_text().splitlines()[-1] == f"{whole}  model.gguf"
 
 
-def test_gguf_tensors_dequantized_in_parallel_are_handed_to_transformers_unchanged(tmp_path):
-    """The recipe's parallel dequantization answers gguf.dequantize for the tensors of another reader of the same
-    file (as transformers opens it), matched by file offset; anything else goes to gguf's own function."""
+def test_gguf_tensors_dequantized_in_parallel_are_handed_to_transformers_unchanged(tmp_path, monkeypatch):
+    """Inside the recipe's GGUF loading the file is parsed once (gguf.GGUFReader returns that reader for it) and
+    gguf.dequantize answers from the tensors dequantized beforehand on a pool, matched by file offset; any other
+    file or array goes to gguf's own code."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    from sparrow.heads.recipe import parallel_gguf_dequantize
+    from sparrow.heads.recipe import fast_gguf_loading
 
     rng = np.random.default_rng(0)
     path = tmp_path / "t.gguf"
@@ -199,18 +200,28 @@ def test_gguf_tensors_dequantized_in_parallel_are_handed_to_transformers_unchang
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    original = gguf.dequantize
-    with parallel_gguf_dequantize(path, 2):
-        assert gguf.dequantize is not original
-        from gguf import dequantize  # what transformers does inside load_gguf_checkpoint
+    original, original_reader = gguf.dequantize, gguf.GGUFReader
+    calls = []
 
-        other = gguf.GGUFReader(str(path))
-        for tensor in other.tensors:
-            ours, theirs = dequantize(tensor.data, tensor.tensor_type), original(tensor.data, tensor.tensor_type)
-            assert np.array_equal(ours, theirs)
+    def counting(data, qtype):
+        calls.append(qtype)
+        return original(data, qtype)
+
+    monkeypatch.setattr(gguf, "dequantize", counting)
+    (tmp_path / "u.gguf").write_bytes(path.read_bytes())
+    with fast_gguf_loading(path, 2):
+        assert len(calls) == 4  # every tensor, on the pool
+        from gguf import GGUFReader, dequantize  # what transformers does inside load_gguf_checkpoint
+
+        reader = GGUFReader(str(path))
+        assert reader is GGUFReader(path) and GGUFReader(tmp_path / "u.gguf") is not reader  # parsed once
+        fresh = original_reader(str(tmp_path / "u.gguf"))
+        for tensor, same in zip(reader.tensors, fresh.tensors):
+            assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), original(same.data, same.tensor_type))
+        assert len(calls) == 4  # answered from the pool's results, by offset (the three Q8_0 tensors look alike)
         stray = gguf.quants.quantize(rng.standard_normal((2, 32)).astype(np.float32), q8)
-        assert dequantize(stray, q8).shape == (2, 32)
-    assert gguf.dequantize is original
+        assert dequantize(stray, q8).shape == (2, 32) and len(calls) == 5
+    assert gguf.dequantize is counting and gguf.GGUFReader is original_reader
 
 
 def test_sigterm_ends_training_and_the_exports_still_run(files, target, tmp_path, monkeypatch):

@@ -126,11 +126,8 @@ def load_target(settings: RecipeSettings, device: torch.device) -> tuple[nn.Modu
         where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
     else:
         where = {"pretrained_model_name_or_path": str(path)}
-    tokenizer = AutoTokenizer.from_pretrained(**where)
-    if path.suffix == ".gguf":
-        with parallel_gguf_dequantize(path, os.cpu_count() or 1):
-            model = AutoModelForCausalLM.from_pretrained(**where, **{dtype_key: dtype})
-    else:
+    with fast_gguf_loading(path, os.cpu_count() or 1) if path.suffix == ".gguf" else contextlib.nullcontext():
+        tokenizer = AutoTokenizer.from_pretrained(**where)
         model = AutoModelForCausalLM.from_pretrained(**where, **{dtype_key: dtype})
     return model.to(device).eval().requires_grad_(False), tokenizer
 
@@ -146,30 +143,37 @@ def _file_offset(data: Any) -> int:
 
 
 @contextlib.contextmanager
-def parallel_gguf_dequantize(path: Path, workers: int) -> Iterator[None]:
-    """transformers dequantizes a GGUF's tensors one after another with gguf's numpy code (minutes for a 1.5B
-    Q4_K_M on one core); inside this block `gguf.dequantize` (which transformers imports when it loads) answers
-    from the tensors dequantized beforehand on `workers` threads (numpy releases the GIL), matched by their offset
-    in the file; anything else goes to gguf's own function."""
+def fast_gguf_loading(path: Path, workers: int) -> Iterator[None]:
+    """transformers parses a GGUF's metadata anew for the config, the tokenizer and the weights (gguf's reader walks
+    a 151k-token vocabulary field by field: ~40 s each on this project's CPU), then dequantizes its tensors one
+    after another. Inside this block the file is parsed once: `gguf.GGUFReader` (which transformers imports when
+    it loads) returns that reader for this file, and `gguf.dequantize` answers from its tensors dequantized
+    beforehand on `workers` threads (matched by their offset in the file); any other call goes to gguf's own."""
     from concurrent.futures import ThreadPoolExecutor
 
     import gguf
 
-    original = gguf.dequantize
-    reader = gguf.GGUFReader(str(path))
+    original_reader, original = gguf.GGUFReader, gguf.dequantize
+    reader = original_reader(str(path))
     with ThreadPoolExecutor(max(1, workers)) as pool:
         arrays = list(pool.map(lambda t: original(t.data, t.tensor_type), reader.tensors))
     done = {(_file_offset(t.data), int(t.tensor_type)): a for t, a in zip(reader.tensors, arrays)}
+    del arrays
+
+    def read(where: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and Path(where).resolve() == path.resolve():
+            return reader
+        return original_reader(where, *args, **kwargs)
 
     def lookup(data: Any, qtype: Any) -> Any:
         found = done.pop((_file_offset(data), int(qtype)), None)
         return found if found is not None else original(data, qtype)
 
-    gguf.dequantize = lookup
+    gguf.GGUFReader, gguf.dequantize = read, lookup
     try:
         yield
     finally:
-        gguf.dequantize = original
+        gguf.GGUFReader, gguf.dequantize = original_reader, original
 
 
 def eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
