@@ -84,7 +84,9 @@ def test_a_dry_run_trains_evaluates_and_exports_an_int8_head_that_decodes_lossle
     assert held["expected_tokens_per_round"] > 1.3
     assert json.loads((out / "eval.json").read_text())["step"] == 120
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["stage"] for r in rows][:2] == ["target loaded", "corpus"] and rows[-1]["stage"] == "done"
+    stages = [r["stage"] for r in rows]
+    assert stages[0] == "target loaded" and stages[-1] == "done" and "corpus" in stages
+    assert [r["answers"] for r in rows if r["stage"] == "distilling"] == [1, 8, 16]  # a row per generate call
     assert report["head"]["draft_vocab_size"] == 200 and report["int8"]["bytes"] > 0
     config = json.loads((out / "checkpoint" / "config.json").read_text())  # the dense SpecForge layout
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["sparrow_format"] == 2

@@ -38,7 +38,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -217,9 +217,9 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
 
 @torch.no_grad()
 def distilled(model: nn.Module, tokenizer: Any, snippets: Sequence[str], settings: RecipeSettings, deadline: float,
-              eos: list[int]) -> list[Tensor]:
+              eos: list[int], progress: Callable[[int], None] | None = None) -> list[Tensor]:
     """prompt + the target's greedy answer for snippets, `distill_batch` left-padded prompts per generate call,
-    until the snippets or the time (`deadline`, checked between calls) run out."""
+    until the snippets or the time (`deadline`, checked between calls) run out; `progress(answers)` after each call."""
     from sparrow.heads.data import distill_prompt
 
     device = next(model.parameters()).device
@@ -243,12 +243,16 @@ def distilled(model: nn.Module, tokenizer: Any, snippets: Sequence[str], setting
             ends = torch.isin(row, torch.tensor(eos)).nonzero() if eos else row.new_zeros(0, 1)
             answer = row[: int(ends[0]) + 1] if ends.numel() else row
             out.append(torch.cat([torch.tensor(p), answer]))
+        if progress is not None:
+            progress(len(out))
     return out
 
 
-def build_corpus(model: nn.Module, tokenizer: Any, settings: RecipeSettings, deadline: float,
-                 eos: list[int]) -> tuple[list[Tensor], list[Tensor], dict[str, Any]]:
-    """(training sequences, held-out sequences, a summary) from files and self-distilled answers."""
+def build_corpus(model: nn.Module, tokenizer: Any, settings: RecipeSettings, deadline: float, eos: list[int],
+                 progress: Callable[[str, int], None] | None = None
+                 ) -> tuple[list[Tensor], list[Tensor], dict[str, Any]]:
+    """(training sequences, held-out sequences, a summary) from files and self-distilled answers;
+    `progress(split, answers)` after each generate call."""
     from sparrow.heads.data import CorpusSpec, default_roots, file_sequences
 
     roots = settings.data or tuple(str(r) for r in default_roots())
@@ -257,8 +261,11 @@ def build_corpus(model: nn.Module, tokenizer: Any, settings: RecipeSettings, dea
     train, held_out, files, snippets = file_sequences(spec, tokenizer, torch.Generator().manual_seed(settings.seed))
     start = time.monotonic()
     held_count = max(1, settings.distill // 10) if settings.distill else 0
-    answers_held = distilled(model, tokenizer, snippets["held_out"][:held_count], settings, deadline, eos)
-    answers = distilled(model, tokenizer, snippets["train"][: settings.distill], settings, deadline, eos)
+    report = (lambda split: None) if progress is None else (lambda split: lambda n: progress(split, n))
+    answers_held = distilled(model, tokenizer, snippets["held_out"][:held_count], settings, deadline, eos,
+                             report("held_out"))
+    answers = distilled(model, tokenizer, snippets["train"][: settings.distill], settings, deadline, eos,
+                        report("train"))
     summary = {"files": {k: len(v) for k, v in files.items()}, "file_sequences": len(train),
                "file_tokens": sum(t.numel() for t in train), "distilled": len(answers),
                "distilled_tokens": sum(t.numel() for t in answers), "distilled_held_out": len(answers_held),
@@ -443,7 +450,10 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
         train, held_out, corpus = load_corpus(out / CORPUS)
     else:
         distill_deadline = min(deadline - reserve, started + settings.distill_share * settings.time_budget)
-        train, held_out, corpus = build_corpus(model, tokenizer, settings, distill_deadline, eos)
+        train, held_out, corpus = build_corpus(
+            model, tokenizer, settings, distill_deadline, eos,
+            lambda split, n: _metrics(out, {"elapsed": time.monotonic() - started, "stage": "distilling",
+                                            "split": split, "answers": n}))
         save_corpus(out / CORPUS, train, held_out, corpus)
     timings["corpus_seconds"] = time.monotonic() - started - timings["load_seconds"]
     train = [s for s in train if s.numel() >= 2]
