@@ -1,12 +1,40 @@
-"""sparrow: lossless speculative decoding for LLMs and Video-LLMs."""
+"""sparrow: lossless speculative decoding for LLMs and Video-LLMs.
 
-from sparrow.config import GREEDY, SamplingConfig, StoppingConfig
-from sparrow.pipeline import Pipeline, PipelineCache, load
-from sparrow.types import Draft, GenerationResult, GenerationStats, Prompt, Verdict
+The names below are imported on first use (PEP 562), so `import sparrow.heads...` on a bare machine (torch,
+transformers, safetensors, numpy: the GPU head recipe, `sparrow.training.recipe`) does not pull in the CLI's and the
+loader's dependencies."""
 
-PIPELINES = PipelineCache(size=4)
-"""What `generate` keeps: the 4 most recently used pipelines and the models they run (shared between them).
-`sparrow.PIPELINES.clear()` frees them."""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sparrow.config import GREEDY, SamplingConfig, StoppingConfig
+    from sparrow.pipeline import Pipeline, PipelineCache, load
+    from sparrow.types import Draft, GenerationResult, GenerationStats, Prompt, Verdict
+
+    PIPELINES: PipelineCache
+
+_LAZY = {
+    **dict.fromkeys(("GREEDY", "SamplingConfig", "StoppingConfig"), "sparrow.config"),
+    **dict.fromkeys(("Pipeline", "PipelineCache", "load"), "sparrow.pipeline"),
+    **dict.fromkeys(("Draft", "GenerationResult", "GenerationStats", "Prompt", "Verdict"), "sparrow.types"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PIPELINES":
+        # What `generate` keeps: the 4 most recently used pipelines and the models they run (shared between them).
+        # `sparrow.PIPELINES.clear()` frees them.
+        from sparrow.pipeline import PipelineCache
+
+        return globals().setdefault("PIPELINES", PipelineCache(size=4))
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sparrow' has no attribute {name!r}")
 
 
 def generate(prompt, *, target: str = "qwen2.5-coder-1.5b", drafter: str = "draft-model",
@@ -19,7 +47,8 @@ def generate(prompt, *, target: str = "qwen2.5-coder-1.5b", drafter: str = "draf
     quant / draft_quant: "int8" | "int4" weight-only target / draft (see sparrow.load).
     options: max_new_tokens, temperature, top_k, top_p, seed, stop, chat.
     """
-    pipe = PIPELINES.get(target, drafter=drafter, draft=draft, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
+    pipelines = globals()["PIPELINES"] if "PIPELINES" in globals() else __getattr__("PIPELINES")
+    pipe = pipelines.get(target, drafter=drafter, draft=draft, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
                          dtype=dtype, device=device, quant=quant, draft_quant=draft_quant)
     return pipe.generate(prompt, **options)
 

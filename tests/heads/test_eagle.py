@@ -20,7 +20,7 @@ from conftest import continuations, CORPUS, tiny_model, tiny_tokenizer
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
-from sparrow.heads.eagle import EagleHead, new_head
+from sparrow.heads.eagle import EagleHead, causal_mask, new_head
 from sparrow.training.heads import TrainReport, evaluate, extract_features, frequent_tokens, train_head
 from sparrow.models import LoadedModel
 from sparrow.decoding.engine import speculative_decode
@@ -185,7 +185,9 @@ def test_eagle3_head_round_trips_in_the_specforge_layout(target, trained, tmp_pa
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["draft_vocab_size"] == DRAFT_VOCAB and config["vocab_size"] == 320 and config["hidden_size"] == 64
-    assert config["eagle_aux_hidden_state_layer_ids"] == list(head.config.target_layers)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in head.config.target_layers]  # SGLang ids
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == config["eagle_aux_hidden_state_layer_ids"]
+    assert config["sparrow_format"] == 2
     tensors = load_file(str(tmp_path / "head" / "model.safetensors"))
     assert set(tensors) == SPECFORGE_KEYS
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
@@ -344,3 +346,92 @@ def test_a_batch_of_eagle_sequences_equals_plain(target, trained, baselines, sha
     results = [pipe.result(gen) for gen in gens]
     assert [r.token_ids for r in results] == [baselines[p] for p in PROMPTS]
     assert sum(r.stats.num_accepted_tokens for r in results) > 0
+
+
+# d) target layer ids: SpecForge's / SGLang's meaning (issue #28, defect A) ----------------------------------------
+
+DEEP = 8  # target layers: SpecForge's default ids [1, L // 2 - 1, L - 4] = [1, 3, 4] -> hidden_states 2, 4, 5
+
+
+@pytest.fixture(scope="module")
+def deep_target() -> LoadedModel:
+    return LoadedModel(tiny_model("llama", seed=2, num_layers=DEEP), tiny_tokenizer(), "tiny-deep")
+
+
+def test_layer_ids_are_written_as_decoder_layer_outputs_and_read_back(deep_target, tmp_path):
+    head = new_head(deep_target.model, "eagle3", torch.Generator().manual_seed(0), target_layers=(1, 4, 8))
+    save_head(head, tmp_path / "h")
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 3, 7]  # output of layer i = hidden_states[i + 1]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 7]
+    loaded = load_head(tmp_path / "h", deep_target.model)
+    assert loaded.config.target_layers == (1, 4, 8) and loaded.config == head.config
+
+
+def first_draft_logits(target: LoadedModel, head_dir) -> tuple[torch.Tensor, torch.Tensor, EagleHead]:
+    """The head's logits of the first draft of a generation through the engine, and the tokens of the rows it ran."""
+    drafter = build_drafter("eagle", target, None, 3, head=str(head_dir))
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    forward = drafter.runner.forward
+
+    def recording(tokens, positions=None, mask=None):
+        out = forward(tokens, positions, mask)
+        seen.append((tokens.clone(), out.logits.clone()))
+        return out
+
+    drafter.runner.forward = recording
+    Pipeline(target, drafter).generate(PROMPTS[1], max_new_tokens=4)
+    return seen[0][0], seen[0][1], drafter.head
+
+
+def test_a_specforge_config_with_explicit_default_ids_reads_hidden_states_one_up(deep_target, tmp_path):
+    generator = torch.Generator().manual_seed(4)
+    write_specforge_head(tmp_path / "sf", generator, torch.arange(320))
+    config = json.loads((tmp_path / "sf" / "config.json").read_text())
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, DEEP // 2 - 1, DEEP - 4]}  # SpecForge's default
+    (tmp_path / "sf" / "config.json").write_text(json.dumps(config))
+    head = load_head(tmp_path / "sf", deep_target.model)
+    assert head.config.target_layers == (2, 4, 5)
+    # the draft logits the engine produces are the layout's: fc over cat(hidden_states[i + 1] for the ids)
+    fed, logits, head = first_draft_logits(deep_target, tmp_path / "sf")
+    prompt = Pipeline(deep_target, None).encode(PROMPTS[1]).input_ids
+    n = fed.numel()  # rows 0 .. n - 1 read tokens x[1 .. n] and the features of positions 0 .. n - 1
+    assert torch.equal(fed, prompt[1:]) or torch.equal(fed[:-1], prompt[1:])
+    sequence = torch.cat([prompt[:1], fed])
+    states = deep_target.model(input_ids=sequence[None], output_hidden_states=True).hidden_states
+
+    def by_hand(indices):
+        features = torch.cat([states[i][0, :n] for i in indices], -1)
+        out, _, _ = head.step(fed, head.fuse(features), torch.arange(n), causal_mask(n, 0, torch.device("cpu")), None)
+        return head.logits(out[-1:])
+
+    assert torch.allclose(logits, by_hand((2, 4, 5)), atol=1e-5)
+    assert not torch.allclose(logits, by_hand((1, 3, 4)), atol=1e-3)  # the ids read as indices: another answer
+
+
+def test_a_head_sparrow_saved_before_format_2_is_read_with_its_own_meaning(deep_target, tmp_path):
+    head = new_head(deep_target.model, "eagle3", torch.Generator().manual_seed(0), target_layers=(2, 4, 5))
+    save_head(head, tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    del config["sparrow_format"]  # format 1 wrote hidden_states indices under the same keys
+    config["eagle_aux_hidden_state_layer_ids"] = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    assert load_head(tmp_path / "old", deep_target.model).config.target_layers == (2, 4, 5)
+    from sparrow.heads.layout import export_int8
+
+    export_int8(tmp_path / "old", tmp_path / "old-int8")  # the export keeps the old meaning (sparrow_format 1)
+    assert json.loads((tmp_path / "old-int8" / "manifest.json").read_text())["config"]["sparrow_format"] == 1
+    assert load_head(tmp_path / "old-int8", deep_target.model).config.target_layers == (2, 4, 5)
+    del config["bias"]  # not sparrow's key set: SpecForge's meaning
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    assert load_head(tmp_path / "old", deep_target.model).config.target_layers == (3, 5, 6)
+
+
+def test_layer_ids_beyond_the_target_are_refused_in_its_terms(target, tmp_path):
+    generator = torch.Generator().manual_seed(4)
+    write_specforge_head(tmp_path / "sf", generator, torch.arange(320))
+    config = json.loads((tmp_path / "sf" / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]  # the target has 2 layers: ids -1 .. 1
+    (tmp_path / "sf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"reads target layer ids \[0, 1, 2\] .* has 2 layers \(ids -1..1\)"):
+        load_head(tmp_path / "sf", target.model)

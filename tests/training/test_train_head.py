@@ -25,6 +25,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import CORPUS, VOCAB, tiny_model, tiny_tokenizer
+from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
 from sparrow.training.data import CorpusSpec, build_corpus, is_held_out, load_corpus, save_corpus
@@ -240,6 +241,10 @@ def test_cli_trains_resumes_and_the_head_decodes_losslessly(target, corpus_dir, 
                  "eval.json", "corpus.json", "features/train/manifest.json"):
         assert (out / name).is_file(), name
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert report["int8"]["dir"] == str(out / "int8") and (out / "int8" / "manifest.json").is_file()  # both exports
+    int8_pipe = Pipeline(target, build_drafter("eagle", target, None, 4, head=str(out / "int8")))
+    assert int8_pipe.generate("def add(a, b):", max_new_tokens=12).token_ids == Pipeline(target, None).generate_plain(
+        "def add(a, b):", max_new_tokens=12).token_ids
 
     again = CliRunner().invoke(app, args)  # a finished run is not overwritten by accident
     assert again.exit_code == 2 and "--resume" in again.output
@@ -423,3 +428,21 @@ def test_progress_into_a_log_file_is_plain_lines_with_the_time_left(capsys):
         "features train: 20/100 after 1m01s, about 4m04s left",
         "features train: 100/100 after 3m20s",
         "training: 5/10 after 0s; loss 1.000"]
+
+
+def test_a_sequence_with_no_label_in_the_draft_vocabulary_trains_without_a_crash(target):
+    """Issue #28 defect B: ttt_loss is a constant zero (no graph) when no row's target argmax lies in the draft
+    vocabulary; train_step used to call backward on it ("element 0 of tensors does not require grad")."""
+    from sparrow.training.heads import new_optimiser, train_step
+
+    head = new_head(target.model, "eagle3", torch.Generator().manual_seed(0), draft_vocab=torch.arange(8)).float()
+    f = extract_features(target, head.config.target_layers, [torch.arange(20, 60)])[0]
+    outside = Features(f.tokens, f.hidden, torch.full_like(f.label_ids, 300), f.label_logprobs)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    optimiser = new_optimiser(head, 1e-3)
+    result = train_step(head, optimiser, [outside, outside], ttt_steps=2)
+    assert result.loss == 0.0 and result.tokens == 2 * 39
+    assert all(torch.equal(before[k], v) for k, v in head.state_dict().items())  # nothing to learn: no update
+    inside = Features(f.tokens, f.hidden, torch.full_like(f.label_ids, 3), f.label_logprobs)
+    result = train_step(head, optimiser, [outside, inside], ttt_steps=2)  # one sequence to learn from
+    assert result.loss > 0 and not torch.equal(before["fc.weight"], head.fc.weight)

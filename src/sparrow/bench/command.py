@@ -54,9 +54,16 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
         if value < low:
             raise UserError(f"{name} must be >= {low}, got {value}")
     check_drafter_args("none", k)
-    if ("eagle" in method_list) != (head is not None):
-        raise UserError("--head is needed by the eagle method (a head directory, e.g. from `sparrow train head`)"
-                        if head is None else "--head applies to the eagle method only: add eagle to --methods")
+    if head is not None and "eagle" not in method_list:
+        raise UserError("--head applies to the eagle method only: add eagle to --methods")
+    if "eagle" in method_list and head is None:  # the head shipped in the package or trained for a preset target
+        from sparrow.heads.layout import find_head
+
+        found = find_head(target)
+        if found is None:
+            raise UserError(f"--head is needed by the eagle method: no head is shipped or trained for {target!r} (a "
+                            "head directory, e.g. from `sparrow train head`)")
+        head = str(found)
     compute = resolve_dtype(dtype, device)
     parse_quant(quant, "quant")
     draft_quant = parse_quant(draft_quant, "draft_quant", auto=True)

@@ -159,6 +159,21 @@ def head(
     run.go(dtype.value, device)
 
 
+@train_app.command("export-int8")
+@cli_errors
+def export_int8(
+    head: Annotated[Path, typer.Option(help="A dense head directory (config.json + model.safetensors: saved by `sparrow train head` or exported by SpecForge).")],
+    out: Annotated[Path, typer.Option(help="New directory for the int8 export: manifest.json + int8 safetensors shards of at most 15 MB, 60 MB in all; loads with --drafter eagle --head OUT.")],
+) -> None:
+    """Write a head's per-channel int8 export (symmetric per-row scales; norms and maps kept as they are), which
+    --drafter eagle --head loads transparently, dequantized to the target's dtype."""
+    from sparrow.heads.layout import export_int8 as export
+
+    written = export(head, out)
+    typer.echo(json.dumps({"out": str(out), "head_id": written.head_id, "shards": len(written.shard_bytes),
+                           "bytes": written.total_bytes}))
+
+
 @dataclass(frozen=True)
 class HeadVariant:
     """The shape options of a new head beyond its arch (a resumed head takes its checkpoint's)."""
@@ -487,8 +502,23 @@ class _Run:
                 "expected_tokens_per_round": evaluation.expected_accepted},
             **self.timings,
         }
+        if c.arch in ("eagle3", "eagle1"):
+            report["int8"] = self.export_int8(head)
         self._publish(report, rows, f"{head.config.arch} head for {self.target_name}", outcome, evaluation,
                       f"--drafter eagle --head {self.out}", f"{len(held_out)} sequences")
+
+    def export_int8(self, head: Any) -> dict[str, Any]:
+        """OUT/int8: the head's int8 export beside the dense one (replaced at each finish); its size, or why not."""
+        from sparrow.heads.layout import export_int8
+
+        try:
+            written = export_int8(head, self.out / "int8", replace=True)
+        except UserError as error:
+            self.say(f"no int8 export: {error}")
+            return {"error": str(error)}
+        self.say(f"int8 export: {self.out / 'int8'} ({written.total_bytes / 1e6:.1f} MB in {len(written.shard_bytes)} "
+                 f"shards; use: --drafter eagle --head {self.out / 'int8'})")
+        return {"dir": str(self.out / "int8"), "bytes": written.total_bytes, "shards": len(written.shard_bytes)}
 
     def _publish(self, report: dict[str, Any], rows: list[dict], title: str, outcome: Any, evaluation: Any,
                  use: str, held_out: str) -> None:
@@ -672,21 +702,10 @@ def _duration(seconds: float) -> str:
 
 
 def init_from_target(head: Any, model: Any) -> None:
-    """Start an EAGLE-3 head's norm and LM head from the target's final norm and LM head rows of the draft
-    vocabulary (the head's output then begins as a reading of a target-like state; it trains from there); a
-    LongSpec head's norm from the target's final norm."""
-    import torch
+    """`sparrow.training.heads.init_from_target` (imported when used: the CLI starts without torch)."""
+    from sparrow.training.heads import init_from_target as start_from_target
 
-    if head.config.arch not in ("eagle3", "longspec"):
-        return
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    norm = getattr(decoder, "norm", None)
-    with torch.no_grad():
-        if head.config.arch == "eagle3":  # a LongSpec head drafts through the target's own LM head: its norm only
-            weight = model.get_output_embeddings().weight
-            head.lm_head.weight.copy_(weight[head.draft_to_target].to(head.lm_head.weight))
-        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == head.norm.weight.shape:
-            head.norm.weight.copy_(norm.weight.to(head.norm.weight))
+    start_from_target(head, model)
 
 
 def _default_anchor_offset(model: Any, corpus: Any) -> int:

@@ -159,6 +159,13 @@ class AutoDrafter:
             raise UserError(f"auto drafter candidates need distinct names other than {PLAIN!r}, got {names}")
         self.config = config or AutoConfig()
         self.candidates: dict[str, Drafter] = {c.name: c for c in candidates}
+        # Candidates that read the target's hidden states (an eagle head) follow every round's committed rows,
+        # chosen or not; the target then returns the hidden states they read (one set of layers).
+        self.followers = [n for n, c in self.candidates.items() if getattr(c, "hidden_layers", ())]
+        layers = {tuple(self.candidates[n].hidden_layers) for n in self.followers}
+        if len(layers) > 1:
+            raise UserError(f"auto drafter candidates read different target layers {sorted(layers)}: give one")
+        self.hidden_layers: tuple[int, ...] = layers.pop() if layers else ()
         lookups = [c.name for c in candidates if isinstance(c, PromptLookupDrafter)]
         self.lookup: str | None = lookups[0] if lookups else None
         self.models = [n for n in names if n != self.lookup]  # candidates that cost real compute to probe
@@ -241,6 +248,9 @@ class AutoDrafter:
         self.verify.add(len(draft) + 1, step.verify_seconds)
         name, probe = self._round
         self.rounds.append(AutoRound(name, len(draft), verdict.num_accepted))
+        for follower in self.followers:
+            if follower != name:
+                self.candidates[follower].follow(out)
         if name == PLAIN:
             return
         step = replace(step, draft_seconds=max(step.draft_seconds - self._switch_seconds, 0.0))
@@ -352,4 +362,24 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
         candidates.append(make("quantized-self", None, **heads))
         if tree:
             candidates.append(make("quantized-self", None, **tree, **heads))
+    head = _available_head(target)
+    if head is not None:
+        candidates.append(make("eagle", None, head=head))
     return AutoDrafter(candidates, config=config)
+
+
+def _available_head(target: LoadedModel) -> Any:
+    """The eagle head shipped or trained for a preset target (`sparrow.heads.layout.find_head`), or None; a head
+    that does not fit the target is left out with a warning."""
+    from sparrow.heads.layout import find_head
+
+    head = find_head(target.name)
+    if head is None:
+        return None
+    from sparrow.heads.layout import load_head
+
+    try:
+        return load_head(head, target.model)
+    except UserError as error:
+        warnings.warn(f"auto: the eagle head {head} is left out ({error})", stacklevel=3)
+        return None

@@ -176,20 +176,29 @@ class EagleDrafter:
     def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
                 step: StepStats | None = None) -> None:
         assert out is not None and out.hidden is not None, "the eagle drafter needs the target's hidden states"
-        self.runner.add_features(out.hidden)
+        self.follow(out)
         if self.tree is None:
             self.length.observe(step)
         elif self.tree_policy is not None:
             self.tree_policy.observe(step, self._forwards)
 
 
-def _trained_head(target: str) -> Path:
-    """The head `sparrow train head --target PRESET` keeps for a preset target (its latest checkpoint)."""
-    from sparrow.heads.layout import default_head_dir
+    def follow(self, out: TargetOutput) -> None:
+        """Take the target's features of a round another drafter (or plain decoding) drafted: the committed rows
+        [root, *accepted path] of `out` (the auto drafter keeps an unchosen eagle candidate in step this way)."""
+        assert out.hidden is not None, "the eagle drafter needs the target's hidden states"
+        self.runner.add_features(out.hidden)
 
+
+def _trained_head(target: str) -> Path:
+    """The head for a preset target: the one shipped in the package, else the one `sparrow train head --target
+    PRESET` keeps in the user cache (its latest checkpoint); `sparrow.heads.layout.find_head`."""
+    from sparrow.heads.layout import default_head_dir, find_head
+
+    found = find_head(target)
+    if found is not None:
+        return found
     where = default_head_dir(target)
-    if where is not None and (where / "config.json").is_file():
-        return where
     if where is None:
         raise UserError(f"--drafter eagle needs a head for {target!r}: --head PATH (a directory with config.json and "
                         "model.safetensors, exported by SpecForge or saved by `sparrow train head`)")

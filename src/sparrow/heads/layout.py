@@ -3,7 +3,13 @@
 EAGLE-3, as SpecForge exports it and vLLM / SGLang load it unchanged: `config.json` with
 `architectures: ["LlamaForCausalLMEagle3"]`, `hidden_size`, `draft_vocab_size`, `vocab_size`, the Llama layer
 fields (`num_hidden_layers: 1`), optionally `target_hidden_size` and `eagle_aux_hidden_state_layer_ids`
-(sparrow writes it: the target layers read, transformers' hidden_states indexing = vLLM's); tensors
+(top level and in `eagle_config`). Those ids are SpecForge's and SGLang's: id i is the OUTPUT of decoder layer i,
+= transformers' `hidden_states[i + 1]` (SGLang captures the input of layer i + 1; SpecForge's default ids are
+[1, L // 2 - 1, L - 4], i.e. hidden_states 2, L // 2, L - 3; id -1 is the embedding output). Sparrow keeps
+hidden_states indices inside (`HeadConfig.target_layers`) and converts at the file boundary (`layer_ids_of`,
+`target_layers_of`). Heads saved by sparrow carry `"sparrow_format": 2`; older sparrow heads (format 1, no such
+key) wrote hidden_states indices under the same name and are recognised by their exact key set
+(`is_format1`) and read with their own meaning. Tensors
 `fc.weight`, `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
 `midlayer.self_attn.{q,k,v,o}_proj.weight`, `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`,
 `lm_head.weight`, `d2t` (int64 offsets: target id = draft id + d2t[draft id]) and `t2d` (bool over the target
@@ -18,11 +24,15 @@ config.json with the gate's tensors `gate.*` (and, for EAGLE-3, a `midlayer` wit
 `hidden_norm` whose attention reads d, not 2d; for EAGLE-1 an `fc` over the feature alone), and
 `num_hidden_layers` > 1 with the deeper layers as `layers.1.*` .. (EAGLE-1 heads of several layers follow
 SafeAILab's / Dovetail's `layers.i.*` naming).
+
+Int8 (sparrow's, for shipping): `manifest.json` + int8 safetensors shards (`sparrow.heads.int8`); `load_head` reads
+it transparently (checked, dequantized), `export_int8` writes one from a dense head.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +43,42 @@ from torch import Tensor
 from sparrow.errors import UserError
 from sparrow.heads.config import HeadConfig, default_layers
 from sparrow.heads.eagle import EagleHead, TargetParts
+from sparrow.heads.int8 import MANIFEST as INT8_MANIFEST
+from sparrow.heads.int8 import Int8Export, is_int8_dir, read_int8, replace_int8, write_int8
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 EAGLE1_ARCHITECTURE = "LlamaForCausalLM"
 WEIGHTS = "model.safetensors"
+FORMAT_KEY = "sparrow_format"
+FORMAT = 2  # 2: eagle_aux_hidden_state_layer_ids in SpecForge's / SGLang's meaning (1: hidden_states indices)
+LAYER_IDS = "eagle_aux_hidden_state_layer_ids"
+
+
+def layer_ids_of(target_layers: Sequence[int]) -> list[int]:
+    """hidden_states indices -> the layer ids SpecForge and SGLang read (output of decoder layer i = index i + 1)."""
+    return [int(i) - 1 for i in target_layers]
+
+
+def is_format1(raw: dict[str, Any]) -> bool:
+    """Whether a config.json is one sparrow wrote before format 2: no `sparrow_format` (or 1, as an int8 export of
+    such a head records it), and the layer ids written both at the top level and in `eagle_config` (equal), beside
+    sparrow's `bias` key (SpecForge writes neither pair)."""
+    if FORMAT_KEY in raw:  # an int8 export of a format-1 head says so
+        return raw[FORMAT_KEY] == 1
+    if "bias" not in raw:
+        return False
+    nested = raw.get("eagle_config")
+    return isinstance(nested, dict) and raw.get(LAYER_IDS) is not None and nested.get(LAYER_IDS) == raw[LAYER_IDS]
+
+
+def target_layers_of(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+    """The hidden_states indices an EAGLE-3 config.json asks for: its layer ids + 1 (SpecForge / SGLang), or a
+    format-1 sparrow head's ids as they are, or the default when it lists none (EAGLE-1: the final state)."""
+    ids = raw.get(LAYER_IDS) or (raw.get("eagle_config") or {}).get(LAYER_IDS)
+    if not ids or arch != "eagle3":
+        return default_layers(arch, num_layers)
+    shift = 0 if is_format1(raw) else 1
+    return tuple(int(i) + shift for i in ids)
 
 
 def head_config_json(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -55,10 +97,11 @@ def head_config_json(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
     if config.fusion != "concat":
         record["fusion"] = config.fusion  # sparrow-only (see the module docstring)
     if eagle3:
-        layers = list(config.target_layers)
+        ids = layer_ids_of(config.target_layers)
         record.update(draft_vocab_size=config.draft_vocab_size, target_hidden_size=config.target_hidden_size,
-                      eagle_aux_hidden_state_layer_ids=layers,
-                      eagle_config={"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layers})
+                      eagle_aux_hidden_state_layer_ids=ids,
+                      eagle_config={"use_aux_hidden_state": True, LAYER_IDS: ids})
+    record[FORMAT_KEY] = FORMAT
     return record
 
 
@@ -74,6 +117,34 @@ def default_head_dir(target: str, cache_dir: str | Path | None = None) -> Path |
     return (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "heads" / name
 
 
+SHIPPED = Path(__file__).parent / "shipped"
+"""Heads shipped in the package: SHIPPED/<preset>/ holding an int8 export (manifest.json + shards)."""
+
+
+def shipped_head_dir(target: str) -> Path | None:
+    """The head shipped in the package for preset `target` (an int8 export or a dense head), else None (also for
+    any target that is not a preset name)."""
+    from sparrow.models.presets import PRESETS
+
+    name = target.strip().lower()
+    if name not in PRESETS:
+        return None
+    where = SHIPPED / name
+    return where if (where / INT8_MANIFEST).is_file() or (where / "config.json").is_file() else None
+
+
+def find_head(target: str, cache_dir: str | Path | None = None) -> Path | None:
+    """The head `--drafter eagle` uses without --head for `target`: the one shipped in the package for that preset,
+    else the one `sparrow train head` keeps in the user cache (default_head_dir), else None."""
+    shipped = shipped_head_dir(target)
+    if shipped is not None:
+        return shipped
+    trained = default_head_dir(target, cache_dir)
+    if trained is not None and ((trained / "config.json").is_file() or is_int8_dir(trained)):
+        return trained
+    return None
+
+
 def save_head(head: EagleHead, directory: str | Path) -> Path:
     """Write `head` to `directory` (created) in its layout; returns the directory."""
     if head.config.arch == "longspec":  # sparrow-only layouts
@@ -82,15 +153,49 @@ def save_head(head: EagleHead, directory: str | Path) -> Path:
         return save_longspec(head, directory)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    dtype = head.fc.weight.dtype
-    record = head_config_json(head.config, dtype)
-    spec = getattr(head, "sparrow", None)  # a Sparrow head: EAGLE-3 tensors, drafted text-anchored by sparrow
-    if spec is not None:
-        record["sparrow"] = {"text_window": spec.text_window, "bridge_layer": spec.bridge_layer}
-    (directory / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(config_record(head), indent=2) + "\n")
     tensors = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
     return directory
+
+
+def config_record(head: EagleHead) -> dict[str, Any]:
+    """The config.json record of an EAGLE head (a Sparrow head's spec included)."""
+    record = head_config_json(head.config, head.fc.weight.dtype)
+    spec = getattr(head, "sparrow", None)  # a Sparrow head: EAGLE-3 tensors, drafted text-anchored by sparrow
+    if spec is not None:
+        record["sparrow"] = {"text_window": spec.text_window, "bridge_layer": spec.bridge_layer}
+    return record
+
+
+def export_int8(source: str | Path | EagleHead, directory: str | Path, replace: bool = False) -> Int8Export:
+    """The int8 export (`sparrow.heads.int8`) of a head: a dense head directory (config.json + weights, sparrow's
+    or SpecForge's) or an EagleHead; written into the new directory `directory`, or with `replace` swapped in for
+    the export there."""
+    if isinstance(source, EagleHead):
+        config, tensors = config_record(source), dict(source.state_dict())
+    else:
+        source = Path(source)
+        where = f"head {str(source)!r}"
+        if is_int8_dir(source):
+            raise UserError(f"{where} is already an int8 export")
+        config, tensors = _read_config(source, where), _read_tensors(source)
+        if "SparrowLongSpecHead" in (config.get("architectures") or []):
+            raise UserError(f"{where} is a LongSpec head: the int8 export takes EAGLE-1/3 heads")
+        tensors = _normalised(tensors, _arch(config, tensors, where) == "eagle3")
+    config = {**config, FORMAT_KEY: config.get(FORMAT_KEY, FORMAT if not is_format1(config) else 1)}
+    write = replace_int8 if replace else write_int8
+    return write(tensors, config, directory)
+
+
+def _read_config(directory: Path, where: str) -> dict[str, Any]:
+    if not (directory / "config.json").is_file():
+        raise UserError(f"{where}: no config.json or {INT8_MANIFEST} (expected a directory saved by sparrow or "
+                        "exported by SpecForge)")
+    try:
+        return json.loads((directory / "config.json").read_text())
+    except json.JSONDecodeError as error:
+        raise UserError(f"{where}: config.json is not valid JSON ({error})") from None
 
 
 def _read_tensors(directory: Path) -> dict[str, Tensor]:
@@ -144,8 +249,8 @@ def check_fits(config: HeadConfig, model: torch.nn.Module, where: str = "head") 
         raise UserError(f"{where} has a vocabulary of {config.vocab_size} tokens but the target's has {vocab}; "
                         "a head must be trained for this target")
     if any(not 0 <= i <= num_layers for i in config.target_layers):
-        raise UserError(f"{where} reads target layers {list(config.target_layers)} but the target has "
-                        f"{num_layers} layers (hidden_states 0..{num_layers})")
+        raise UserError(f"{where} reads target layer ids {layer_ids_of(config.target_layers)} (outputs of those "
+                        f"decoder layers) but the target has {num_layers} layers (ids -1..{num_layers - 1})")
 
 
 def load_head(directory: str | Path, model: torch.nn.Module, device: torch.device | str | None = None) -> EagleHead:
@@ -153,13 +258,10 @@ def load_head(directory: str | Path, model: torch.nn.Module, device: torch.devic
     dtype on its device, or on `device` (Dovetail's split). Refuses (UserError) a head that does not fit."""
     directory = Path(directory)
     where = f"head {str(directory)!r}"
-    if not (directory / "config.json").is_file():
-        raise UserError(f"{where}: no config.json (expected a directory saved by sparrow or exported by SpecForge)")
-    try:
-        raw = json.loads((directory / "config.json").read_text())
-    except json.JSONDecodeError as error:
-        raise UserError(f"{where}: config.json is not valid JSON ({error})") from None
-    tensors = _read_tensors(directory)
+    if is_int8_dir(directory):  # dequantized to float32 here, to the target's dtype by load_state_dict
+        raw, tensors = read_int8(directory)
+    else:
+        raw, tensors = _read_config(directory, where), _read_tensors(directory)
     if "SparrowLongSpecHead" in (raw.get("architectures") or []):
         from sparrow.heads.longspec import load_longspec
 
@@ -205,15 +307,12 @@ def _config(raw: dict[str, Any], arch: str, num_layers: int, fc_bias: bool, wher
     try:
         d, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         vocab = int(raw["vocab_size"])
-        layers = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids")
         return HeadConfig(
             arch=arch, hidden_size=d, intermediate_size=int(raw["intermediate_size"]), num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or d // heads), vocab_size=vocab,
             draft_vocab_size=int(raw.get("draft_vocab_size") or vocab) if arch == "eagle3" else vocab,
-            target_layers=tuple(int(i) for i in layers) if layers and arch == "eagle3"
-            else default_layers(arch, num_layers),
+            target_layers=target_layers_of(raw, arch, num_layers),
             target_hidden_size=int(raw.get("target_hidden_size") or d),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(raw.get("rope_theta", 10000.0)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),

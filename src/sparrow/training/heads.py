@@ -107,6 +107,22 @@ def frequent_tokens(sequences: Sequence[Tensor], size: int, vocab_size: int, alw
     return counts.topk(size).indices.sort().values
 
 
+def init_from_target(head: EagleHead, model: nn.Module) -> None:
+    """Start an EAGLE-3 head's norm and LM head from the target's final norm and LM head rows of the draft
+    vocabulary (the head's output then begins as a reading of a target-like state; it trains from there); a
+    LongSpec head's norm from the target's final norm."""
+    if head.config.arch not in ("eagle3", "longspec"):
+        return
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    norm = getattr(decoder, "norm", None)
+    with torch.no_grad():
+        if head.config.arch == "eagle3":  # a LongSpec head drafts through the target's own LM head: its norm only
+            weight = model.get_output_embeddings().weight
+            head.lm_head.weight.copy_(weight[head.draft_to_target].to(head.lm_head.weight))
+        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == head.norm.weight.shape:
+            head.norm.weight.copy_(norm.weight.to(head.norm.weight))
+
+
 def anchor_offset_positions(n: int, max_offset: int, generator: torch.Generator | None, max_sink: int = 4) -> Tensor:
     """LongSpec's anchor-offset position indices for a training sequence of n tokens ([n] int64): the first
     `sink` tokens (uniform in 0 .. max_sink) keep their positions (attention sinks), the rest shift by one random
@@ -253,7 +269,8 @@ def train_step(head: EagleHead, optimiser: torch.optim.Optimizer, batch: Sequenc
     tokens = 0
     for features in batch:
         loss, agreements = ttt_loss(head, features, ttt_steps, decay, feature_weight)
-        (loss / len(batch)).backward()
+        if loss.requires_grad:  # a constant zero when no row's target argmax lies in the draft vocabulary
+            (loss / len(batch)).backward()
         step_loss += float(loss.detach()) / len(batch)
         step_agreement += agreements[0] / len(batch)
         tokens += features.tokens.numel() - 1

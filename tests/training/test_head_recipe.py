@@ -1,0 +1,270 @@
+"""The GPU recipe (sparrow.training.recipe) dry-run on the CPU with a tiny random target, and its carry-over pieces.
+
+a) One run: offline files + self-distilled answers, online target features, the batched training-time test,
+   held-out evaluation, the int8 export; the int8 head then decodes losslessly (float32 greedy) with drafts accepted.
+b) A run killed (SIGKILL) after a checkpoint leaves a loadable int8 export and a checkpoint a --resume continues;
+   the killed run is a subprocess that cannot import sparrow's other dependencies (typer, rich, gguf, av, ...),
+   as on the bare device machines.
+c) The batched training-time test equals the per-sequence one (sparrow.training.heads.ttt_loss) and ignores padding.
+d) Chunks: a file cut into numbered chunks with SHA256SUMS joins back; a damaged or missing chunk is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CORPUS, tiny_model, tiny_tokenizer
+
+from sparrow.drafters import build_drafter
+from sparrow.errors import UserError
+from sparrow.heads import load_head
+from sparrow.training.chunks import SUMS, join_chunks, split_file
+from sparrow.training.recipe import RecipeSettings, run
+from sparrow.models import LoadedModel
+from sparrow.pipeline import Pipeline
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is"]
+SNIPPETS = [*sorted(set(CORPUS)), "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n",
+            "import os\nprint(os.getcwd())\n"]
+BLOCKED = ("typer", "rich", "gguf", "av", "accelerate", "PIL", "torchvision", "sentencepiece", "fastapi", "uvicorn",
+           "matplotlib", "prometheus_client", "ray")
+SMALL = {"batch_size": 8, "seq_len": 64, "distill": 16, "distill_tokens": 32, "distill_batch": 8, "draft_vocab": 200,
+         "intermediate_size": 128, "ttt_steps": 3, "lr": 3e-3, "warmup": 10, "tokens": 4000,
+         "held_out_tokens": 300, "threads": 1}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    """A tiny target directory (model + tokenizer) and 40 small .py files."""
+    root = tmp_path_factory.mktemp("recipe")
+    model, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    (root / "data").mkdir()
+    for i in range(40):
+        (root / "data" / f"m{i}.py").write_text("\n".join(SNIPPETS[(i + j) % len(SNIPPETS)] for j in range(8)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return LoadedModel(tiny_model("llama", seed=0), tiny_tokenizer(), "tiny")
+
+
+def decode_through(target: LoadedModel, head_dir: Path) -> int:
+    """Greedy float32 decoding through the head equals plain decoding; returns the drafts accepted."""
+    plain = Pipeline(target, None)
+    pipe = Pipeline(target, build_drafter("eagle", target, None, 4, head=str(head_dir)))
+    accepted = 0
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=30)
+        assert result.token_ids == plain.generate_plain(prompt, max_new_tokens=30).token_ids
+        accepted += result.stats.num_accepted_tokens
+    return accepted
+
+
+def test_a_dry_run_trains_evaluates_and_exports_an_int8_head_that_decodes_losslessly(files, target, tmp_path):
+    out = tmp_path / "run"
+    report = run(RecipeSettings(out=str(out), target=str(files / "target"), data=(str(files / "data"),),
+                                time_budget=120, max_steps=120, checkpoint_every=1e6, **SMALL))
+    assert report["stopped"] == "max steps" and report["step"] == 120 and report["error"] is None
+    assert report["corpus"]["distilled"] == 16 and report["corpus"]["distilled_held_out"] == 1
+    held = report["held_out"]
+    assert len(held["agreement_per_depth"]) == 3 and held["agreement_per_depth"][0] > 0.3
+    assert held["expected_tokens_per_round"] > 1.3
+    assert json.loads((out / "eval.json").read_text())["step"] == 120
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    stages = [r["stage"] for r in rows]
+    assert stages[0] == "target loaded" and stages[-1] == "done" and "corpus" in stages
+    assert [r["answers"] for r in rows if r["stage"] == "distilling"] == [1, 8, 16]  # a row per generate call
+    assert report["head"]["draft_vocab_size"] == 200 and report["int8"]["bytes"] > 0
+    config = json.loads((out / "checkpoint" / "config.json").read_text())  # the dense SpecForge layout
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["sparrow_format"] == 2
+    assert load_head(out / "checkpoint", target.model).config == load_head(out / "int8", target.model).config
+    assert decode_through(target, out / "int8") > 0
+    with pytest.raises(UserError, match="already holds a run: pass --resume"):
+        run(RecipeSettings(out=str(out), target=str(files / "target"), data=(str(files / "data"),), **SMALL))
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_and_runs_without_sparrows_other_dependencies(files, target,
+                                                                                              tmp_path):
+    out = tmp_path / "run"
+    argv = ["run", "--target", str(files / "target"), "--data", str(files / "data"), "--out", str(out),
+            "--time-budget", "300", "--checkpoint-every", "0.5"]
+    argv += [a for k, v in SMALL.items() for a in ("--" + k.replace("_", "-"), str(v))]
+    code = (f"import sys\nfor name in {BLOCKED!r}:\n    sys.modules[name] = None\n"
+            "from sparrow.training.recipe import main\nsys.exit(main(sys.argv[1:]))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    state = out / "checkpoint" / "recipe_state.pt"
+    try:
+        deadline = time.monotonic() + 90
+        while not (state.is_file() and (out / "int8" / "manifest.json").is_file()):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 90 s"
+            time.sleep(0.2)
+        time.sleep(0.3)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert not (out / "eval.json").exists()  # killed before its end
+    saved = torch.load(state, weights_only=True)["progress"]["step"]
+    assert saved > 0
+    exported = out / "int8" if (out / "int8" / "manifest.json").is_file() else out / "int8.old"  # killed mid-swap
+    assert load_head(exported, target.model).config.draft_vocab_size == 200
+    report = run(RecipeSettings(out=str(out), target=str(files / "target"), resume=True, time_budget=60,
+                                max_steps=saved + 5, threads=1))
+    assert report["step"] == saved + 5 and report["stopped"] == "max steps"
+    assert report["settings"]["draft_vocab"] == 200 and report["settings"]["seq_len"] == 64  # the run's recipe
+
+
+def test_the_batched_training_time_test_equals_the_per_sequence_one(target):
+    from sparrow.training.batched import batched_ttt_loss
+    from sparrow.heads.eagle import new_head
+    from sparrow.training.recipe import padded, target_features
+    from sparrow.training.heads import extract_features, ttt_loss
+
+    head = new_head(target.model, "eagle3", torch.Generator().manual_seed(0), draft_vocab=torch.arange(0, 320, 2))
+    generator = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(320, (n,), generator=generator) for n in (30, 22)]
+    per_sequence = extract_features(target, head.config.target_layers, sequences, top_k=8)
+    for f in per_sequence:
+        loss, agreement = ttt_loss(head, f, 3)
+        batch = batched_ttt_loss(head, f.tokens[None], torch.tensor([f.tokens.numel()]), f.hidden[None],
+                                 f.label_ids[None], f.label_logprobs[None], 3)
+        assert torch.allclose(batch.loss, loss, rtol=1e-5)
+        assert [a / r for a, r in zip(batch.agreed, batch.rows)] == pytest.approx(list(agreement))
+    tokens, lengths = padded(sequences, 64)
+    features, ids, logprobs = target_features(target.model, tokens, lengths, head.config.target_layers, 8)
+    assert torch.allclose(features[1, :22], per_sequence[1].hidden, atol=1e-5)  # online = per-sequence features
+    assert torch.equal(ids[1, :22], per_sequence[1].label_ids)
+    first = batched_ttt_loss(head, tokens, lengths, features, ids, logprobs, 3)
+    tokens[1, 22:], features[1, 22:] = 7, 5.0  # other padding: the same loss
+    second = batched_ttt_loss(head, tokens, lengths, features, ids, logprobs, 3)
+    assert torch.equal(first.loss, second.loss) and first.rows == (50, 48, 46) and first.positions == 50
+
+
+def test_chunks_join_back_and_damage_is_refused(tmp_path):
+    parts = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    parts[0].write_bytes(os.urandom(2500))
+    parts[1].write_bytes(os.urandom(1700))
+    import hashlib
+
+    whole = hashlib.sha256(parts[0].read_bytes() + parts[1].read_bytes()).hexdigest()
+    chunks = split_file(parts, "model.gguf", tmp_path / "c", chunk_bytes=1000, expected_sha256=whole)
+    assert [c.name for c in chunks] == [f"model.gguf.part-0{i}" for i in range(1, 6)]
+    assert [c.stat().st_size for c in chunks] == [1000, 1000, 1000, 1000, 200]
+    joined = join_chunks(tmp_path / "c", tmp_path / "model.gguf")
+    assert joined.read_bytes() == parts[0].read_bytes() + parts[1].read_bytes()
+    joined.unlink()
+    data = bytearray(chunks[2].read_bytes())
+    data[0] ^= 1
+    chunks[2].write_bytes(bytes(data))
+    with pytest.raises(UserError, match="chunk model.gguf.part-03 .* fails its sha256 check"):
+        join_chunks(tmp_path / "c", tmp_path / "model.gguf")
+    chunks[2].unlink()
+    with pytest.raises(UserError, match="chunk model.gguf.part-03 is missing"):
+        join_chunks(tmp_path / "c")
+    with pytest.raises(UserError, match="not the expected"):
+        split_file(parts, "model.gguf", tmp_path / "d", chunk_bytes=1000, expected_sha256="0" * 64)
+    assert (tmp_path / "c" / SUMS).read_text().splitlines()[-1] == f"{whole}  model.gguf"
+
+
+def test_gguf_tensors_dequantized_in_parallel_are_handed_to_transformers_unchanged(tmp_path, monkeypatch):
+    """Inside the recipe's GGUF loading the file is parsed once (gguf.GGUFReader returns that reader for it) and
+    gguf.dequantize answers from the tensors dequantized beforehand on a pool, matched by file offset; any other
+    file or array goes to gguf's own code."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from sparrow.training.recipe import fast_gguf_loading
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for i in range(3):  # equal shapes and types: only the offset tells them apart
+        data = rng.standard_normal((4, 64)).astype(np.float32)
+        writer.add_tensor(f"w{i}", gguf.quants.quantize(data, q8), raw_dtype=q8)
+    writer.add_tensor("f", rng.standard_normal((8,)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    original, original_reader = gguf.dequantize, gguf.GGUFReader
+    calls = []
+
+    def counting(data, qtype):
+        calls.append(qtype)
+        return original(data, qtype)
+
+    monkeypatch.setattr(gguf, "dequantize", counting)
+    (tmp_path / "u.gguf").write_bytes(path.read_bytes())
+    with fast_gguf_loading(path, 2):
+        assert len(calls) == 4  # every tensor, on the pool
+        from gguf import GGUFReader, dequantize  # what transformers does inside load_gguf_checkpoint
+
+        reader = GGUFReader(str(path))
+        assert reader is GGUFReader(path) and GGUFReader(tmp_path / "u.gguf") is not reader  # parsed once
+        fresh = original_reader(str(tmp_path / "u.gguf"))
+        for tensor, same in zip(reader.tensors, fresh.tensors):
+            assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), original(same.data, same.tensor_type))
+        assert len(calls) == 4  # answered from the pool's results, by offset (the three Q8_0 tensors look alike)
+        stray = gguf.quants.quantize(rng.standard_normal((2, 32)).astype(np.float32), q8)
+        assert dequantize(stray, q8).shape == (2, 32) and len(calls) == 5
+    assert gguf.dequantize is counting and gguf.GGUFReader is original_reader
+
+
+def test_sigterm_ends_training_and_the_exports_still_run(files, target, tmp_path, monkeypatch):
+    import signal
+
+    from sparrow.training import batched
+
+    calls = []
+    loss = batched.batched_ttt_loss
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGTERM)  # as `timeout` sends it
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(batched, "batched_ttt_loss", counting)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "run"
+    report = run(RecipeSettings(out=str(out), target=str(files / "target"), data=(str(files / "data"),),
+                                time_budget=120, checkpoint_every=1e6, **{**SMALL, "distill": 2}))
+    assert report["stopped"] == f"signal {int(signal.SIGTERM)}" and report["step"] == 3
+    assert (out / "eval.json").is_file() and load_head(out / "int8", target.model).config.draft_vocab_size == 200
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_learning_rate_warms_up_then_decays_with_the_time_spent():
+    from sparrow.training.recipe import lr_scale
+
+    assert lr_scale(0, 10, 0.0) == pytest.approx(0.1) and lr_scale(9, 10, 0.0) == 1.0
+    assert lr_scale(100, 10, 0.5) == pytest.approx(0.5) and lr_scale(100, 10, 1.0) == pytest.approx(0.1)
+
+
+def test_bad_recipe_options_are_one_line_errors(tmp_path, capsys):
+    from sparrow.training.recipe import main
+
+    assert main(["run", "--out", str(tmp_path / "o")]) == 2
+    assert "give exactly one of --target" in capsys.readouterr().err
+    assert main(["run", "--out", str(tmp_path / "o"), "--target", str(tmp_path / "nowhere")]) == 2
+    assert "no such directory or .gguf file" in capsys.readouterr().err
+    assert main(["run", "--out", str(tmp_path / "o"), "--target", "x", "--batch-size", "0"]) == 2
+    assert "--batch-size must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["run", "--out", str(tmp_path / "o"), "--gguf-chunks", str(tmp_path), "--resume"]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
