@@ -19,46 +19,18 @@ import torch
 
 from conftest import perturbed, tiny_model, tiny_tokenizer
 from sparrow import sampling as S
-from sparrow.decoding.batch import Batch, BatchPolicy, Generation, fork_drafter, score_batch, supports_batching
+from sparrow.decoding.batch import Batch, BatchPolicy, fork_drafter, score_batch, supports_batching
 from sparrow.config import SamplingConfig
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 from sparrow.types import Verdict
+from batching import BUDGETS, PROMPTS, run_batch
 from test_degenerate import SPECS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is", "a",
-           "def add(a, b):\n    return a + b\n\ndef"]
-BUDGETS = [30, 7, 41, 19, 25]
 TREE = dict(tree_budget=8, tree_topk=2, tree_depth=3)
-
-
-def run_batch(pipe: Pipeline, policy: BatchPolicy | None = None, join_after: int = 2, plain: bool = False,
-              **options) -> list:
-    """The PROMPTS in one batch (the last two join after `join_after` steps); the results in PROMPTS order."""
-    batch = Batch(pipe.target.model, policy or BatchPolicy(adaptive=False))
-    gens: list[Generation] = []
-
-    def start(i: int) -> None:
-        gen = pipe.sequence(PROMPTS[i], max_new_tokens=BUDGETS[i], plain=plain, **options)
-        batch.add(gen)
-        gens.append(gen)
-
-    for i in range(3):
-        start(i)
-    steps = 0
-    while len(batch) or len(gens) < len(PROMPTS):
-        batch.step()
-        steps += 1
-        if steps == join_after:
-            for i in range(3, len(PROMPTS)):
-                start(i)
-    results = [pipe.result(gen) for gen in gens]
-    for gen in gens:
-        pipe.release(gen)
-    return results
 
 
 @pytest.fixture(scope="module")

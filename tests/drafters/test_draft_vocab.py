@@ -175,7 +175,7 @@ def test_a_token_outside_the_set_is_still_produced_by_the_target(pair, plain):
 
 
 def test_batched_reduced_vocabulary_drafts_equal_plain(pair, vocab):
-    from test_batch import BUDGETS, PROMPTS as BATCH_PROMPTS, run_batch
+    from batching import BUDGETS, PROMPTS as BATCH_PROMPTS, run_batch
 
     target = pair[0]
     expected = [Pipeline(target, None).generate_plain(p, max_new_tokens=n).token_ids

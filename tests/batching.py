@@ -1,0 +1,42 @@
+"""A batch of five requests, two joining late: the run that the batch and draft-vocabulary tests share."""
+
+from __future__ import annotations
+
+from sparrow.decoding.batch import Batch, BatchPolicy, Generation
+from sparrow.pipeline import Pipeline
+
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is", "a",
+           "def add(a, b):\n    return a + b\n\ndef"]
+
+
+
+BUDGETS = [30, 7, 41, 19, 25]
+
+
+
+def run_batch(pipe: Pipeline, policy: BatchPolicy | None = None, join_after: int = 2, plain: bool = False,
+              **options) -> list:
+    """The PROMPTS in one batch (the last two join after `join_after` steps); the results in PROMPTS order."""
+    batch = Batch(pipe.target.model, policy or BatchPolicy(adaptive=False))
+    gens: list[Generation] = []
+
+    def start(i: int) -> None:
+        gen = pipe.sequence(PROMPTS[i], max_new_tokens=BUDGETS[i], plain=plain, **options)
+        batch.add(gen)
+        gens.append(gen)
+
+    for i in range(3):
+        start(i)
+    steps = 0
+    while len(batch) or len(gens) < len(PROMPTS):
+        batch.step()
+        steps += 1
+        if steps == join_after:
+            for i in range(3, len(PROMPTS)):
+                start(i)
+    results = [pipe.result(gen) for gen in gens]
+    for gen in gens:
+        pipe.release(gen)
+    return results
+
