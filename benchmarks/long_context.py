@@ -45,7 +45,7 @@ from sparrow.drafters import REGISTRY, build_drafter
 from sparrow.drafters.kv.draft_kv import kv_bytes
 from sparrow.drafters.longspec import LongSpecDrafter, WindowCache
 from sparrow.drafters.sparse import DEFAULT_BUDGET, SparseDrafter
-from sparrow.heads.eagle import new_head
+from sparrow.heads.factory import new_head
 from sparrow.models import load_model
 from sparrow.pipeline import Pipeline
 from sparrow.timing import now

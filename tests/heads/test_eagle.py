@@ -20,8 +20,10 @@ from conftest import continuations, CORPUS, tiny_model, tiny_tokenizer
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
-from sparrow.heads.eagle import EagleHead, causal_mask, new_head
-from sparrow.training.heads import TrainReport, evaluate, extract_features, frequent_tokens, train_head
+from sparrow.heads.eagle import EagleHead, causal_mask
+from sparrow.heads.factory import new_head
+from sparrow.training.heads import evaluate, extract_features, frequent_tokens, train_head
+from sparrow.training.loop import TrainReport
 from sparrow.models import LoadedModel
 from sparrow.decoding.engine import speculative_decode
 from sparrow.pipeline import Pipeline

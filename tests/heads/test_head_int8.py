@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
-from sparrow.heads.eagle import EagleHead, new_head
+from sparrow.heads.eagle import EagleHead
+from sparrow.heads.factory import new_head
 from sparrow.heads.int8 import MANIFEST, dequantize_rows, quantize_rows, read_int8, write_int8
 from sparrow.heads.layout import config_record, export_int8
 from sparrow.training.heads import frequent_tokens, train_head

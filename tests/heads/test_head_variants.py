@@ -24,7 +24,8 @@ from conftest import continuations, CORPUS, tiny_model, tiny_tokenizer
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
-from sparrow.heads.eagle import EagleHead, new_head
+from sparrow.heads.eagle import EagleHead
+from sparrow.heads.factory import new_head
 from sparrow.training.heads import frequent_tokens, train_head
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
@@ -212,7 +213,7 @@ def longspec(target, sequences):
 
 
 def test_anchor_offset_positions_keep_sinks_and_shift_the_rest():
-    from sparrow.training.heads import anchor_offset_positions
+    from sparrow.training.loop import anchor_offset_positions
 
     assert torch.equal(anchor_offset_positions(10, 0, torch.Generator().manual_seed(0)), torch.arange(10))
     for seed in range(20):

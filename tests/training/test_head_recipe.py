@@ -131,7 +131,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_runs_without_sparrows_othe
 
 def test_the_batched_training_time_test_equals_the_per_sequence_one(target):
     from sparrow.training.batched import batched_ttt_loss
-    from sparrow.heads.eagle import new_head
+    from sparrow.heads.factory import new_head
     from sparrow.training.recipe import padded, target_features
     from sparrow.training.heads import extract_features, ttt_loss
 

@@ -29,7 +29,7 @@ from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
 from sparrow.training.data import CorpusSpec, build_corpus, is_held_out, load_corpus, save_corpus
-from sparrow.heads.eagle import new_head
+from sparrow.heads.factory import new_head
 from sparrow.training.features import SHARD_SIZE, CacheIdentity, FeatureCache, target_identity
 from sparrow.training.heads import (Features, evaluate_head, extract_features, frequent_tokens, soft_cross_entropy,
                                  target_to_draft, train_head)
@@ -390,7 +390,7 @@ def test_cli_trains_and_resumes_head_variants_that_decode_losslessly(variant, ta
 
 
 def test_every_head_variant_is_rebuilt_exactly_from_its_checkpoint(target, tmp_path):
-    from sparrow.training.heads import new_optimiser
+    from sparrow.training.loop import new_optimiser
     from sparrow.training.trainer import save_checkpoint
 
     shapes = {"gated-2": dict(arch="eagle3", fusion="gated", layers=2), "eagle1-2": dict(arch="eagle1", layers=2),
@@ -433,7 +433,8 @@ def test_progress_into_a_log_file_is_plain_lines_with_the_time_left(capsys):
 def test_a_sequence_with_no_label_in_the_draft_vocabulary_trains_without_a_crash(target):
     """Issue #28 defect B: ttt_loss is a constant zero (no graph) when no row's target argmax lies in the draft
     vocabulary; train_step used to call backward on it ("element 0 of tensors does not require grad")."""
-    from sparrow.training.heads import new_optimiser, train_step
+    from sparrow.training.heads import train_step
+    from sparrow.training.loop import new_optimiser
 
     head = new_head(target.model, "eagle3", torch.Generator().manual_seed(0), draft_vocab=torch.arange(8)).float()
     f = extract_features(target, head.config.target_layers, [torch.arange(20, 60)])[0]

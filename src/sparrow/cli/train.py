@@ -403,7 +403,7 @@ class _Run:
     def head(self, loaded: Any, corpus: Any) -> Any:
         import torch
 
-        from sparrow.heads.eagle import new_head
+        from sparrow.heads.factory import new_head
         from sparrow.training.trainer import resumed_head
 
         model = loaded.model
@@ -599,7 +599,7 @@ class _SparrowRun(_Run):
     def sparrow_head(self, loaded: Any, samples: Any) -> Any:
         import torch
 
-        from sparrow.heads.eagle import new_head
+        from sparrow.heads.factory import new_head
         from sparrow.training.trainer import resumed_head
 
         model = loaded.model

@@ -2,7 +2,8 @@
 checkpoint layout; the seeds' variants: Dovetail's gated fusion and deeper heads (heads.fusion), LongSpec
 (heads.longspec), Sparrow for Video-LLMs (heads.sparrow_head). Training lives in `sparrow.training`."""
 
-from sparrow.heads.eagle import EagleHead, HeadConfig, TargetParts, new_head
+from sparrow.heads.eagle import EagleHead, HeadConfig, TargetParts
+from sparrow.heads.factory import new_head
 from sparrow.heads.layout import default_head_dir, export_int8, find_head, load_head, save_head
 
 __all__ = ["EagleHead", "HeadConfig", "TargetParts", "default_head_dir", "export_int8", "find_head", "load_head",

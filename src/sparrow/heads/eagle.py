@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from sparrow.errors import UserError
 from sparrow.heads.config import ARCHS, FUSIONS, HeadConfig, default_layers
 from sparrow.heads.fusion import GatedFusion
 from sparrow.heads.layers import DecoderLayer, RMSNorm, causal_mask, init_parameters
@@ -261,28 +260,18 @@ class EagleHead(nn.Module):
         return HeadCache(kv, kv.clone(), w.new_zeros(0, c.hidden_size))  # grows on the first append
 
 
-def new_head(model: nn.Module, arch: str = "eagle3", generator: torch.Generator | None = None,
-             draft_vocab: Tensor | None = None, fusion: str = "concat", layers: int = 1,
-             device: torch.device | str | None = None, **overrides: Any) -> EagleHead:
-    """A randomly initialised head for the transformers causal LM `model`, in its dtype, on its device or on
-    `device` (Dovetail's split), shaped like one of its layers (`overrides`: HeadConfig fields, e.g.
-    intermediate_size, target_layers). draft_vocab: the target ids of a reduced EAGLE-3 draft vocabulary
-    ([draft_vocab_size]; default: all); fusion: "concat" (EAGLE) or "gated" (Dovetail); layers: decoder layers.
-    arch "longspec": a LongSpec head (`sparrow.heads.longspec.new_longspec_head`; overrides: window, kv_layer);
-    arch "sparrow": an EAGLE-3 head with a SparrowSpec (`sparrow.heads.sparrow_head`) for Video-LLM targets."""
-    if arch == "longspec":
-        from sparrow.heads.longspec import new_longspec_head
+def parameter_count(head: EagleHead) -> int:
+    return sum(p.numel() for p in head.parameters())
 
-        if fusion != "concat" or layers != 1 or draft_vocab is not None:
-            raise UserError("a LongSpec head is one layer over the token embedding with the target's LM head: "
-                            "fusion, layers and a draft vocabulary do not apply")
 
-        return new_longspec_head(model, generator, device=device, **overrides)
-    if arch == "sparrow":  # an EAGLE-3 head drafted and trained Sparrow's way (overrides: text_window, bridge_layer)
-        from sparrow.heads.sparrow_head import new_sparrow_head
+__all__ = ["ARCHS", "FUSIONS", "EagleHead", "HeadCache", "HeadConfig", "TargetParts", "causal_mask", "default_layers",
+           "new_head", "parameter_count"]
 
-        return new_sparrow_head(model, generator, draft_vocab=draft_vocab, fusion=fusion, layers=layers,
-                                device=device, **overrides)
+
+def new_eagle_head(model: nn.Module, arch: str = "eagle3", generator: torch.Generator | None = None,
+                   draft_vocab: Tensor | None = None, fusion: str = "concat", layers: int = 1,
+                   device: torch.device | str | None = None, **overrides: Any) -> EagleHead:
+    """A randomly initialised EAGLE-1/3 head for `model` (see `sparrow.heads.factory.new_head`)."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     vocab = model.get_output_embeddings().weight.shape[0]
     size = None if draft_vocab is None else int(draft_vocab.unique().numel())
@@ -295,11 +284,3 @@ def new_head(model: nn.Module, arch: str = "eagle3", generator: torch.Generator 
     if draft_vocab is not None and arch == "eagle3":
         head.set_draft_vocab(draft_vocab)
     return head
-
-
-def parameter_count(head: EagleHead) -> int:
-    return sum(p.numel() for p in head.parameters())
-
-
-__all__ = ["ARCHS", "FUSIONS", "EagleHead", "HeadCache", "HeadConfig", "TargetParts", "causal_mask", "default_layers",
-           "new_head", "parameter_count"]

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from sparrow.errors import UserError
-from sparrow.heads.eagle import EagleHead, new_head
+from sparrow.heads.eagle import EagleHead, new_eagle_head
 from sparrow.heads.longspec import window_mask
 
 
@@ -53,7 +53,7 @@ def new_sparrow_head(model: nn.Module, generator: torch.Generator | None = None,
     layer = text.num_hidden_layers // 2 if bridge_layer is None else bridge_layer
     if not 0 <= layer <= text.num_hidden_layers:
         raise UserError(f"bridge_layer {layer} is not a hidden state of the target (0..{text.num_hidden_layers})")
-    head = new_head(model, "eagle3", generator, **options)
+    head = new_eagle_head(model, "eagle3", generator, **options)
     head.sparrow = SparrowSpec(text_window, layer)
     return head
 

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Union
 import torch
 from torch import Tensor, nn
 
+from sparrow.training.loop import (Evaluation, StepResult, TrainReport, draw_batch,
+                                   new_optimiser)
 from sparrow.heads.eagle import EagleHead
 
 if TYPE_CHECKING:
@@ -52,16 +54,6 @@ class Features:
             tuple(self.tokens.shape), tuple(self.hidden.shape), tuple(self.label_ids.shape))
         assert self.label_logprobs.shape == self.label_ids.shape, (
             tuple(self.label_logprobs.shape), tuple(self.label_ids.shape))
-
-
-@dataclass(frozen=True)
-class TrainReport:
-    """What `train_head` did: per optimiser step, the loss and the top-1 agreement of the first draft position."""
-
-    losses: tuple[float, ...]
-    agreement: tuple[float, ...]  # share of rows whose depth-1 draft argmax equals the target's argmax
-    tokens: int  # training positions seen (rows of step 0, summed over steps)
-    seconds: float
 
 
 def _model(target: Target) -> nn.Module:
@@ -121,20 +113,6 @@ def init_from_target(head: EagleHead, model: nn.Module) -> None:
             head.lm_head.weight.copy_(weight[head.draft_to_target].to(head.lm_head.weight))
         if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == head.norm.weight.shape:
             head.norm.weight.copy_(norm.weight.to(head.norm.weight))
-
-
-def anchor_offset_positions(n: int, max_offset: int, generator: torch.Generator | None, max_sink: int = 4) -> Tensor:
-    """LongSpec's anchor-offset position indices for a training sequence of n tokens ([n] int64): the first
-    `sink` tokens (uniform in 0 .. max_sink) keep their positions (attention sinks), the rest shift by one random
-    offset in 0 .. max_offset, so short text trains the large positions of long contexts. max_offset 0: arange."""
-    device = generator.device if generator is not None else None
-    positions = torch.arange(n, device=device)
-    if max_offset <= 0:
-        return positions
-    sink = int(torch.randint(max_sink + 1, (1,), generator=generator, device=device))
-    offset = int(torch.randint(max_offset + 1, (1,), generator=generator, device=device))
-    positions[sink:] += offset
-    return positions
 
 
 def ttt_mask(m: int, step: int, device: torch.device) -> Tensor:
@@ -238,28 +216,6 @@ def train_head(head: EagleHead, target: Target, sequences: Sequence[Tensor], ste
     return TrainReport(tuple(losses), tuple(agreements), tokens, time.perf_counter() - start)
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """One optimiser step: the batch's mean loss, depth-1 agreement and the training positions it had."""
-
-    loss: float
-    agreement: float
-    tokens: int
-
-
-def new_optimiser(head: EagleHead, lr: float) -> torch.optim.AdamW:
-    """EAGLE-3's AdamW (betas 0.9, 0.95, no weight decay) over the head's trainable parameters."""
-    head.requires_grad_(True)
-    return torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
-                             weight_decay=0.0)
-
-
-def draw_batch(count: int, batch_size: int, generator: torch.Generator | None) -> list[int]:
-    """`batch_size` indices into `count` sequences, drawn with `generator` (the data order of a run)."""
-    device = generator.device if generator is not None else None
-    return torch.randint(count, (batch_size,), generator=generator, device=device).tolist()
-
-
 def train_step(head: EagleHead, optimiser: torch.optim.Optimizer, batch: Sequence[Features], ttt_steps: int,
                decay: float = 0.8, feature_weight: float = 1.0, clip: float = 0.5) -> StepResult:
     """One AdamW step on the mean TTT loss of `batch` (gradients clipped to norm `clip`)."""
@@ -278,34 +234,6 @@ def train_step(head: EagleHead, optimiser: torch.optim.Optimizer, batch: Sequenc
     nn.utils.clip_grad_norm_(parameters, clip)
     optimiser.step()
     return StepResult(step_loss, step_agreement, tokens)
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """A head against its target on held-out features."""
-
-    loss: float  # mean TTT loss per sequence
-    agreement: tuple[float, ...]  # top-1 agreement at draft depth 1 .. ttt_steps (target-fed context)
-    sequences: int
-
-    @staticmethod
-    def mean_of(losses: list[float], agreements: list[list[float]]) -> Evaluation:
-        """The mean loss and per-depth agreement over sequences (depths: as many as every sequence reached)."""
-        if not losses:
-            return Evaluation(0.0, (), 0)
-        depth = min(len(a) for a in agreements)
-        mean = tuple(sum(a[j] for a in agreements) / len(agreements) for j in range(depth))
-        return Evaluation(sum(losses) / len(losses), mean, len(losses))
-
-    @property
-    def expected_accepted(self) -> float:
-        """Tokens per round a chain of ttt_steps drafts would commit if depth j were accepted with the agreement
-        at j given its parents were: 1 + a1 + a1 a2 + ... (a proxy for EAGLE's acceptance length tau)."""
-        total, product = 1.0, 1.0
-        for a in self.agreement:
-            product *= a
-            total += product
-        return total
 
 
 @torch.no_grad()

@@ -392,7 +392,7 @@ def evaluate(head: Any, model: nn.Module, sequences: Sequence[Tensor], settings:
     """Held-out top-1 agreement per draft depth (target-fed context, as in training), the mean loss and the
     expected tokens per round 1 + a1 + a1 a2 + ... (`sparrow.training.heads.Evaluation`)."""
     from sparrow.training.batched import batched_ttt_loss
-    from sparrow.training.heads import Evaluation
+    from sparrow.training.loop import Evaluation
 
     head.eval()
     chosen = list(sequences[: settings.eval_sequences])
@@ -419,8 +419,9 @@ def evaluate(head: Any, model: nn.Module, sequences: Sequence[Tensor], settings:
 def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any]:
     """The whole recipe (see the module docstring); returns what OUT/eval.json holds."""
     from sparrow.training.batched import batched_ttt_loss
-    from sparrow.heads.eagle import new_head
-    from sparrow.training.heads import frequent_tokens, init_from_target, new_optimiser
+    from sparrow.heads.factory import new_head
+    from sparrow.training.heads import frequent_tokens, init_from_target
+    from sparrow.training.loop import new_optimiser
     from sparrow.training.trainer import resumed_head
 
     started = time.monotonic() if started is None else started

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from sparrow.heads.eagle import EagleHead
 from sparrow.heads.longspec import window_mask
 from sparrow.heads.sparrow_head import VideoFeatures, spec_of, text_anchored_mask
-from sparrow.training.heads import Evaluation, StepResult, TrainReport
+from sparrow.training.loop import Evaluation, StepResult, TrainReport
 
 
 def sparrow_loss(head: EagleHead, f: VideoFeatures, ttt_steps: int, decay: float = 0.8,

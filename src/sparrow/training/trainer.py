@@ -25,7 +25,8 @@ from sparrow.errors import UserError
 from sparrow.heads.config import HeadConfig
 from sparrow.heads.eagle import EagleHead, TargetParts
 from sparrow.heads.layout import WEIGHTS, save_head
-from sparrow.training.heads import Evaluation, StepResult, draw_batch, evaluate_head, new_optimiser, train_step
+from sparrow.training.heads import evaluate_head, train_step
+from sparrow.training.loop import Evaluation, StepResult, draw_batch, new_optimiser
 
 if TYPE_CHECKING:
     from sparrow.heads.longspec import LongSpecHead
