@@ -7,6 +7,8 @@ b) The official `openai` client against a live uvicorn server on 127.0.0.1: chat
    with speculative stats, errors (400 naming the field, 401, 404, 429) after which the server keeps serving.
 c) FastAPI's TestClient: /health is 503 until the model is loaded, /metrics, malformed bodies, a client that
    disconnects mid-stream (its job ends at the next round), --timeout (finish_reason "length").
+d) Nothing unasked: no /docs, /redoc or /openapi.json by default; `openapi=True` serves only the schema, behind
+   the key; /metrics is behind the key unless `public_metrics=True`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from sparrow.stopping import Stopper
 PROMPT = "def add(a, b):"
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "The quick brown fox"}]
 KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only cost time on a shared CPU
 
 
@@ -103,8 +106,8 @@ def client(server) -> openai.OpenAI:
 
 
 def metric(url: str, name: str) -> float:
-    """One sample's value from /metrics (0 if absent)."""
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    """One sample's value from /metrics (0 if absent; the key is ignored by a server without one)."""
+    for line in httpx.get(f"{url}/metrics", headers=AUTH).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split(" ")[1])
     return 0.0
@@ -366,7 +369,7 @@ def test_bad_bodies_are_400_naming_the_field(pipe):
 
 def test_metrics_count_requests_and_speculative_tokens(client, server):
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0)
-    text = httpx.get(f"{server}/metrics").text
+    text = httpx.get(f"{server}/metrics", headers=AUTH).text
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
     for name in ("sparrow:spec_decode_num_drafts_total", "sparrow:spec_decode_num_draft_tokens_total",
@@ -431,3 +434,39 @@ def test_invalid_utf8_in_prompts_and_messages_is_replaced_as_in_the_cli():
                             b'{"messages": [{"role": "user", "content": %s}], "max_tokens": 3, "temperature": 0}' % raw)]:
             answer = http.post(path, content=body, headers={"content-type": "application/json"})
             assert answer.status_code == 200, answer.text
+
+
+# --- d) nothing unasked ------------------------------------------------------------------------------------
+
+
+def test_docs_redoc_and_the_schema_are_off_by_default(pipe):
+    for api_key in (KEY, None):
+        with TestClient(create_app(Scheduler(lambda: pipe), model_name="tiny", api_key=api_key)) as http:
+            for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+                for headers in ({}, AUTH):
+                    answer = http.get(path, headers=headers)
+                    assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found", path
+
+
+def test_openapi_serves_only_the_schema_behind_the_key(pipe):
+    with TestClient(create_app(Scheduler(lambda: pipe), model_name="tiny", api_key=KEY, openapi=True)) as http:
+        refused = http.get("/openapi.json")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        schema = http.get("/openapi.json", headers=AUTH)
+        assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
+        assert "/openapi.json" not in schema.json()["paths"]
+        for path in ("/docs", "/redoc"):  # never: their pages load scripts from a public CDN
+            assert http.get(path, headers=AUTH).status_code == 404
+
+
+def test_metrics_need_the_key_unless_public(pipe):
+    for api_key, public, without_key in ((KEY, False, 401), (KEY, True, 200), (None, False, 200)):
+        app = create_app(Scheduler(lambda: pipe), model_name="tiny", api_key=api_key, public_metrics=public)
+        with TestClient(app) as http:
+            answer = http.get("/metrics")
+            assert answer.status_code == without_key, (api_key, public)
+            if without_key == 401:
+                assert answer.json()["error"]["type"] == "authentication_error"
+                assert http.get("/metrics", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+            metrics = http.get("/metrics", headers=AUTH)
+            assert metrics.status_code == 200 and "sparrow:requests_total" in metrics.text

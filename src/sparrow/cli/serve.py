@@ -40,6 +40,8 @@ def serve(
     ray: Annotated[bool, typer.Option("--ray/--no-ray", help="Serve replicas with Ray Serve (needs the ray extra).")] = False,
     replicas: Annotated[Optional[int], typer.Option(help="With --ray: replicas, each loading the model (default 1).")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="With --ray: the Ray cluster to join ('auto', or HEAD_IP:6379); default: a local Ray instance on 127.0.0.1.")] = None,
+    openapi: Annotated[bool, typer.Option("--openapi/--no-openapi", help="Serve the OpenAPI schema at /openapi.json (behind --api-key). Off by default; /docs and /redoc are never served (they load scripts from a CDN).")] = False,
+    public_metrics: Annotated[bool, typer.Option("--public-metrics/--private-metrics", help="Serve /metrics without --api-key (by default it needs the key when one is set).")] = False,
     replica_cpus: Annotated[Optional[float], typer.Option(help="With --ray: CPUs each replica reserves, and its torch threads (default: this machine's CPUs / --replicas on the local Ray instance, 1 on a cluster).")] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming, /metrics)."""
@@ -93,13 +95,14 @@ def serve(
         gpus = 1 if (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()) else 0
         app = ray_deploy.deployment(load, model_name=model_name or target, api_key=api_key, num_replicas=replicas,
                                     max_queue=max_queue, timeout=timeout, max_batch=max_batch, num_cpus=replica_cpus,
-                                    num_gpus=gpus)
+                                    num_gpus=gpus, openapi=openapi, public_metrics=public_metrics)
         # a local instance with CPUs for every replica (Ray's CPUs are bookkeeping: none would wait for one)
         local_cpus = max(cpus, math.ceil(replicas * replica_cpus))
         ray_deploy.run(app, host=host, port=port, address=ray_address, num_cpus=local_cpus)
         return
     scheduler = Scheduler(load, max_queue=max_queue, timeout=timeout, max_batch=max_batch)
-    app = create_app(scheduler, model_name=model_name or target, api_key=api_key)
+    app = create_app(scheduler, model_name=model_name or target, api_key=api_key, openapi=openapi,
+                     public_metrics=public_metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     scheduler.on_load_error = lambda e: setattr(server, "should_exit", True)
     server.run()

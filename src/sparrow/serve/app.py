@@ -3,7 +3,12 @@ or server-sent events. It never touches the pipeline.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad field (`param`
 names it), 401 for a missing or wrong API key, 404 for an unknown model or path, 429 when the queue is full,
-503 while the model loads, 500 for a bug. A request's failure never stops the server.
+503 while the model loads or the server shuts down, 500 for a bug. A request's failure never stops the server.
+
+Nothing is exposed unasked: FastAPI's /docs, /redoc and /openapi.json are off (the first two would load scripts
+from a public CDN); `openapi=True` serves only /openapi.json, behind the API key. /metrics is behind the API key
+when one is set, unless `public_metrics=True`. `/` (the playground, one self-contained page whose own calls carry
+the key) and `/health` (for load balancers) are public.
 """
 
 from __future__ import annotations
@@ -52,8 +57,10 @@ class ClientGone(Exception):
     """The client disconnected while its request waited or ran."""
 
 
-def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app; its lifespan starts the scheduler (which loads the model) and stops it."""
+def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = None, openapi: bool = False,
+               public_metrics: bool = False) -> FastAPI:
+    """The app; its lifespan starts the scheduler (which loads the model) and stops it. `openapi`: serve the
+    OpenAPI schema at /openapi.json (behind the key); `public_metrics`: /metrics without the key."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -61,7 +68,7 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
         yield
         scheduler.stop()
 
-    app = FastAPI(title="sparrow", lifespan=lifespan)
+    app = FastAPI(title="sparrow", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     metrics = scheduler.metrics
     app.add_middleware(CountRequests, metrics=metrics)
 
@@ -105,9 +112,14 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
                             code="load_failed").response()
         return APIError(503, "the model is loading", "service_unavailable", code="model_loading").response()
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[] if public_metrics else [Depends(authorized)])
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if openapi:
+        @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(authorized)])
+        async def schema() -> JSONResponse:
+            return JSONResponse(app.openapi())
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
