@@ -9,14 +9,24 @@ c) FastAPI's TestClient: /health is 503 until the model is loaded, /metrics, mal
    disconnects mid-stream (its job ends at the next round), --timeout (finish_reason "length").
 d) Nothing unasked: no /docs, /redoc or /openapi.json by default; `openapi=True` serves only the schema, behind
    the key; /metrics is behind the key unless `public_metrics=True`.
+e) Shutdown with a deadline: a real `sparrow serve --shutdown-timeout 2` process (tests/slow_server.py) gets
+   SIGTERM while requests run and wait: the waiting ones get 503 at once, the running ones end at the deadline
+   with finish_reason "length" (streams: a last chunk the openai client parses), the process exits within the
+   deadline + 1 s; in process, a draining scheduler answers 503 to new requests and on /health.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -113,10 +123,10 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
-def wait_for(condition, seconds: float = 10) -> None:
+def wait_for(condition, seconds: float = 10, why=lambda: "") -> None:
     deadline = time.monotonic() + seconds
     while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
+        assert time.monotonic() < deadline, f"timed out waiting {why()}"
         time.sleep(0.02)
 
 
@@ -414,6 +424,8 @@ def test_cli_serve_checks_its_flags_before_loading():
     runner = CliRunner()
     assert "--max-queue" in runner.invoke(cli, ["serve", "--help"]).output
     for flags, needle in [(["--max-queue", "0"], "--max-queue"), (["--timeout", "0"], "--timeout"),
+                          (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+                          (["--ray", "--shutdown-timeout", "5"], "--shutdown-timeout applies without --ray"),
                           (["--port", "70000"], "--port"), (["-k", "0"], "-k")]:
         result = runner.invoke(cli, ["serve", *flags])
         assert result.exit_code == 2 and needle in result.output, (flags, result.output)
@@ -470,3 +482,127 @@ def test_metrics_need_the_key_unless_public(pipe):
                 assert http.get("/metrics", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
             metrics = http.get("/metrics", headers=AUTH)
             assert metrics.status_code == 200 and "sparrow:requests_total" in metrics.text
+
+
+# --- e) shutdown with a deadline ---------------------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_log(tmp_path: Path) -> str:
+    return "\n".join(line for line in (tmp_path / "server.log").read_text().splitlines()[-30:] if "Warning" not in line)
+
+
+def test_sigterm_refuses_waiting_requests_at_once_and_ends_running_ones_by_the_deadline(tmp_path):
+    from slow_server import tiny_pipeline
+
+    deadline_seconds = 2.0
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    import sparrow
+
+    source = str(Path(sparrow.__file__).resolve().parents[1])  # the sparrow this test imported
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, str(TESTS),
+                                                        os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    log = (tmp_path / "server.log").open("w")
+    process = subprocess.Popen([sys.executable, str(TESTS / "slow_server.py"), "--port", str(port), "--api-key",
+                                KEY, "--max-batch", "3", "--max-queue", "8", "--shutdown-timeout",
+                                str(deadline_seconds)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.1)
+        # the real CLI exposes nothing unasked
+        assert [httpx.get(f"{url}{p}").status_code for p in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=30)
+        outcomes: dict[str, object] = {}
+        ended: dict[str, float] = {}
+
+        def run(name: str, call) -> None:
+            try:
+                outcomes[name] = call()
+            except Exception as e:  # noqa: BLE001 -- the test inspects it
+                outcomes[name] = e
+            ended[name] = time.monotonic()
+
+        def chat_stream():
+            return list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=900,
+                                                       temperature=0, stream=True))
+
+        def completion_stream():
+            return list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=900, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True}))
+
+        def completion():
+            return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=900, temperature=0)
+
+        running = {"chat_stream": chat_stream, "completion_stream": completion_stream, "completion": completion}
+        waiting = {"waiting_stream": completion_stream, "waiting": completion}
+        threads = []
+        for group, gauge in ((running, "sparrow:num_requests_running"), (waiting, "sparrow:num_requests_waiting")):
+            for name, call in group.items():
+                threads.append(threading.Thread(target=run, args=(name, call)))
+                threads[-1].start()
+            wait_for(lambda: metric(url, gauge) == len(group), 30, lambda: (outcomes, server_log(tmp_path)))
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        wait_for(lambda: all(name in ended for name in waiting), 1.0, lambda: (outcomes, server_log(tmp_path)))  # 503 at once
+        with contextlib.suppress(httpx.TransportError):  # a new request: 503, or no connection any more
+            late = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, headers=AUTH)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        process.wait(deadline_seconds + 1.5)
+        exited = time.monotonic() - signalled
+        print(f"exited {exited:.2f} s after SIGTERM (deadline {deadline_seconds} s)")
+        for thread in threads:
+            thread.join(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        log.close()
+    log_text = server_log(tmp_path)
+    assert exited <= deadline_seconds + 1.0, (exited, log_text)
+    for name in waiting:
+        error = outcomes[name]
+        assert isinstance(error, openai.InternalServerError) and error.status_code == 503, (name, error)
+        assert error.body["code"] == "shutting_down" and "shutting down" in error.body["message"]
+    plain = tiny_pipeline().generate_plain(PROMPT, max_new_tokens=900).text
+    for name in running:
+        assert not isinstance(outcomes[name], Exception), (name, outcomes[name], log_text)
+        assert deadline_seconds - 0.5 <= ended[name] - signalled <= deadline_seconds + 1.0, (name, ended[name] - signalled)
+    for name, chat in (("chat_stream", True), ("completion_stream", False)):
+        chunks = outcomes[name]
+        pieces, finish, usage = streamed(chunks, chat)
+        assert pieces and finish == "length", (name, finish)
+        last = next(c for c in reversed(chunks) if c.choices)
+        assert last.choices[0].finish_reason == "length" and last.sparrow == {"ended_by": "shutdown"}
+        if not chat:
+            assert plain.startswith("".join(pieces)) and 0 < usage.completion_tokens < 900  # a lossless prefix
+    full = outcomes["completion"]
+    assert full.choices[0].finish_reason == "length" and full.sparrow == {"ended_by": "shutdown"}
+    assert plain.startswith(full.choices[0].text) and 0 < full.usage.completion_tokens < 900
+
+
+def test_a_draining_scheduler_refuses_new_requests_and_fails_health(pipe):
+    scheduler = Scheduler(lambda: pipe)
+    with TestClient(create_app(scheduler, model_name="tiny")) as http:
+        wait_for(lambda: http.get("/health").status_code == 200)
+        scheduler.drain(5.0)
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"
+        for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "stream": True})):
+            answer = http.post(path, json=body)
+            assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable"
+        assert scheduler.idle

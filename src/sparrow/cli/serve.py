@@ -19,6 +19,9 @@ from sparrow.drafters.registry import check_drafter_args, drafter_names
 from sparrow.errors import UserError
 
 
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds: within the 30 s a platform (Kubernetes, Docker) waits before SIGKILL
+
+
 @cli_errors
 def serve(
     target: Annotated[str, typer.Option(help="Target model: preset, GGUF file, local dir or hub id.")] = "qwen2.5-coder-1.5b",
@@ -35,6 +38,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(envvar="SPARROW_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/ (env SPARROW_API_KEY).")] = None,
     max_queue: Annotated[int, typer.Option(help="Requests that may wait; more get HTTP 429.")] = 32,
     timeout: Annotated[Optional[float], typer.Option(help="Seconds a request may generate; then it ends with finish_reason 'length'.")] = None,
+    shutdown_timeout: Annotated[Optional[float], typer.Option(help="On SIGTERM/Ctrl-C: new and waiting requests get HTTP 503 at once; running ones may go on this many seconds, then end with finish_reason 'length'; the server exits within about a second more (default 10).")] = None,
     model_name: Annotated[Optional[str], typer.Option(help="The model name clients send (default: --target).")] = None,
     max_batch: Annotated[int, typer.Option(help="Requests decoded together in one batch step.")] = 8,
     ray: Annotated[bool, typer.Option("--ray/--no-ray", help="Serve replicas with Ray Serve (needs the ray extra).")] = False,
@@ -56,6 +60,9 @@ def serve(
     if ray_address is not None and not ray_address.strip():
         raise UserError("--ray-address must not be empty")
     check_float("--timeout", timeout, "a number of seconds > 0", lambda t: t > 0)
+    check_float("--shutdown-timeout", shutdown_timeout, "a number of seconds >= 0", lambda t: t >= 0)
+    if ray and shutdown_timeout is not None:
+        raise UserError("--shutdown-timeout applies without --ray (Ray Serve drains its replicas itself)")
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")
     if api_key is not None and not api_key.strip():
@@ -68,6 +75,7 @@ def serve(
         import uvicorn
 
         from sparrow.serve import Scheduler, create_app
+        from sparrow.serve.shutdown import DeadlineServer
     except ImportError as e:
         raise UserError(f"sparrow serve needs the serve extra ({e.name} is missing): pip install 'sparrow[serve]'") from e
     if ray:
@@ -103,7 +111,8 @@ def serve(
     scheduler = Scheduler(load, max_queue=max_queue, timeout=timeout, max_batch=max_batch)
     app = create_app(scheduler, model_name=model_name or target, api_key=api_key, openapi=openapi,
                      public_metrics=public_metrics)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    server = DeadlineServer(uvicorn.Config(app, host=host, port=port, log_level="info"), scheduler,
+                            DEFAULT_SHUTDOWN_TIMEOUT if shutdown_timeout is None else shutdown_timeout)
     scheduler.on_load_error = lambda e: setattr(server, "should_exit", True)
     server.run()
     if scheduler.load_error is not None:

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sparrow.serve.metrics import Metrics, num_drafts
 from sparrow.serve.protocol import ChatCompletionRequest, CompletionRequest, Sampling
-from sparrow.serve.scheduler import Failed, Finished, Job, NotReady, QueueFull, Scheduler, Text
+from sparrow.serve.scheduler import Failed, Finished, Job, NotReady, QueueFull, Scheduler, ShuttingDown, Text
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting handler checks whether its client is still there
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
@@ -105,6 +105,8 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if scheduler.draining:  # a load balancer sends nothing more here
+            return shutting_down(ShuttingDown()).response()
         if scheduler.ready:
             return JSONResponse({"status": "ok"})
         if scheduler.load_error is not None:
@@ -141,6 +143,8 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
             scheduler.submit(job)
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
+        except ShuttingDown as e:
+            raise shutting_down(e) from None
         except NotReady as e:
             code = "load_failed" if scheduler.load_error is not None else "model_loading"
             raise APIError(503, str(e), "service_unavailable", code=code) from None
@@ -189,7 +193,8 @@ async def stream(job: Job, first: Text | Finished, shape: Shape, include_usage: 
     """Server-sent events: a role chunk (chat), one chunk per non-empty Text, a last chunk with the finish reason,
     a usage chunk (with stream_options.include_usage), then `[DONE]`. A client that goes away cancels the job.
     spans: each text chunk also carries `sparrow`: {"spans": [[text, drafted], ...], "completion_tokens",
-    "num_draft_tokens", "num_accepted_tokens"} (the request's totals so far)."""
+    "num_draft_tokens", "num_accepted_tokens"} (the request's totals so far). A job the server ended (its timeout
+    or its shutdown deadline) has finish reason "length" and its last chunk `sparrow`: {"ended_by": why}."""
     try:
         if shape.chat:
             yield shape.sse(shape.chunk({"role": "assistant", "content": ""}, None, include_usage))
@@ -204,7 +209,10 @@ async def stream(job: Job, first: Text | Finished, shape: Shape, include_usage: 
                                         "num_accepted_tokens": event.num_accepted_tokens}
                 yield shape.sse(chunk)
             elif isinstance(event, Finished):
-                yield shape.sse(shape.chunk("", event.result.finish_reason, include_usage))
+                last = shape.chunk("", event.result.finish_reason, include_usage)
+                if event.ended_by is not None:
+                    last["sparrow"] = {"ended_by": event.ended_by}
+                yield shape.sse(last)
                 if include_usage:
                     yield shape.sse({**shape.header("chunk"), "choices": [], "usage": usage(event)})
                 break
@@ -245,8 +253,11 @@ class Shape:
         return chunk
 
     def response(self, text: str, finished: Finished) -> dict[str, Any]:
-        return {**self.header("full"), "choices": [self.choice(text, finished.result.finish_reason, delta=False)],
-                "usage": usage(finished)}
+        response = {**self.header("full"), "choices": [self.choice(text, finished.result.finish_reason, delta=False)],
+                    "usage": usage(finished)}
+        if finished.ended_by is not None:
+            response["sparrow"] = {"ended_by": finished.ended_by}
+        return response
 
     @staticmethod
     def sse(data: dict[str, Any]) -> str:
@@ -271,11 +282,17 @@ def usage(finished: Finished) -> dict[str, Any]:
 
 
 def failure(failed: Failed) -> APIError:
+    if isinstance(failed.error, ShuttingDown):  # it waited in the queue when the server began shutting down
+        return shutting_down(failed.error)
     if failed.user_error:  # a request that validation could not see (e.g. a prompt longer than the context)
         message = str(failed.error).replace("max_new_tokens", "max_tokens")  # the pipeline's name -> the field's
         return APIError(400, message, param=param_named(message))
     return APIError(500, f"internal error: {type(failed.error).__name__}: {failed.error} -- this is a bug in sparrow",
                     "internal_error")
+
+
+def shutting_down(error: ShuttingDown) -> APIError:
+    return APIError(503, str(error), "service_unavailable", code="shutting_down")
 
 
 PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "prompt", "messages")
