@@ -12,7 +12,8 @@ d) Nothing unasked: no /docs, /redoc or /openapi.json by default; `openapi=True`
 e) Shutdown with a deadline: a real `sparrow serve --shutdown-timeout 2` process (tests/slow_server.py) gets
    SIGTERM while requests run and wait: the waiting ones get 503 at once, the running ones end at the deadline
    with finish_reason "length" (streams: a last chunk the openai client parses), the process exits within the
-   deadline + 1 s; in process, a draining scheduler answers 503 to new requests and on /health.
+   deadline + 1 s; in process, a draining scheduler answers 503 to new requests and on /health, and a round that
+   overruns the deadline is not waited for (the answer ends with the text so far; nothing generated yet: 503).
 """
 
 from __future__ import annotations
@@ -606,3 +607,66 @@ def test_a_draining_scheduler_refuses_new_requests_and_fails_health(pipe):
             answer = http.post(path, json=body)
             assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable"
         assert scheduler.idle
+
+
+def test_a_round_that_overruns_the_deadline_is_not_waited_for(pipe):
+    """Rounds of 2 x 0.8 s (two jobs in a step): the answers end HANDLER_GRACE_SECONDS past the deadline with the
+    text so far, not at the round's end (up to 1.6 s later)."""
+    from sparrow.serve.app import HANDLER_GRACE_SECONDS
+
+    plain = pipe.generate_plain(PROMPT, max_new_tokens=200).text
+    pipe.round_delay = 0.8
+    with live_server(pipe, api_key=KEY, max_batch=2) as (url, scheduler):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=30)
+        outcomes: dict[str, object] = {}
+        ended: dict[str, float] = {}
+        first_text = threading.Event()
+
+        def streamed_request() -> None:
+            chunks = []
+            for chunk in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}):
+                chunks.append(chunk)
+                if chunk.choices and chunk.choices[0].text:
+                    first_text.set()
+            outcomes["stream"], ended["stream"] = chunks, time.monotonic()
+
+        def whole_request() -> None:
+            outcomes["whole"] = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=200,
+                                                          temperature=0)
+            ended["whole"] = time.monotonic()
+
+        threads = [threading.Thread(target=streamed_request), threading.Thread(target=whole_request)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: first_text.is_set() and metric(url, "sparrow:num_requests_running") == 2, 20)
+        drained = time.monotonic()
+        scheduler.drain(0.1)
+        for thread in threads:
+            thread.join(10)
+    for name in ("stream", "whole"):
+        assert ended[name] - drained < 0.1 + HANDLER_GRACE_SECONDS + 0.3, (name, ended[name] - drained)
+    chunks = outcomes["stream"]
+    pieces, finish, usage = streamed(chunks, chat=False)
+    last = next(c for c in reversed(chunks) if c.choices)
+    assert finish == "length" and last.sparrow == {"ended_by": "shutdown"}
+    assert pieces and plain.startswith("".join(pieces)) and 0 < usage.completion_tokens < 200
+    whole = outcomes["whole"]
+    assert whole.choices[0].finish_reason == "length" and whole.sparrow == {"ended_by": "shutdown"}
+    assert plain.startswith(whole.choices[0].text) and whole.usage.completion_tokens < 200
+
+
+def test_a_running_request_with_nothing_generated_by_the_deadline_gets_503(pipe):
+    pipe.gate = threading.Event()  # the worker holds the job before its prefill
+    try:
+        with live_server(pipe) as (url, scheduler):
+            answer: list[httpx.Response] = []
+            thread = threading.Thread(target=lambda: answer.append(httpx.post(
+                f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "stream": True}, timeout=30)))
+            thread.start()
+            wait_for(lambda: metric(url, "sparrow:num_requests_running") == 1)
+            scheduler.drain(0.1)
+            thread.join(5)
+            assert answer and answer[0].status_code == 503 and answer[0].json()["error"]["code"] == "shutting_down"
+    finally:
+        pipe.gate.set()

@@ -15,7 +15,8 @@ finish reason "length" and the text so far (`Finished.ended_by` is "timeout").
 
 Shutdown (`drain`): the scheduler admits nothing new (`ShuttingDown`: HTTP 503), fails the waiting jobs with
 `ShuttingDown` at once, and ends each running job at its last round that ends before the deadline (finish reason
-"length", `Finished.ended_by` "shutdown"; a round that overruns the deadline ends it at the round's end).
+"length", `Finished.ended_by` "shutdown"; a round that overruns the deadline ends it at the round's end, and the HTTP layer
+answers without waiting for it: `sparrow.serve.app`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Text:
     completion_tokens: int = 0  # the job's totals so far
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,11 @@ class Scheduler:
     @property
     def draining(self) -> bool:
         return self._deadline is not None
+
+    @property
+    def deadline(self) -> float | None:
+        """The perf_counter() by which a draining scheduler ends its running jobs (None: not draining)."""
+        return self._deadline
 
     @property
     def idle(self) -> bool:
@@ -384,10 +391,10 @@ class Running:
             for _ in range(tokens - self.tokens):  # the round's tokens arrived together: each waited its share
                 metrics.inter_token_latency.observe((now_ - self.last) / (tokens - self.tokens))
         self.last, self.tokens = now_, tokens
-        self.job.emit(Text(text, getattr(text, "spans", ()), tokens, self.drafted, self.accepted))
+        self.job.emit(Text(text, getattr(text, "spans", ()), tokens, self.drafted, self.accepted, self.prompt_tokens))
         if self.job.cancelled or self.scheduler._stopping.is_set():
             return CANCELLED
-        timeout, deadline = self.scheduler.timeout, self.scheduler._deadline
+        timeout, deadline = self.scheduler.timeout, self.scheduler.deadline
         if timeout is not None and now_ - self.started > timeout:
             self.ended_by = "timeout"
             return "length"

@@ -3,9 +3,12 @@
 On SIGTERM or SIGINT (Ctrl-C) the scheduler drains at once (`Scheduler.drain`): new requests and those waiting
 in the queue get HTTP 503 (`shutting_down`), `/health` answers 503, and running requests go on until S seconds
 after the signal, then end with a last chunk (streamed) or a whole response, finish reason "length" and
-`sparrow.ended_by` "shutdown". Once nothing runs (or S + GRACE_SECONDS passed), uvicorn's own shutdown closes the
-sockets and connections (cancelling a handler still open after GRACE_SECONDS more) and the process exits. A
-second Ctrl-C exits at once, as in uvicorn.
+`sparrow.ended_by` "shutdown" (at their last round that ends before the deadline; a round that overruns it is
+not waited for: the HTTP layer answers with the text so far, `app.HANDLER_GRACE_SECONDS` after the deadline).
+Once no request is in flight (at the latest GRACE_SECONDS after the deadline), uvicorn's own shutdown closes the
+sockets and connections (cancelling a handler still open after GRACE_SECONDS more), the scheduler's worker gets
+until half a second past the deadline to stop, and the process exits. A second Ctrl-C exits at once, as in
+uvicorn.
 """
 
 from __future__ import annotations
@@ -41,6 +44,6 @@ class DeadlineServer(uvicorn.Server):
         now = time.perf_counter()
         deadline = (self.signalled if self.signalled is not None else now) + self.shutdown_timeout
         self.scheduler.drain(deadline - now)
-        while not self.scheduler.idle and time.perf_counter() < deadline + GRACE_SECONDS and not self.force_exit:
+        while self.server_state.tasks and time.perf_counter() < deadline + GRACE_SECONDS and not self.force_exit:
             await asyncio.sleep(POLL_SECONDS)
         await super().shutdown(sockets)
