@@ -2,6 +2,9 @@
 
 The server starts listening at once (`/health` answers 503 until the model is loaded); a model that fails to
 load stops the server, and the command exits as `sparrow generate` would (2 for a user error, 1 for a bug).
+SIGTERM or Ctrl-C shuts it down within `--shutdown-timeout` seconds (`sparrow.serve.shutdown`). Nothing is served
+unasked: no /docs, /redoc or /openapi.json (`--openapi`: the schema, behind the key), /metrics behind the key
+(`--public-metrics`: without).
 
 `--ray` serves the same app as a Ray Serve deployment of `--replicas` replicas (`sparrow.serve.ray_deploy`), on
 a local Ray instance bound to 127.0.0.1, or on the cluster at `--ray-address` (more than one machine); each
