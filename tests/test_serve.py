@@ -574,6 +574,7 @@ def test_sigterm_refuses_waiting_requests_at_once_and_ends_running_ones_by_the_d
         log.close()
     log_text = server_log(tmp_path)
     assert exited <= deadline_seconds + 1.0, (exited, log_text)
+    assert process.returncode == -signal.SIGTERM, (process.returncode, log_text)  # ended by its signal, as uvicorn does
     for name in waiting:
         error = outcomes[name]
         assert isinstance(error, openai.InternalServerError) and error.status_code == 503, (name, error)
