@@ -556,10 +556,12 @@ def test_sigterm_refuses_waiting_requests_at_once_and_ends_running_ones_by_the_d
             for name, call in group.items():
                 threads.append(threading.Thread(target=run, args=(name, call)))
                 threads[-1].start()
-            wait_for(lambda: metric(url, gauge) == len(group), 30, lambda: (outcomes, server_log(tmp_path)))
+            wait_for(lambda gauge=gauge, count=len(group): metric(url, gauge) == count, 30,
+                     lambda: (outcomes, server_log(tmp_path)))
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        wait_for(lambda: all(name in ended for name in waiting), 1.0, lambda: (outcomes, server_log(tmp_path)))  # 503 at once
+        # 503 at once
+        wait_for(lambda: all(name in ended for name in waiting), 1.0, lambda: (outcomes, server_log(tmp_path)))
         with contextlib.suppress(httpx.TransportError):  # a new request: 503, or no connection any more
             late = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, headers=AUTH)
             assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
@@ -582,7 +584,8 @@ def test_sigterm_refuses_waiting_requests_at_once_and_ends_running_ones_by_the_d
     plain = tiny_pipeline().generate_plain(PROMPT, max_new_tokens=900).text
     for name in running:
         assert not isinstance(outcomes[name], Exception), (name, outcomes[name], log_text)
-        assert deadline_seconds - 0.5 <= ended[name] - signalled <= deadline_seconds + 1.0, (name, ended[name] - signalled)
+        took = ended[name] - signalled
+        assert deadline_seconds - 0.5 <= took <= deadline_seconds + 1.0, (name, took)
     for name, chat in (("chat_stream", True), ("completion_stream", False)):
         chunks = outcomes[name]
         pieces, finish, usage = streamed(chunks, chat)
@@ -607,7 +610,6 @@ def test_a_draining_scheduler_refuses_new_requests_and_fails_health(pipe):
                            ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "stream": True})):
             answer = http.post(path, json=body)
             assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable"
-        assert scheduler.idle
 
 
 def test_a_round_that_overruns_the_deadline_is_not_waited_for(pipe):

@@ -371,8 +371,9 @@ class _Run:
         self.model = loaded.model
         if self.state is None:
             run_dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+            # what `--resume` needs before the first checkpoint
             recipe = {"spec": asdict(self.spec), "settings": asdict(self.settings), "steps_given": self.steps_given,
-                      "variant": asdict(self.variant), "draft_vocab": self.draft_vocab}  # `--resume` before a checkpoint
+                      "variant": asdict(self.variant), "draft_vocab": self.draft_vocab}
             (self.out / RUN).write_text(json.dumps({"target": self.target_name, "dtype": run_dtype,
                                                     "top_k": self.top_k, "features": None if self.features_dir == self.out / "features"
                                                     else str(self.features_dir.resolve()), "arch": self.arch,

@@ -112,7 +112,7 @@ def read_state(directory: Path, warn: Callable[[str], None] | None = None) -> di
             state = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(state, dict) or not {"step", "optimiser", "generator", "head_config"} <= state.keys():
                 raise ValueError("not a trainer state")
-        except Exception as e:  # truncated, garbage, another file: every loader error counts
+        except Exception as e:  # noqa: BLE001 -- truncated, garbage, another file: every loader error counts
             detail = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:160]
             damaged.append(f"{path} is damaged ({type(e).__name__}: {detail})")
             continue
@@ -243,5 +243,5 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-__all__ = ["LOG", "PREVIOUS", "STATE", "RunOutcome", "TrainSettings", "read_log", "read_state", "resumed_head", "run_training",
-           "save_checkpoint"]
+__all__ = ["LOG", "PREVIOUS", "STATE", "RunOutcome", "TrainSettings", "read_log", "read_state", "resumed_head",
+           "run_training", "save_checkpoint"]

@@ -15,8 +15,8 @@ finish reason "length" and the text so far (`Finished.ended_by` is "timeout").
 
 Shutdown (`drain`): the scheduler admits nothing new (`ShuttingDown`: HTTP 503), fails the waiting jobs with
 `ShuttingDown` at once, and ends each running job at its last round that ends before the deadline (finish reason
-"length", `Finished.ended_by` "shutdown"; a round that overruns the deadline ends it at the round's end, and the HTTP layer
-answers without waiting for it: `sparrow.serve.app`).
+"length", `Finished.ended_by` "shutdown"; a round that overruns the deadline ends it at the round's end, and the
+HTTP layer answers without waiting for it: `sparrow.serve.app`).
 """
 
 from __future__ import annotations
@@ -156,7 +156,6 @@ class Scheduler:
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._stopping = threading.Event()
         self._deadline: float | None = None  # perf_counter() by which a draining scheduler ends its running jobs
-        self._active = 0  # jobs the worker holds (prefilling or running), written by the worker only
         self._thread = threading.Thread(target=self._work, name="sparrow-scheduler", daemon=True)
         self.metrics.queue_depth.set_function(self._queue.qsize)
 
@@ -198,11 +197,6 @@ class Scheduler:
     def deadline(self) -> float | None:
         """The perf_counter() by which a draining scheduler ends its running jobs (None: not draining)."""
         return self._deadline
-
-    @property
-    def idle(self) -> bool:
-        """No job waits or runs."""
-        return self._active == 0 and self._queue.empty()
 
     def submit(self, job: Job) -> None:
         if self.draining:
@@ -259,7 +253,6 @@ class Scheduler:
                 continue
             for generation in finished:  # a job whose client left finished too ("cancelled", at its round)
                 self._finish(running.pop(id(generation)))
-            self._active = len(running)
             self.metrics.running.set(len(running))
         for run in running.values():
             pipe.release(run.generation)
@@ -278,7 +271,6 @@ class Scheduler:
             if self.draining:  # taken from the queue just before `drain` emptied it
                 self._refuse(job)
                 continue
-            self._active = len(running) + 1
             self.metrics.running.set(len(running) + 1)
             run = Running(job, self)
             try:
@@ -293,13 +285,11 @@ class Scheduler:
                 if run.generation is not None:
                     batch.remove(run.generation)
                     pipe.release(run.generation)
-                self._active = len(running)
                 continue
             if generation.done:
                 self._finish(run)
             else:
                 running[id(generation)] = run
-            self._active = len(running)
             self.metrics.running.set(len(running))
 
     def _finish(self, run: Running) -> None:
@@ -335,12 +325,10 @@ class Scheduler:
             if self.draining:
                 self._refuse(job)
                 continue
-            self._active = 1
             self.metrics.running.set(1)
             try:
                 self._run_one(job)
             finally:
-                self._active = 0
                 self.metrics.running.set(0)
 
     def _run_one(self, job: Job) -> None:
