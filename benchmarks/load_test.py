@@ -526,7 +526,10 @@ class Server:
         import httpx
 
         try:
-            return parse_prometheus(httpx.get(self.base_url + "/metrics", timeout=10).text)
+            argv = self.config.argv  # /metrics needs the server's --api-key when it has one
+            key = argv[argv.index("--api-key") + 1] if "--api-key" in argv[:-1] else None
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return parse_prometheus(httpx.get(self.base_url + "/metrics", headers=headers, timeout=10).text)
         except httpx.HTTPError:
             return None
 

@@ -174,8 +174,11 @@ def test_the_local_ray_instance_listens_on_loopback(ray_url):
 def test_health_metrics_and_errors_come_from_the_replicas(ray_url):
     health = httpx.get(f"{ray_url}/health", timeout=30)
     assert health.status_code == 200 and health.headers["x-sparrow-replica"]
-    metrics = httpx.get(f"{ray_url}/metrics", timeout=30)
+    metrics = httpx.get(f"{ray_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert metrics.status_code == 200 and "sparrow:requests_total" in metrics.text
+    assert httpx.get(f"{ray_url}/metrics", timeout=30).status_code == 401  # behind the key, as in one process
+    for path in ("/docs", "/redoc", "/openapi.json"):  # nothing unasked
+        assert httpx.get(f"{ray_url}{path}", timeout=30).status_code == 404, path
     with pytest.raises(openai.BadRequestError) as bad:
         client(ray_url).completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=-1)
     assert bad.value.body["param"] == "temperature"

@@ -7,14 +7,27 @@ b) The official `openai` client against a live uvicorn server on 127.0.0.1: chat
    with speculative stats, errors (400 naming the field, 401, 404, 429) after which the server keeps serving.
 c) FastAPI's TestClient: /health is 503 until the model is loaded, /metrics, malformed bodies, a client that
    disconnects mid-stream (its job ends at the next round), --timeout (finish_reason "length").
+d) Nothing unasked: no /docs, /redoc or /openapi.json by default; `openapi=True` serves only the schema, behind
+   the key; /metrics is behind the key unless `public_metrics=True`.
+e) Shutdown with a deadline: a real `sparrow serve --shutdown-timeout 2` process (tests/serve/slow_server.py) gets
+   SIGTERM while requests run and wait: the waiting ones get 503 at once, the running ones end at the deadline
+   with finish_reason "length" (streams: a last chunk the openai client parses), the process exits within the
+   deadline + 1 s; in process, a draining scheduler answers 503 to new requests and on /health, and a round that
+   overruns the deadline is not waited for (the answer ends with the text so far; nothing generated yet: 503).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -35,6 +48,7 @@ from sparrow.stopping import Stopper
 PROMPT = "def add(a, b):"
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "The quick brown fox"}]
 KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only cost time on a shared CPU
 
 
@@ -103,17 +117,17 @@ def client(server) -> openai.OpenAI:
 
 
 def metric(url: str, name: str) -> float:
-    """One sample's value from /metrics (0 if absent)."""
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    """One sample's value from /metrics (0 if absent; the key is ignored by a server without one)."""
+    for line in httpx.get(f"{url}/metrics", headers=AUTH).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split(" ")[1])
     return 0.0
 
 
-def wait_for(condition, seconds: float = 10) -> None:
+def wait_for(condition, seconds: float = 10, why=lambda: "") -> None:
     deadline = time.monotonic() + seconds
     while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
+        assert time.monotonic() < deadline, f"timed out waiting {why()}"
         time.sleep(0.02)
 
 
@@ -366,7 +380,7 @@ def test_bad_bodies_are_400_naming_the_field(pipe):
 
 def test_metrics_count_requests_and_speculative_tokens(client, server):
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0)
-    text = httpx.get(f"{server}/metrics").text
+    text = httpx.get(f"{server}/metrics", headers=AUTH).text
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
     for name in ("sparrow:spec_decode_num_drafts_total", "sparrow:spec_decode_num_draft_tokens_total",
@@ -411,6 +425,8 @@ def test_cli_serve_checks_its_flags_before_loading():
     runner = CliRunner()
     assert "--max-queue" in runner.invoke(cli, ["serve", "--help"]).output
     for flags, needle in [(["--max-queue", "0"], "--max-queue"), (["--timeout", "0"], "--timeout"),
+                          (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+                          (["--ray", "--shutdown-timeout", "5"], "--shutdown-timeout applies without --ray"),
                           (["--port", "70000"], "--port"), (["-k", "0"], "-k")]:
         result = runner.invoke(cli, ["serve", *flags])
         assert result.exit_code == 2 and needle in result.output, (flags, result.output)
@@ -431,3 +447,230 @@ def test_invalid_utf8_in_prompts_and_messages_is_replaced_as_in_the_cli():
                             b'{"messages": [{"role": "user", "content": %s}], "max_tokens": 3, "temperature": 0}' % raw)]:
             answer = http.post(path, content=body, headers={"content-type": "application/json"})
             assert answer.status_code == 200, answer.text
+
+
+# --- d) nothing unasked ------------------------------------------------------------------------------------
+
+
+def test_docs_redoc_and_the_schema_are_off_by_default(pipe):
+    for api_key in (KEY, None):
+        with TestClient(create_app(Scheduler(lambda: pipe), model_name="tiny", api_key=api_key)) as http:
+            for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+                for headers in ({}, AUTH):
+                    answer = http.get(path, headers=headers)
+                    assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found", path
+
+
+def test_openapi_serves_only_the_schema_behind_the_key(pipe):
+    with TestClient(create_app(Scheduler(lambda: pipe), model_name="tiny", api_key=KEY, openapi=True)) as http:
+        refused = http.get("/openapi.json")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        schema = http.get("/openapi.json", headers=AUTH)
+        assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
+        assert "/openapi.json" not in schema.json()["paths"]
+        for path in ("/docs", "/redoc"):  # never: their pages load scripts from a public CDN
+            assert http.get(path, headers=AUTH).status_code == 404
+
+
+def test_metrics_need_the_key_unless_public(pipe):
+    for api_key, public, without_key in ((KEY, False, 401), (KEY, True, 200), (None, False, 200)):
+        app = create_app(Scheduler(lambda: pipe), model_name="tiny", api_key=api_key, public_metrics=public)
+        with TestClient(app) as http:
+            answer = http.get("/metrics")
+            assert answer.status_code == without_key, (api_key, public)
+            if without_key == 401:
+                assert answer.json()["error"]["type"] == "authentication_error"
+                assert http.get("/metrics", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+            metrics = http.get("/metrics", headers=AUTH)
+            assert metrics.status_code == 200 and "sparrow:requests_total" in metrics.text
+
+
+# --- e) shutdown with a deadline ---------------------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_log(tmp_path: Path) -> str:
+    return "\n".join(line for line in (tmp_path / "server.log").read_text().splitlines()[-30:] if "Warning" not in line)
+
+
+def test_sigterm_refuses_waiting_requests_at_once_and_ends_running_ones_by_the_deadline(tmp_path):
+    from slow_server import tiny_pipeline
+
+    deadline_seconds = 2.0
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    import sparrow
+
+    source = str(Path(sparrow.__file__).resolve().parents[1])  # the sparrow this test imported
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, str(TESTS), str(TESTS.parent),
+                                                        os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    log = (tmp_path / "server.log").open("w")
+    process = subprocess.Popen([sys.executable, str(TESTS / "slow_server.py"), "--port", str(port), "--api-key",
+                                KEY, "--max-batch", "3", "--max-queue", "8", "--shutdown-timeout",
+                                str(deadline_seconds)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.1)
+        # the real CLI exposes nothing unasked
+        assert [httpx.get(f"{url}{p}").status_code for p in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=30)
+        outcomes: dict[str, object] = {}
+        ended: dict[str, float] = {}
+
+        def run(name: str, call) -> None:
+            try:
+                outcomes[name] = call()
+            except Exception as e:  # noqa: BLE001 -- the test inspects it
+                outcomes[name] = e
+            ended[name] = time.monotonic()
+
+        def chat_stream():
+            return list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=900,
+                                                       temperature=0, stream=True))
+
+        def completion_stream():
+            return list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=900, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True}))
+
+        def completion():
+            return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=900, temperature=0)
+
+        running = {"chat_stream": chat_stream, "completion_stream": completion_stream, "completion": completion}
+        waiting = {"waiting_stream": completion_stream, "waiting": completion}
+        threads = []
+        for group, gauge in ((running, "sparrow:num_requests_running"), (waiting, "sparrow:num_requests_waiting")):
+            for name, call in group.items():
+                threads.append(threading.Thread(target=run, args=(name, call)))
+                threads[-1].start()
+            wait_for(lambda gauge=gauge, count=len(group): metric(url, gauge) == count, 30,
+                     lambda: (outcomes, server_log(tmp_path)))
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        # 503 at once
+        wait_for(lambda: all(name in ended for name in waiting), 1.0, lambda: (outcomes, server_log(tmp_path)))
+        with contextlib.suppress(httpx.TransportError):  # a new request: 503, or no connection any more
+            late = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, headers=AUTH)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        process.wait(deadline_seconds + 1.5)
+        exited = time.monotonic() - signalled
+        print(f"exited {exited:.2f} s after SIGTERM (deadline {deadline_seconds} s)")
+        for thread in threads:
+            thread.join(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        log.close()
+    log_text = server_log(tmp_path)
+    assert exited <= deadline_seconds + 1.0, (exited, log_text)
+    assert process.returncode == -signal.SIGTERM, (process.returncode, log_text)  # ended by its signal, as uvicorn does
+    for name in waiting:
+        error = outcomes[name]
+        assert isinstance(error, openai.InternalServerError) and error.status_code == 503, (name, error)
+        assert error.body["code"] == "shutting_down" and "shutting down" in error.body["message"]
+    plain = tiny_pipeline().generate_plain(PROMPT, max_new_tokens=900).text
+    for name in running:
+        assert not isinstance(outcomes[name], Exception), (name, outcomes[name], log_text)
+        took = ended[name] - signalled
+        assert deadline_seconds - 0.5 <= took <= deadline_seconds + 1.0, (name, took)
+    for name, chat in (("chat_stream", True), ("completion_stream", False)):
+        chunks = outcomes[name]
+        pieces, finish, usage = streamed(chunks, chat)
+        assert pieces and finish == "length", (name, finish)
+        last = next(c for c in reversed(chunks) if c.choices)
+        assert last.choices[0].finish_reason == "length" and last.sparrow == {"ended_by": "shutdown"}
+        if not chat:
+            assert plain.startswith("".join(pieces)) and 0 < usage.completion_tokens < 900  # a lossless prefix
+    full = outcomes["completion"]
+    assert full.choices[0].finish_reason == "length" and full.sparrow == {"ended_by": "shutdown"}
+    assert plain.startswith(full.choices[0].text) and 0 < full.usage.completion_tokens < 900
+
+
+def test_a_draining_scheduler_refuses_new_requests_and_fails_health(pipe):
+    scheduler = Scheduler(lambda: pipe)
+    with TestClient(create_app(scheduler, model_name="tiny")) as http:
+        wait_for(lambda: http.get("/health").status_code == 200)
+        scheduler.drain(5.0)
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"
+        for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "stream": True})):
+            answer = http.post(path, json=body)
+            assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable"
+
+
+def test_a_round_that_overruns_the_deadline_is_not_waited_for(pipe):
+    """Rounds of 2 x 0.8 s (two jobs in a step): the answers end HANDLER_GRACE_SECONDS past the deadline with the
+    text so far, not at the round's end (up to 1.6 s later)."""
+    from sparrow.serve.app import HANDLER_GRACE_SECONDS
+
+    plain = pipe.generate_plain(PROMPT, max_new_tokens=200).text
+    pipe.round_delay = 0.8
+    with live_server(pipe, api_key=KEY, max_batch=2) as (url, scheduler):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=30)
+        outcomes: dict[str, object] = {}
+        ended: dict[str, float] = {}
+        texts: list[str] = []  # the stream's text chunks so far
+
+        def streamed_request() -> None:
+            chunks = []
+            for chunk in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}):
+                chunks.append(chunk)
+                if chunk.choices and chunk.choices[0].text:
+                    texts.append(chunk.choices[0].text)
+            outcomes["stream"], ended["stream"] = chunks, time.monotonic()
+
+        def whole_request() -> None:
+            outcomes["whole"] = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=200,
+                                                          temperature=0)
+            ended["whole"] = time.monotonic()
+
+        threads = [threading.Thread(target=streamed_request), threading.Thread(target=whole_request)]
+        for thread in threads:
+            thread.start()
+        # three rounds of the stream: the other request, admitted by its second step at the latest, has had one
+        wait_for(lambda: len(texts) >= 3 and metric(url, "sparrow:num_requests_running") == 2, 20)
+        drained = time.monotonic()
+        scheduler.drain(0.1)
+        for thread in threads:
+            thread.join(10)
+    for name in ("stream", "whole"):
+        assert ended[name] - drained < 0.1 + HANDLER_GRACE_SECONDS + 0.3, (name, ended[name] - drained)
+    chunks = outcomes["stream"]
+    pieces, finish, usage = streamed(chunks, chat=False)
+    last = next(c for c in reversed(chunks) if c.choices)
+    assert finish == "length" and last.sparrow == {"ended_by": "shutdown"}
+    assert pieces and plain.startswith("".join(pieces)) and 0 < usage.completion_tokens < 200
+    whole = outcomes["whole"]
+    assert whole.choices[0].finish_reason == "length" and whole.sparrow == {"ended_by": "shutdown"}
+    assert plain.startswith(whole.choices[0].text) and whole.usage.completion_tokens < 200
+
+
+def test_a_running_request_with_nothing_generated_by_the_deadline_gets_503(pipe):
+    pipe.gate = threading.Event()  # the worker holds the job before its prefill
+    try:
+        with live_server(pipe) as (url, scheduler):
+            answer: list[httpx.Response] = []
+            thread = threading.Thread(target=lambda: answer.append(httpx.post(
+                f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "stream": True}, timeout=30)))
+            thread.start()
+            wait_for(lambda: metric(url, "sparrow:num_requests_running") == 1)
+            scheduler.drain(0.1)
+            thread.join(5)
+            assert answer and answer[0].status_code == 503 and answer[0].json()["error"]["code"] == "shutting_down"
+    finally:
+        pipe.gate.set()

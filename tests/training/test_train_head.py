@@ -13,6 +13,9 @@ d) The CLI trains, resumes, and writes a head that `--drafter eagle --head` load
 e) The CLI's head variants (a gated 2-layer EAGLE-3 head, a LongSpec head): a run stopped and resumed ends
    with the weights and log of an uninterrupted one, and the head decodes losslessly; every checkpointed variant
    (Sparrow's spec, LongSpec's window and layer) is rebuilt exactly; bad combinations fail before loading.
+f) Resume reuses work: a run killed before its first checkpoint resumes with `--resume` from step 0 on the corpus
+   and features it wrote (nothing extracted again) and ends as an uninterrupted run; a damaged trainer_state.pt
+   is refused in one line and the previous checkpoint used; with none left, a one-line error.
 """
 
 from __future__ import annotations
@@ -447,3 +450,107 @@ def test_a_sequence_with_no_label_in_the_draft_vocabulary_trains_without_a_crash
     inside = Features(f.tokens, f.hidden, torch.full_like(f.label_ids, 3), f.label_logprobs)
     result = train_step(head, optimiser, [outside, inside], ttt_steps=2)  # one sequence to learn from
     assert result.loss > 0 and not torch.equal(before["fc.weight"], head.fc.weight)
+
+
+# f) resume reuses work -----------------------------------------------------------------------------------------
+
+
+def test_a_damaged_checkpoint_is_refused_and_the_previous_one_continues_exactly(target, features, tmp_path):
+    train, held_out, vocab = features
+    settings = TrainSettings(steps=6, lr=3e-3, batch_size=2, checkpoint_every=2, eval_every=3, warmup=2)
+    whole = fresh_head(target, vocab).float()
+    run_training(whole, train, held_out, settings, tmp_path / "whole")
+
+    part = tmp_path / "part"
+    run_training(fresh_head(target, vocab).float(), train, held_out, TrainSettings(**{**settings.__dict__,
+                                                                                       "steps": 4}), part)
+    assert read_state(part)["step"] == 4 and torch.load(part / "trainer_state.prev.pt")["step"] == 2
+    state_file = part / "trainer_state.pt"
+    state_file.write_bytes(state_file.read_bytes()[: state_file.stat().st_size // 2])  # a write cut off
+    warnings: list[str] = []
+    state = read_state(part, warnings.append)
+    assert state["step"] == 2 and len(warnings) == 1 and "\n" not in warnings[0]
+    assert "trainer_state.pt is damaged" in warnings[0] and "previous checkpoint" in warnings[0]
+    resumed = resumed_head(part, state, target.model, torch.device("cpu"))  # its weights, not the layout's (step 4)
+    run_training(resumed, train, held_out, settings, part, state)
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
+    assert read_log(tmp_path / "whole" / "train_log.jsonl") == read_log(part / "train_log.jsonl")
+
+    for name in ("trainer_state.pt", "trainer_state.prev.pt"):
+        (part / name).write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="damaged") as error:
+        read_state(part)
+    assert "\n" not in str(error.value) and "no readable checkpoint" in str(error.value)
+
+
+def test_cli_resume_after_a_kill_before_the_first_checkpoint_reuses_corpus_and_features(target_dir, corpus_dir,
+                                                                                       tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from sparrow.cli import app
+    from sparrow.training import features as feature_cache
+    from sparrow.training import trainer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["--target", str(target_dir), "--dtype", "float32", "--device", "cpu", "--no-progress", "--data",
+            str(corpus_dir), "--tokens", "600", "--held-out-tokens", "150", "--seq-len", "48", "--held-out-percent",
+            "25", "--distill", "1", "--distill-tokens", "16", "--draft-vocab", str(DRAFT_VOCAB), "--batch-size", "2",
+            "--lr", "3e-3", "--checkpoint-every", "4", "--eval-every", "3"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    done = CliRunner().invoke(app, ["train", "head", "--out", str(whole), *args])  # default steps: 2 epochs
+    assert done.exit_code == 0, done.output
+    steps = json.loads(done.stdout.strip().splitlines()[-1])["steps"]
+    assert steps > 4
+
+    real_step, taken = trainer.train_step, []
+
+    def killed_at_step_3(*a, **k):  # Ctrl-C (or a kill) during training, before the first checkpoint (step 4)
+        taken.append(1)
+        if len(taken) == 3:
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(trainer, "train_step", killed_at_step_3)
+    killed = CliRunner().invoke(app, ["train", "head", "--out", str(part), *args])
+    assert killed.exit_code != 0 and len(taken) == 3 and not (part / "trainer_state.pt").exists()
+    assert (part / "corpus.json").is_file() and (part / "features" / "held_out" / "manifest.json").is_file()
+    monkeypatch.setattr(trainer, "train_step", real_step)
+
+    real_features_of, extracted = feature_cache.features_of, []
+    monkeypatch.setattr(feature_cache, "features_of", lambda *a, **k: extracted.append(1) or real_features_of(*a, **k))
+    resumed = CliRunner().invoke(app, ["train", "head", "--out", str(part), "--no-progress", "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    report = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert report["steps"] == steps and not extracted  # nothing extracted again, the corpus not rebuilt
+    assert "feature_seconds" not in report and "corpus_seconds" not in report
+    assert [r["step"] for r in read_log(part / "train_log.jsonl")] == list(range(1, steps + 1))
+    weights = load_file(str(whole / "model.safetensors"))
+    for name, tensor in load_file(str(part / "model.safetensors")).items():  # as if never killed
+        assert torch.equal(tensor, weights[name]), name
+
+    refused = CliRunner().invoke(app, ["train", "head", "--out", str(tmp_path / "started"), *args, "--resume"])
+    assert refused.exit_code == 2 and "holds no checkpoint" in refused.output  # nothing started there
+
+    state_file = part / "trainer_state.pt"  # damaged: the previous checkpoint continues, with a warning
+    previous = torch.load(part / "trainer_state.prev.pt")["step"]
+    assert previous == 4 * ((steps - 1) // 4)  # the last one every 4 steps before the end
+    state_file.write_bytes(state_file.read_bytes()[:1000])
+    again = CliRunner().invoke(app, ["train", "head", "--out", str(part), "--no-progress", "--resume", "--steps",
+                                     str(steps + 2)])
+    assert again.exit_code == 0, again.output
+    assert "trainer_state.pt is damaged" in again.output and f"resuming from step {previous} " in again.output
+    assert [r["step"] for r in read_log(part / "train_log.jsonl")] == list(range(1, steps + 3))
+    assert json.loads(again.stdout.strip().splitlines()[-1])["steps"] == steps + 2
+    for name in ("trainer_state.pt", "trainer_state.prev.pt"):
+        (part / name).write_bytes(b"")
+    broken = CliRunner().invoke(app, ["train", "head", "--out", str(part), "--no-progress", "--resume"])
+    assert broken.exit_code == 2 and "damaged" in broken.output and "Traceback" not in broken.output
+
+
+def test_cli_resume_of_a_video_run_without_a_checkpoint_says_to_rerun_its_command(tmp_path):
+    from sparrow.cli import app
+
+    (tmp_path / "run.json").write_text(json.dumps({"target": "some-vlm", "arch": "sparrow", "top_k": None}))
+    result = CliRunner().invoke(app, ["train", "head", "--out", str(tmp_path), "--resume"])
+    assert result.exit_code == 2 and "without --resume" in result.output and "Traceback" not in result.output

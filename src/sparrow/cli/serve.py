@@ -2,6 +2,9 @@
 
 The server starts listening at once (`/health` answers 503 until the model is loaded); a model that fails to
 load stops the server, and the command exits as `sparrow generate` would (2 for a user error, 1 for a bug).
+SIGTERM or Ctrl-C shuts it down within `--shutdown-timeout` seconds (`sparrow.serve.shutdown`). Nothing is served
+unasked: no /docs, /redoc or /openapi.json (`--openapi`: the schema, behind the key), /metrics behind the key
+(`--public-metrics`: without).
 
 `--ray` serves the same app as a Ray Serve deployment of `--replicas` replicas (`sparrow.serve.ray_deploy`), on
 a local Ray instance bound to 127.0.0.1, or on the cluster at `--ray-address` (more than one machine); each
@@ -17,6 +20,9 @@ import typer
 from sparrow.cli._common import DTYPE_HELP, DType, check_float, check_int, cli_errors
 from sparrow.drafters.registry import check_drafter_args, drafter_names
 from sparrow.errors import UserError
+
+
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds: within the 30 s a platform (Kubernetes, Docker) waits before SIGKILL
 
 
 @cli_errors
@@ -35,11 +41,14 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(envvar="SPARROW_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/ (env SPARROW_API_KEY).")] = None,
     max_queue: Annotated[int, typer.Option(help="Requests that may wait; more get HTTP 429.")] = 32,
     timeout: Annotated[Optional[float], typer.Option(help="Seconds a request may generate; then it ends with finish_reason 'length'.")] = None,
+    shutdown_timeout: Annotated[Optional[float], typer.Option(help="On SIGTERM/Ctrl-C: new and waiting requests get HTTP 503 at once; running ones may go on this many seconds, then end with finish_reason 'length'; the server exits within about a second more (default 10).")] = None,
     model_name: Annotated[Optional[str], typer.Option(help="The model name clients send (default: --target).")] = None,
     max_batch: Annotated[int, typer.Option(help="Requests decoded together in one batch step.")] = 8,
     ray: Annotated[bool, typer.Option("--ray/--no-ray", help="Serve replicas with Ray Serve (needs the ray extra).")] = False,
     replicas: Annotated[Optional[int], typer.Option(help="With --ray: replicas, each loading the model (default 1).")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="With --ray: the Ray cluster to join ('auto', or HEAD_IP:6379); default: a local Ray instance on 127.0.0.1.")] = None,
+    openapi: Annotated[bool, typer.Option("--openapi/--no-openapi", help="Serve the OpenAPI schema at /openapi.json (behind --api-key). Off by default; /docs and /redoc are never served (they load scripts from a CDN).")] = False,
+    public_metrics: Annotated[bool, typer.Option("--public-metrics/--private-metrics", help="Serve /metrics without --api-key (by default it needs the key when one is set).")] = False,
     replica_cpus: Annotated[Optional[float], typer.Option(help="With --ray: CPUs each replica reserves, and its torch threads (default: this machine's CPUs / --replicas on the local Ray instance, 1 on a cluster).")] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming, /metrics)."""
@@ -54,6 +63,9 @@ def serve(
     if ray_address is not None and not ray_address.strip():
         raise UserError("--ray-address must not be empty")
     check_float("--timeout", timeout, "a number of seconds > 0", lambda t: t > 0)
+    check_float("--shutdown-timeout", shutdown_timeout, "a number of seconds >= 0", lambda t: t >= 0)
+    if ray and shutdown_timeout is not None:
+        raise UserError("--shutdown-timeout applies without --ray (Ray Serve drains its replicas itself)")
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {port}")
     if api_key is not None and not api_key.strip():
@@ -66,6 +78,7 @@ def serve(
         import uvicorn
 
         from sparrow.serve import Scheduler, create_app
+        from sparrow.serve.shutdown import DeadlineServer
     except ImportError as e:
         raise UserError(f"sparrow serve needs the serve extra ({e.name} is missing): pip install 'sparrow[serve]'") from e
     if ray:
@@ -93,14 +106,16 @@ def serve(
         gpus = 1 if (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()) else 0
         app = ray_deploy.deployment(load, model_name=model_name or target, api_key=api_key, num_replicas=replicas,
                                     max_queue=max_queue, timeout=timeout, max_batch=max_batch, num_cpus=replica_cpus,
-                                    num_gpus=gpus)
+                                    num_gpus=gpus, openapi=openapi, public_metrics=public_metrics)
         # a local instance with CPUs for every replica (Ray's CPUs are bookkeeping: none would wait for one)
         local_cpus = max(cpus, math.ceil(replicas * replica_cpus))
         ray_deploy.run(app, host=host, port=port, address=ray_address, num_cpus=local_cpus)
         return
     scheduler = Scheduler(load, max_queue=max_queue, timeout=timeout, max_batch=max_batch)
-    app = create_app(scheduler, model_name=model_name or target, api_key=api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    app = create_app(scheduler, model_name=model_name or target, api_key=api_key, openapi=openapi,
+                     public_metrics=public_metrics)
+    server = DeadlineServer(uvicorn.Config(app, host=host, port=port, log_level="info"), scheduler,
+                            DEFAULT_SHUTDOWN_TIMEOUT if shutdown_timeout is None else shutdown_timeout)
     scheduler.on_load_error = lambda e: setattr(server, "should_exit", True)
     server.run()
     if scheduler.load_error is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -47,7 +47,7 @@ SPARROW_EPOCHS = 10  # default steps of --arch sparrow: few (video, question) pa
 TEXT_CORPUS_OPTIONS = ("data", "tokens", "held_out_tokens", "seq_len", "distill", "distill_batch", "top_k",
                        "features")
 VIDEO_OPTIONS = ("videos", "frames", "text_window")
-RUN = "run.json"  # what the resumed run needs that its checkpoint does not hold: target, dtype, top-k, cache
+RUN = "run.json"  # what a resumed run needs that its checkpoint does not hold: target, dtype, top-k, cache, recipe
 
 
 @train_app.command("head")
@@ -111,8 +111,10 @@ def head(
         out = default_head_dir(target or DEFAULT_TARGET)
         if out is None:
             raise UserError(f"--out is needed for --target {target!r}: only presets have a default head directory")
-    state = read_state(out)
-    stored_arch = _arch_of(state) if resume and state is not None else None
+    state = read_state(out, lambda message: err.print(f"sparrow: {message}", markup=False, highlight=False,
+                                                      soft_wrap=True))
+    begun = _started_run(out) if resume and state is None else None  # killed before its first checkpoint
+    stored_arch = _arch_of(state) if resume and state is not None else begun["arch"] if begun else None
     _check_variant(arch or stored_arch or "eagle3", fusion, layers, draft_vocab, anchor_offset, intermediate_size)
     _check_data_options(arch or stored_arch or "eagle3", {
         name for name, value in (("data", data), ("tokens", tokens), ("held_out_tokens", held_out_tokens),
@@ -120,8 +122,6 @@ def head(
                                  ("top_k", top_k), ("features", features),
                                  ("videos", videos), ("frames", frames), ("text_window", text_window))
         if value is not None})
-    if resume and state is None:
-        raise UserError(f"--resume: {str(out)!r} holds no checkpoint ({out / 'trainer_state.pt'}) to continue")
     if not resume and state is not None:
         raise UserError(f"--out {str(out)!r} already holds a training run: pass --resume to continue it, or choose "
                         "another directory")
@@ -131,9 +131,19 @@ def head(
                  text_window, held_out_percent, distill_tokens, lr, batch_size, ttt_steps, checkpoint_every,
                  eval_every, seed, arch, fusion, layers)
         return
-    if resume:
-        _check_resumed_variant(state, arch, fusion, layers, anchor_offset, intermediate_size)
+    variant = HeadVariant(fusion or "concat", layers or 1, anchor_offset is not None, intermediate_size)
+    steps_given = steps is not None
+    if resume and begun is not None:  # no checkpoint yet: step 0 of the run's recipe, its corpus and features
+        recipe = begun["recipe"]
+        variant = HeadVariant(**recipe["variant"])
+        _check_resumed_variant(_started_variant(begun), arch, fusion, layers, anchor_offset, intermediate_size,
+                               draft_vocab)
+        spec, settings = _recipe_run(recipe, steps)
+        draft_vocab, steps_given = recipe["draft_vocab"], steps_given or recipe["steps_given"]
+    elif resume:
+        _check_resumed_variant(_checkpoint_variant(state), arch, fusion, layers, anchor_offset, intermediate_size)
         spec, settings = _stored_run(out, state, steps)
+    if resume:
         stored = json.loads((out / RUN).read_text()) if (out / RUN).is_file() else {}
         target = target or stored.get("target")
         top_k = top_k or stored.get("top_k")
@@ -153,9 +163,8 @@ def head(
                                  checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed,
                                  anchor_offset=anchor_offset or 0)
     run = _Run(out, target or DEFAULT_TARGET, spec, settings, state, stored_arch or arch or "eagle3", draft_vocab,
-               top_k or DEFAULT_TOP_K, features or out / "features", deadline, progress, steps_given=steps is not None,
-               variant=HeadVariant(fusion or "concat", layers or 1, anchor_offset is not None, intermediate_size),
-               distill_batch=distill_batch)
+               top_k or DEFAULT_TOP_K, features or out / "features", deadline, progress, steps_given=steps_given,
+               variant=variant, distill_batch=distill_batch)
     run.go(dtype.value, device)
 
 
@@ -216,17 +225,31 @@ def _check_variant(arch: str, fusion: str | None, layers: int | None, draft_voca
         raise UserError("--draft-vocab applies to --arch eagle3 only (an EAGLE-1 head drafts with the target's LM head)")
 
 
-def _check_resumed_variant(state: dict[str, Any], arch: str | None, fusion: str | None, layers: int | None,
-                           anchor_offset: int | None, intermediate_size: int | None = None) -> None:
-    """With --resume the head is the checkpoint's: refuse shape options that say otherwise."""
+def _checkpoint_variant(state: dict[str, Any]) -> dict[str, Any]:
+    """The shape flags of a checkpointed head."""
     config, settings = state["head_config"], state["settings"]
-    stored = {"--arch": _arch_of(state), "--fusion": config.get("fusion", "concat"),
-              "--layers": config.get("num_layers", 1), "--anchor-offset": settings.get("anchor_offset", 0),
-              "--intermediate-size": config.get("intermediate_size")}
+    return {"--arch": _arch_of(state), "--fusion": config.get("fusion", "concat"),
+            "--layers": config.get("num_layers", 1), "--anchor-offset": settings.get("anchor_offset", 0),
+            "--intermediate-size": config.get("intermediate_size")}
+
+
+def _started_variant(started: dict[str, Any]) -> dict[str, Any]:
+    """The shape flags of a run started without a checkpoint yet (its run.json)."""
+    recipe = started["recipe"]
+    variant, settings = recipe["variant"], recipe["settings"]
+    return {"--arch": started["arch"], "--fusion": variant["fusion"], "--layers": variant["layers"],
+            "--anchor-offset": settings["anchor_offset"] if variant["anchor_offset_given"] else None,
+            "--intermediate-size": variant["intermediate_size"], "--draft-vocab": recipe["draft_vocab"]}
+
+
+def _check_resumed_variant(stored: dict[str, Any], arch: str | None, fusion: str | None, layers: int | None,
+                           anchor_offset: int | None, intermediate_size: int | None = None,
+                           draft_vocab: int | None = None) -> None:
+    """With --resume the head is the run's (`stored`: its shape flags): refuse shape options that say otherwise."""
     given = {"--arch": arch, "--fusion": fusion, "--layers": layers, "--anchor-offset": anchor_offset,
-             "--intermediate-size": intermediate_size}
+             "--intermediate-size": intermediate_size, "--draft-vocab": draft_vocab}
     for flag, value in given.items():
-        if value is not None and value != stored[flag]:
+        if value is not None and flag in stored and value != stored[flag]:
             raise UserError(f"--resume continues the run's head ({flag} {stored[flag]}); {flag} {value} would need a "
                             "new run in another --out directory")
 
@@ -303,7 +326,7 @@ def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume
 
     if resume:
         assert state is not None
-        _check_resumed_variant(state, arch, fusion, layers, None)
+        _check_resumed_variant(_checkpoint_variant(state), arch, fusion, layers, None)
         for name, value in (("videos", videos), ("frames", frames), ("text_window", text_window),
                             ("draft_vocab", draft_vocab)):
             if value is not None:
@@ -363,9 +386,13 @@ class _Run:
         self.model = loaded.model
         if self.state is None:
             run_dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+            # what `--resume` needs before the first checkpoint
+            recipe = {"spec": asdict(self.spec), "settings": asdict(self.settings), "steps_given": self.steps_given,
+                      "variant": asdict(self.variant), "draft_vocab": self.draft_vocab}
             (self.out / RUN).write_text(json.dumps({"target": self.target_name, "dtype": run_dtype,
                                                     "top_k": self.top_k, "features": None if self.features_dir == self.out / "features"
-                                                    else str(self.features_dir.resolve())}) + "\n")
+                                                    else str(self.features_dir.resolve()), "arch": self.arch,
+                                                    "recipe": recipe}) + "\n")
         corpus = self.corpus(loaded)
         if not self.steps_given and self.state is None:  # default: 2 epochs
             self.settings = replace(self.settings, steps=max(1, math.ceil(2 * len(corpus.train) / self.settings.batch_size)))
@@ -714,6 +741,29 @@ def _default_anchor_offset(model: Any, corpus: Any) -> int:
     limit = getattr(text, "max_position_embeddings", None) or DEFAULT_ANCHOR_OFFSET
     longest = max((t.numel() for t in [*corpus.train, *corpus.held_out]), default=0)
     return max(0, min(DEFAULT_ANCHOR_OFFSET, limit - longest))
+
+
+def _started_run(out: Path) -> dict[str, Any]:
+    """The run.json of a run that has no checkpoint yet, with the recipe `--resume` trains from step 0 (the corpus
+    and features it wrote are reused); UserError when there is none."""
+    path = out / RUN
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    if record.get("arch") == "sparrow":
+        raise UserError(f"--resume: {str(out)!r} holds no checkpoint yet ({out / 'trainer_state.pt'}): rerun the "
+                        "command that started it, without --resume (the answers in video_corpus.json are reused)")
+    if "recipe" not in record:
+        raise UserError(f"--resume: {str(out)!r} holds no checkpoint ({out / 'trainer_state.pt'}) and no started "
+                        f"run ({path}) to continue")
+    return record
+
+
+def _recipe_run(recipe: dict[str, Any], steps: int | None) -> tuple[Any, Any]:
+    """The corpus spec and settings of a started run's recipe (--steps, when given, replaces its step count)."""
+    from sparrow.training.data import CorpusSpec
+    from sparrow.training.trainer import TrainSettings
+
+    settings = TrainSettings(**{**recipe["settings"], **({"steps": steps} if steps is not None else {})})
+    return CorpusSpec(**{**recipe["spec"], "roots": tuple(recipe["spec"]["roots"])}), settings
 
 
 def _stored_run(out: Path, state: dict[str, Any], steps: int | None) -> tuple[Any, Any]:

@@ -3,7 +3,12 @@ or server-sent events. It never touches the pipeline.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad field (`param`
 names it), 401 for a missing or wrong API key, 404 for an unknown model or path, 429 when the queue is full,
-503 while the model loads, 500 for a bug. A request's failure never stops the server.
+503 while the model loads or the server shuts down, 500 for a bug. A request's failure never stops the server.
+
+Nothing is exposed unasked: FastAPI's /docs, /redoc and /openapi.json are off (the first two would load scripts
+from a public CDN); `openapi=True` serves only /openapi.json, behind the API key. /metrics is behind the API key
+when one is set, unless `public_metrics=True`. `/` (the playground, one self-contained page whose own calls carry
+the key) and `/health` (for load balancers) are public.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sparrow.serve.metrics import Metrics, num_drafts
 from sparrow.serve.protocol import ChatCompletionRequest, CompletionRequest, Sampling
-from sparrow.serve.scheduler import Failed, Finished, Job, NotReady, QueueFull, Scheduler, Text
+from sparrow.serve.scheduler import Failed, Finished, Job, NotReady, QueueFull, Scheduler, ShuttingDown, Text
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting handler checks whether its client is still there
+HANDLER_GRACE_SECONDS = 0.2  # past a shutdown's deadline: the worker's chance to end a job at its round's end
+SHUTDOWN = "shutdown"  # `sparrow.ended_by` of a job the server's shutdown ended
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
 
@@ -52,8 +59,14 @@ class ClientGone(Exception):
     """The client disconnected while its request waited or ran."""
 
 
-def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app; its lifespan starts the scheduler (which loads the model) and stops it."""
+class DeadlinePassed(Exception):
+    """The server is shutting down, its deadline passed and the job still runs (its round overran the deadline)."""
+
+
+def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = None, openapi: bool = False,
+               public_metrics: bool = False) -> FastAPI:
+    """The app; its lifespan starts the scheduler (which loads the model) and stops it. `openapi`: serve the
+    OpenAPI schema at /openapi.json (behind the key); `public_metrics`: /metrics without the key."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -61,7 +74,7 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
         yield
         scheduler.stop()
 
-    app = FastAPI(title="sparrow", lifespan=lifespan)
+    app = FastAPI(title="sparrow", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     metrics = scheduler.metrics
     app.add_middleware(CountRequests, metrics=metrics)
 
@@ -98,6 +111,8 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if scheduler.draining:  # a load balancer sends nothing more here
+            return shutting_down(ShuttingDown()).response()
         if scheduler.ready:
             return JSONResponse({"status": "ok"})
         if scheduler.load_error is not None:
@@ -105,9 +120,14 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
                             code="load_failed").response()
         return APIError(503, "the model is loading", "service_unavailable", code="model_loading").response()
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[] if public_metrics else [Depends(authorized)])
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if openapi:
+        @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(authorized)])
+        async def schema() -> JSONResponse:
+            return JSONResponse(app.openapi())
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
@@ -129,13 +149,17 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
             scheduler.submit(job)
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
+        except ShuttingDown as e:
+            raise shutting_down(e) from None
         except NotReady as e:
             code = "load_failed" if scheduler.load_error is not None else "model_loading"
             raise APIError(503, str(e), "service_unavailable", code=code) from None
         try:
-            first = await next_event(job, request)  # validation passed once the first token is out
+            first = await next_event(job, scheduler, request)  # validation passed once the first token is out
         except ClientGone:
             return JSONResponse({}, status_code=499)  # nobody reads it
+        except DeadlinePassed:  # shutting down, and nothing generated yet
+            raise shutting_down(ShuttingDown()) from None
         except asyncio.CancelledError:  # the handler itself was cancelled (e.g. by Ray Serve's proxy)
             job.cancel()
             raise
@@ -143,63 +167,88 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
             raise failure(first)
         shape = Shape(model_name, chat)
         if body.stream:
-            return StreamingResponse(stream(job, first, shape, body.include_usage, body.spans),
+            return StreamingResponse(stream(job, scheduler, first, shape, body.include_usage, body.spans),
                                      media_type="text/event-stream")
-        event = first
+        event, texts, last = first, [], None
         try:
             while not isinstance(event, Finished):
-                event = await next_event(job, request)
+                if isinstance(event, Text):
+                    texts.append(event.text)
+                    last = event
+                event = await next_event(job, scheduler, request)
                 if isinstance(event, Failed):
                     raise failure(event)
         except ClientGone:
             return JSONResponse({}, status_code=499)
+        except DeadlinePassed:  # its round overran the shutdown deadline: the text so far
+            return shape.response("".join(texts), "length", cut_usage(last), SHUTDOWN)
         except asyncio.CancelledError:
             job.cancel()
             raise
-        return shape.response(event.result.text, event)  # == the Text events concatenated (sparrow.stopping)
+        # the text == the Text events concatenated (sparrow.stopping)
+        return shape.response(event.result.text, event.result.finish_reason, usage(event), event.ended_by)
 
     return app
 
 
-async def next_event(job: Job, request: Request):
-    """The job's next event; cancels the job and raises ClientGone when the client disconnects meanwhile."""
+async def next_event(job: Job, scheduler: Scheduler, request: Request | None = None):
+    """The job's next event. Cancels the job and raises ClientGone when the client of `request` disconnects
+    meanwhile, DeadlinePassed when HANDLER_GRACE_SECONDS past a draining scheduler's deadline the job still runs."""
     while True:
+        if not job.events.empty():
+            return job.events.get_nowait()
+        wait = DISCONNECT_POLL_SECONDS
+        if scheduler.deadline is not None:
+            left = scheduler.deadline + HANDLER_GRACE_SECONDS - time.perf_counter()
+            if left <= 0:
+                job.cancel()
+                raise DeadlinePassed()
+            wait = min(wait, left)
         try:
-            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
+            return await asyncio.wait_for(job.events.get(), wait)
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
+            if request is not None and await request.is_disconnected():
                 job.cancel()
                 raise ClientGone() from None
 
 
-async def stream(job: Job, first: Text | Finished, shape: Shape, include_usage: bool,
+async def stream(job: Job, scheduler: Scheduler, first: Text | Finished, shape: Shape, include_usage: bool,
                  spans: bool = False) -> AsyncIterator[str]:
     """Server-sent events: a role chunk (chat), one chunk per non-empty Text, a last chunk with the finish reason,
     a usage chunk (with stream_options.include_usage), then `[DONE]`. A client that goes away cancels the job.
     spans: each text chunk also carries `sparrow`: {"spans": [[text, drafted], ...], "completion_tokens",
-    "num_draft_tokens", "num_accepted_tokens"} (the request's totals so far)."""
+    "num_draft_tokens", "num_accepted_tokens"} (the request's totals so far). A job the server ended (its timeout
+    or its shutdown deadline) has finish reason "length" and its last chunk `sparrow`: {"ended_by": why}; past the
+    deadline (+ HANDLER_GRACE_SECONDS) the stream ends with the text so far without waiting for the job's round."""
     try:
         if shape.chat:
             yield shape.sse(shape.chunk({"role": "assistant", "content": ""}, None, include_usage))
         event: Any = first
-        while True:
-            if isinstance(event, Text) and event.text:
-                chunk = shape.chunk(event.text, None, include_usage)
-                if spans:
-                    chunk["sparrow"] = {"spans": [list(s) for s in event.spans],
-                                        "completion_tokens": event.completion_tokens,
-                                        "num_draft_tokens": event.num_draft_tokens,
-                                        "num_accepted_tokens": event.num_accepted_tokens}
-                yield shape.sse(chunk)
-            elif isinstance(event, Finished):
-                yield shape.sse(shape.chunk("", event.result.finish_reason, include_usage))
-                if include_usage:
-                    yield shape.sse({**shape.header("chunk"), "choices": [], "usage": usage(event)})
-                break
-            elif isinstance(event, Failed):
-                yield shape.sse({"error": failure(event).body()})
-                break
-            event = await job.events.get()
+        last: Text | None = None
+        try:
+            while True:
+                if isinstance(event, Text):
+                    last = event
+                if isinstance(event, Text) and event.text:
+                    chunk = shape.chunk(event.text, None, include_usage)
+                    if spans:
+                        chunk["sparrow"] = {"spans": [list(s) for s in event.spans],
+                                            "completion_tokens": event.completion_tokens,
+                                            "num_draft_tokens": event.num_draft_tokens,
+                                            "num_accepted_tokens": event.num_accepted_tokens}
+                    yield shape.sse(chunk)
+                elif isinstance(event, Finished):
+                    for line in shape.last_chunks(event.result.finish_reason, event.ended_by,
+                                                  usage(event) if include_usage else None):
+                        yield line
+                    break
+                elif isinstance(event, Failed):
+                    yield shape.sse({"error": failure(event).body()})
+                    break
+                event = await next_event(job, scheduler)
+        except DeadlinePassed:  # its round overran the shutdown deadline: end the stream with the text so far
+            for line in shape.last_chunks("length", SHUTDOWN, cut_usage(last) if include_usage else None):
+                yield line
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()  # a no-op once the job finished; ends it at the next round if the client went away
@@ -232,9 +281,24 @@ class Shape:
             chunk["usage"] = None
         return chunk
 
-    def response(self, text: str, finished: Finished) -> dict[str, Any]:
-        return {**self.header("full"), "choices": [self.choice(text, finished.result.finish_reason, delta=False)],
-                "usage": usage(finished)}
+    def response(self, text: str, finish_reason: str, usage: dict[str, Any], ended_by: str | None
+                 ) -> dict[str, Any]:
+        response = {**self.header("full"), "choices": [self.choice(text, finish_reason, delta=False)],
+                    "usage": usage}
+        if ended_by is not None:
+            response["sparrow"] = {"ended_by": ended_by}
+        return response
+
+    def last_chunks(self, finish_reason: str, ended_by: str | None, usage: dict[str, Any] | None) -> list[str]:
+        """The chunk with the finish reason (and `sparrow.ended_by` when the server ended the job), then the usage
+        chunk when asked (stream_options.include_usage)."""
+        last = self.chunk("", finish_reason, usage is not None)
+        if ended_by is not None:
+            last["sparrow"] = {"ended_by": ended_by}
+        chunks = [self.sse(last)]
+        if usage is not None:
+            chunks.append(self.sse({**self.header("chunk"), "choices": [], "usage": usage}))
+        return chunks
 
     @staticmethod
     def sse(data: dict[str, Any]) -> str:
@@ -258,12 +322,27 @@ def usage(finished: Finished) -> dict[str, Any]:
     }
 
 
+def cut_usage(last: Text | None) -> dict[str, Any]:
+    """The usage of a job cut at the shutdown deadline, from its last Text event (the speculative counts known)."""
+    prompt, tokens = (last.prompt_tokens, last.completion_tokens) if last is not None else (0, 0)
+    drafted, accepted = (last.num_draft_tokens, last.num_accepted_tokens) if last is not None else (0, 0)
+    return {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens,
+            "speculative": {"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                            "acceptance_rate": accepted / drafted if drafted else 0.0}}
+
+
 def failure(failed: Failed) -> APIError:
+    if isinstance(failed.error, ShuttingDown):  # it waited in the queue when the server began shutting down
+        return shutting_down(failed.error)
     if failed.user_error:  # a request that validation could not see (e.g. a prompt longer than the context)
         message = str(failed.error).replace("max_new_tokens", "max_tokens")  # the pipeline's name -> the field's
         return APIError(400, message, param=param_named(message))
     return APIError(500, f"internal error: {type(failed.error).__name__}: {failed.error} -- this is a bug in sparrow",
                     "internal_error")
+
+
+def shutting_down(error: ShuttingDown) -> APIError:
+    return APIError(503, str(error), "service_unavailable", code="shutting_down")
 
 
 PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "prompt", "messages")

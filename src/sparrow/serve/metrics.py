@@ -23,7 +23,8 @@ class Metrics:
         self.request_success = Counter("sparrow:request_success", "Generations finished, by finish reason",
                                        ["finished_reason"], registry=r)
         self.request_failure = Counter("sparrow:request_failure",
-                                       "Generations that did not finish: bad_request, error, cancelled (client gone)",
+                                       "Generations that did not finish: bad_request, error, cancelled (client gone), "
+                                       "shutdown (refused while the server shut down)",
                                        ["reason"], registry=r)
         self.latency = Histogram("sparrow:e2e_request_latency_seconds",
                                  "Seconds from receiving a request to its last token", buckets=LATENCY_BUCKETS,

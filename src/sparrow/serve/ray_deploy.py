@@ -6,7 +6,8 @@
 
 Each replica is a Ray actor that calls `load` itself (the callable is pickled and shipped to it, so it must
 build the pipeline from what it captures, not from objects of the calling process), builds its own
-`Scheduler` and `create_app(...)`, and serves `/v1/...`, `/health` and `/metrics` through Ray Serve's HTTP
+`Scheduler` and `create_app(...)`, and serves `/v1/...`, `/health` and `/metrics` (behind the API key, and no
+/docs, /redoc or /openapi.json, unless asked: `create_app`'s `public_metrics` and `openapi`) through Ray Serve's HTTP
 proxy, which sends each request to the less busy of two replicas. Every response served through Ray carries
 `x-sparrow-replica: <replica id>`. A replica loads its model in its constructor, so it takes traffic only
 once the model is loaded; a model that fails to load fails the replica (Serve retries a few times, then
@@ -112,7 +113,7 @@ class SparrowReplica:
     """One replica: loads the pipeline, then serves `create_app` over it (see the module doc)."""
 
     async def __init__(self, load: Callable[[], Pipeline], model_name: str, api_key: str | None,
-                     scheduler_options: dict[str, Any]) -> None:
+                     scheduler_options: dict[str, Any], app_options: dict[str, Any] | None = None) -> None:
         self.replica_id = serve.get_replica_context().replica_tag
         log.info("replica %s: loading the model", self.replica_id)
         try:
@@ -121,7 +122,7 @@ class SparrowReplica:
             log.exception("replica %s: loading the model failed", self.replica_id)
             raise ModelLoadFailed(e) from e
         self.scheduler = Scheduler(lambda: pipeline, **scheduler_options)
-        self.sparrow_app = create_app(self.scheduler, model_name=model_name, api_key=api_key)
+        self.sparrow_app = create_app(self.scheduler, model_name=model_name, api_key=api_key, **(app_options or {}))
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         return ReplicaApp(self.sparrow_app, self.replica_id, self.scheduler)
@@ -137,14 +138,16 @@ class SparrowReplica:
 def deployment(load: Callable[[], Pipeline], *, model_name: str, api_key: str | None = None,
                num_replicas: int = 1, max_queue: int = 32, timeout: float | None = None,
                max_batch: int | None = None, num_cpus: float = 1, num_gpus: float = 0,
-               runtime_env: dict[str, Any] | None = None) -> serve.Application:
+               runtime_env: dict[str, Any] | None = None, openapi: bool = False,
+               public_metrics: bool = False) -> serve.Application:
     """The Ray Serve application: `num_replicas` replicas, each calling `load()` and serving `create_app`.
 
     `max_queue`, `timeout` and `max_batch` go to each replica's Scheduler (`max_batch` only when given).
     A replica takes at most `max_queue + max_batch` requests at once (its own queue answers 429 beyond that);
     Ray's router sends each request to the less busy of two replicas. `num_cpus`, `num_gpus`: what each replica
     reserves (Ray sets its torch threads to `num_cpus`, and hides every GPU from a replica with `num_gpus=0`);
-    `runtime_env`: Ray's, for each replica."""
+    `runtime_env`: Ray's, for each replica. `openapi`, `public_metrics`: `create_app`'s (both off: no schema,
+    /metrics behind the key)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     scheduler_options: dict[str, Any] = {"max_queue": max_queue, "timeout": timeout}
@@ -157,7 +160,8 @@ def deployment(load: Callable[[], Pipeline], *, model_name: str, api_key: str | 
                                ray_actor_options=actor_options,
                                max_ongoing_requests=max_queue + (max_batch or 1),
                                health_check_period_s=5, health_check_timeout_s=30)
-    return replica.bind(load, model_name, api_key, scheduler_options)
+    return replica.bind(load, model_name, api_key, scheduler_options,
+                        {"openapi": openapi, "public_metrics": public_metrics})
 
 
 def start(*, host: str, port: int, address: str | None = None, **init_options: Any) -> None:

@@ -11,7 +11,12 @@ Streaming: the pipeline's `on_text` hook (`sparrow.stopping`) hands the worker t
 round (no partial character, nothing that may still become a stop string); the worker forwards it as `Text`
 events. The same hook ends a request early: a job whose client went away finishes at the next round with
 finish reason "cancelled" (its result is dropped); a job running longer than `timeout` seconds finishes with
-finish reason "length" and the text so far (`Finished.timed_out` is set).
+finish reason "length" and the text so far (`Finished.ended_by` is "timeout").
+
+Shutdown (`drain`): the scheduler admits nothing new (`ShuttingDown`: HTTP 503), fails the waiting jobs with
+`ShuttingDown` at once, and ends each running job at its last round that ends before the deadline (finish reason
+"length", `Finished.ended_by` "shutdown"; a round that overruns the deadline ends it at the round's end, and the
+HTTP layer answers without waiting for it: `sparrow.serve.app`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from sparrow.types import GenerationResult
 log = logging.getLogger("sparrow.serve")
 
 POLL_SECONDS = 0.1  # how often an idle worker checks whether the server is shutting down
+STOP_GRACE_SECONDS = 0.5  # after a drain's deadline, how long `stop` waits for the worker thread
 CANCELLED = "cancelled"  # finish reason of a job whose client went away (never sent to anyone)
 
 
@@ -62,6 +68,7 @@ class Text:
     completion_tokens: int = 0  # the job's totals so far
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class Finished:
 
     result: GenerationResult
     prompt_tokens: int
-    timed_out: bool  # ended by the server's timeout (finish reason "length")
+    ended_by: str | None = None  # "timeout" or "shutdown": the server ended it (finish reason "length")
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,13 @@ class QueueFull(Exception):
 
 class NotReady(Exception):
     """The model is still loading, or failed to load (HTTP 503)."""
+
+
+class ShuttingDown(Exception):
+    """The server is shutting down: it admits no new request, and drops the waiting ones (HTTP 503)."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down: retry the request on another instance or later")
 
 
 class Job:
@@ -141,6 +155,7 @@ class Scheduler:
         self._load = load
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._stopping = threading.Event()
+        self._deadline: float | None = None  # perf_counter() by which a draining scheduler ends its running jobs
         self._thread = threading.Thread(target=self._work, name="sparrow-scheduler", daemon=True)
         self.metrics.queue_depth.set_function(self._queue.qsize)
 
@@ -153,12 +168,39 @@ class Scheduler:
             self._thread.start()
 
     def stop(self, wait: float = 5.0) -> None:
-        """End the worker: waiting jobs are dropped, a running one ends at its next round."""
+        """End the worker: waiting jobs are dropped, a running one ends at its next round. After `drain`, waits
+        for the worker at most until STOP_GRACE_SECONDS past the drain's deadline."""
         self._stopping.set()
+        if self._deadline is not None:
+            wait = min(wait, max(0.0, self._deadline + STOP_GRACE_SECONDS - time.perf_counter()))
         if self._thread.is_alive():
             self._thread.join(wait)
 
+    def drain(self, seconds: float) -> None:
+        """Begin shutting down: admit nothing new (`submit` raises ShuttingDown), fail every waiting job with
+        ShuttingDown now, end the running ones within `seconds` (see the module doc). Call it from the thread
+        that submits (the event loop's); calling it again changes nothing."""
+        if self._deadline is None:
+            self._deadline = time.perf_counter() + max(0.0, seconds)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._refuse(job)
+
+    @property
+    def draining(self) -> bool:
+        return self._deadline is not None
+
+    @property
+    def deadline(self) -> float | None:
+        """The perf_counter() by which a draining scheduler ends its running jobs (None: not draining)."""
+        return self._deadline
+
     def submit(self, job: Job) -> None:
+        if self.draining:
+            raise ShuttingDown()
         if not self.ready:
             raise NotReady("the model failed to load" if self.load_error is not None else "the model is loading")
         try:
@@ -226,6 +268,9 @@ class Scheduler:
                 return
             if job.cancelled:
                 continue
+            if self.draining:  # taken from the queue just before `drain` emptied it
+                self._refuse(job)
+                continue
             self.metrics.running.set(len(running) + 1)
             run = Running(job, self)
             try:
@@ -256,7 +301,7 @@ class Scheduler:
             self.metrics.request_failure.labels(reason="cancelled").inc()
             return
         self.metrics.finished(result, run.prompt_tokens, time.perf_counter() - run.job.received)
-        run.job.emit(Finished(result, run.prompt_tokens, run.timed_out))
+        run.job.emit(Finished(result, run.prompt_tokens, run.ended_by))
 
     def _fail(self, job: Job, error: BaseException) -> None:
         if not isinstance(error, UserError):
@@ -264,18 +309,27 @@ class Scheduler:
         self.metrics.request_failure.labels(reason="bad_request" if isinstance(error, UserError) else "error").inc()
         job.emit(Failed(error))
 
+    def _refuse(self, job: Job) -> None:
+        """A waiting job of a draining scheduler: HTTP 503 at once."""
+        self.metrics.request_failure.labels(reason="shutdown").inc()
+        job.emit(Failed(ShuttingDown()))
+
     def _serve_one_at_a_time(self) -> None:
         while not self._stopping.is_set():
             try:
                 job = self._queue.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 continue
-            if not job.cancelled:
-                self.metrics.running.set(1)
-                try:
-                    self._run_one(job)
-                finally:
-                    self.metrics.running.set(0)
+            if job.cancelled:
+                continue
+            if self.draining:
+                self._refuse(job)
+                continue
+            self.metrics.running.set(1)
+            try:
+                self._run_one(job)
+            finally:
+                self.metrics.running.set(0)
 
     def _run_one(self, job: Job) -> None:
         """Generate one job alone (models batching does not support), emitting the same events."""
@@ -293,7 +347,7 @@ class Scheduler:
             self.metrics.request_failure.labels(reason="cancelled").inc()
             return
         self.metrics.finished(result, run.prompt_tokens, time.perf_counter() - job.received)
-        job.emit(Finished(result, run.prompt_tokens, run.timed_out))
+        job.emit(Finished(result, run.prompt_tokens, run.ended_by))
 
 
 class Running:
@@ -303,15 +357,17 @@ class Running:
         self.job, self.scheduler = job, scheduler
         self.generation: Generation | None = None
         self.prompt_tokens = 0
-        self.timed_out = False
+        self.ended_by: str | None = None  # "timeout" or "shutdown" once the server ends it
         self.started = time.perf_counter()
         self.last = None  # perf_counter of the last round that produced text
         self.tokens = 0  # tokens reported so far
         self.steps = self.drafted = self.accepted = 0  # rounds counted so far, and their draft totals
 
     def on_text(self, text: str) -> str | None:
-        """After each round: emit the new final text; end the job if its client left or its time is up."""
+        """After each round: emit the new final text; end the job if its client left, its time is up, or the next
+        round would end after a draining scheduler's deadline (a round is taken to last as long as the last one)."""
         metrics, now_ = self.scheduler.metrics, time.perf_counter()
+        round_seconds = 0.0 if self.last is None else now_ - self.last
         steps = self.generation.steps[self.steps:] if self.generation is not None else []
         self.steps += len(steps)  # only the new rounds: no pass over the whole history each round
         self.drafted += sum(s.num_draft_tokens for s in steps)
@@ -323,12 +379,15 @@ class Running:
             for _ in range(tokens - self.tokens):  # the round's tokens arrived together: each waited its share
                 metrics.inter_token_latency.observe((now_ - self.last) / (tokens - self.tokens))
         self.last, self.tokens = now_, tokens
-        self.job.emit(Text(text, getattr(text, "spans", ()), tokens, self.drafted, self.accepted))
+        self.job.emit(Text(text, getattr(text, "spans", ()), tokens, self.drafted, self.accepted, self.prompt_tokens))
         if self.job.cancelled or self.scheduler._stopping.is_set():
             return CANCELLED
-        timeout = self.scheduler.timeout
+        timeout, deadline = self.scheduler.timeout, self.scheduler.deadline
         if timeout is not None and now_ - self.started > timeout:
-            self.timed_out = True
+            self.ended_by = "timeout"
+            return "length"
+        if deadline is not None and now_ + round_seconds >= deadline:
+            self.ended_by = "shutdown"
             return "length"
         return None
 

@@ -2,9 +2,14 @@
 
 A run directory holds the head in its serving layout (`sparrow.heads.layout`: config.json, model.safetensors,
 float32 while training), `trainer_state.pt` (step, optimiser state, the data-order generator's state, the
-head's config and the settings) and `train_log.jsonl` (one row per step; held-out rows carry
+head's config, weights and the settings) and `train_log.jsonl` (one row per step; held-out rows carry
 `held_out_loss`). Resuming restores all of it, so the steps after a checkpoint are the ones an uninterrupted
 run takes (same batches, same optimiser moments, bit for bit on the same device).
+
+A checkpoint is written to a temporary file, flushed to disk and renamed over `trainer_state.pt`; the one it
+replaces is kept as `trainer_state.prev.pt`. `read_state` refuses a damaged state file (truncated, unreadable)
+with a one-line message and falls back to the previous one (its own copy of the weights: the head's layout
+files may be the newer checkpoint's).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
     from sparrow.heads.longspec import LongSpecHead
 
 STATE = "trainer_state.pt"
+PREVIOUS = "trainer_state.prev.pt"  # the checkpoint before the last one
 LOG = "train_log.jsonl"
 
 
@@ -76,21 +82,48 @@ class RunOutcome:
 def save_checkpoint(directory: Path, head: EagleHead | LongSpecHead, optimiser: torch.optim.Optimizer,
                     generator: torch.Generator, step: int, settings: TrainSettings) -> None:
     """The head (its layout) and the trainer state, the state written last (it marks a whole checkpoint). The state
-    holds the head's whole config (HeadConfig or LongSpecConfig) and a Sparrow head's SparrowSpec."""
+    holds the head's whole config (HeadConfig or LongSpecConfig), its weights and a Sparrow head's SparrowSpec;
+    it is written whole or not at all, and the one it replaces becomes PREVIOUS."""
     save_head(head, directory)
     spec = getattr(head, "sparrow", None)
     state = {"step": step, "optimiser": optimiser.state_dict(), "generator": generator.get_state(),
              "head_config": asdict(head.config), "settings": asdict(settings),
-             "sparrow": None if spec is None else asdict(spec)}
+             "sparrow": None if spec is None else asdict(spec),
+             "weights": {name: t.detach().cpu() for name, t in head.state_dict().items()}}
     partial = directory / (STATE + ".partial")
-    torch.save(state, partial)
+    with partial.open("wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+    if (directory / STATE).is_file():
+        os.replace(directory / STATE, directory / PREVIOUS)
     os.replace(partial, directory / STATE)
 
 
-def read_state(directory: Path) -> dict[str, Any] | None:
-    """The trainer state of `directory` (None when it has none)."""
-    path = directory / STATE
-    return torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
+def read_state(directory: Path, warn: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """The trainer state of `directory` (None when it has none): trainer_state.pt, or when that is damaged (or
+    missing after a crash between the two renames of `save_checkpoint`) the previous one, with a one-line
+    `warn`ing. UserError when every state file there is damaged."""
+    damaged: list[str] = []
+    for name in (STATE, PREVIOUS):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict) or not {"step", "optimiser", "generator", "head_config"} <= state.keys():
+                raise ValueError("not a trainer state")
+        except Exception as e:  # noqa: BLE001 -- truncated, garbage, another file: every loader error counts
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:160]
+            damaged.append(f"{path} is damaged ({type(e).__name__}: {detail})")
+            continue
+        if damaged and warn is not None:
+            warn(f"{damaged[0]}: using the previous checkpoint {path.name} (step {state['step']}) instead")
+        return state
+    if damaged:
+        raise UserError(f"{'; '.join(damaged)}; no readable checkpoint is left: delete {directory / STATE} (and "
+                        f"{PREVIOUS}) to train again from step 0 with the corpus and features already there")
+    return None
 
 
 def resumed_head(directory: Path, state: dict[str, Any], model: nn.Module,
@@ -110,7 +143,9 @@ def resumed_head(directory: Path, state: dict[str, Any], model: nn.Module,
             from sparrow.heads.sparrow_head import SparrowSpec
 
             head.sparrow = SparrowSpec(**state["sparrow"])
-    head.load_state_dict(load_file(str(directory / WEIGHTS), device=str(device)), strict=True)
+    weights = state.get("weights")  # older checkpoints: the layout's weights only
+    head.load_state_dict({k: t.to(device) for k, t in weights.items()} if weights is not None
+                         else load_file(str(directory / WEIGHTS), device=str(device)), strict=True)
     return head
 
 
@@ -136,7 +171,7 @@ def run_training(head: EagleHead | LongSpecHead, train: Sequence[Any], held_out:
         generator.set_state(state["generator"])
         step = int(state["step"])
     log = _LogFile(directory / LOG, keep_through=step)
-    evaluation, stopped = None, "done"
+    evaluation, stopped, saved = None, "done", None
     while step < settings.steps:
         if deadline is not None and time.monotonic() >= deadline:
             stopped = "time budget"
@@ -157,7 +192,9 @@ def run_training(head: EagleHead | LongSpecHead, train: Sequence[Any], held_out:
             on_step(row)
         if step % settings.checkpoint_every == 0:
             save_checkpoint(directory, head, optimiser, generator, step, settings)
-    save_checkpoint(directory, head, optimiser, generator, step, settings)
+            saved = step
+    if saved != step:  # not twice the same step: the previous checkpoint stays an earlier one
+        save_checkpoint(directory, head, optimiser, generator, step, settings)
     head.eval().requires_grad_(False)
     return RunOutcome(step, stopped, evaluation, time.monotonic() - start)
 
@@ -207,5 +244,5 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-__all__ = ["LOG", "STATE", "RunOutcome", "TrainSettings", "read_log", "read_state", "resumed_head", "run_training",
-           "save_checkpoint"]
+__all__ = ["LOG", "PREVIOUS", "STATE", "RunOutcome", "TrainSettings", "read_log", "read_state", "resumed_head",
+           "run_training", "save_checkpoint"]
