@@ -39,7 +39,9 @@ def vlm(request):
 def drafter_with(name: str, target: LoadedModel, close: LoadedModel, config: DraftKVConfig | None):
     """visual-prune self-draft / with the close VLM (drop half the video first), or draft-model with it."""
     if name == "draft-model":
-        return with_draft_kv(build_drafter("draft-model", target, close, 4), config)
+        drafter = build_drafter("draft-model", target, close, 4)
+        drafter.draft = with_draft_kv(drafter.draft, config)
+        return drafter
     draft = target if name == "visual-prune-self" else close
     return VisualPruneDrafter(target.model, draft.model, 4, drop_rate=0.5, draft_kv=config)
 

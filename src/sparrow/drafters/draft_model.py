@@ -150,5 +150,5 @@ def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adapti
     target_runner, draft_runner = runner_for(target.model), runner_for(draft.model)
     shape = resolve_shape(tree_budget, tree_topk, tree_depth, target_runner)
     vocab = resolve_draft_vocab(draft_vocab, target, target_runner.vocab_size)
-    return with_draft_kv(DraftModelDrafter(draft_runner, target_runner.vocab_size, num_draft_tokens=num_draft_tokens,
-                                           adaptive=adaptive, tree=shape, vocab=vocab), kv_config)
+    return DraftModelDrafter(with_draft_kv(draft_runner, kv_config), target_runner.vocab_size,
+                             num_draft_tokens=num_draft_tokens, adaptive=adaptive, tree=shape, vocab=vocab)

@@ -239,8 +239,9 @@ class VisualPruneDrafter(DraftModelDrafter):
             raise UserError(f"drafter 'visual-prune' cannot prune {type(draft_model).__name__}: it has no "
                              "`model.language_model` decoder to feed the pruned sequence to")
         self.view = PrunedView(runner_for(draft_model))
-        super().__init__(self.view, CachedModel(target_model).vocab_size, num_draft_tokens, adaptive, name=self.name)
-        with_draft_kv(self, draft_kv)  # self.draft: the view, or the view with its visual KV compacted
+        # the draft runner: the view, or the view with its visual KV compacted
+        super().__init__(with_draft_kv(self.view, draft_kv), CachedModel(target_model).vocab_size, num_draft_tokens,
+                         adaptive, name=self.name)
         self.target_model = target_model
         self.drop_rate, self.mass = drop_rate, mass
         self.capture = QueryCapture(target_model, window)  # records the target's prefill queries, inside watch_prefill

@@ -49,8 +49,6 @@ from sparrow.vision.prompt import visual_token_positions
 
 if TYPE_CHECKING:
     from sparrow.runtime.cached_model import CachedModel
-    from sparrow.drafters.draft_model import DraftModelDrafter
-    from sparrow.drafters.visual_prune import PrunedView
 
 DEFAULT_BUDGET = 1024  # as the sparse drafter: visual KV entries per layer and KV head
 DEFAULT_QUERIES = 32  # last prompt queries the policies score with
@@ -116,7 +114,7 @@ class DraftKV:
     """A draft runner whose prompt visual KV is compacted by a policy (see the module docstring). Sequence
     coordinates outside, the runner's shorter cache inside."""
 
-    def __init__(self, inner: CachedModel | PrunedView, config: DraftKVConfig) -> None:
+    def __init__(self, inner: CachedModel, config: DraftKVConfig) -> None:
         """inner: the drafter's runner, a CachedModel or visual-prune's PrunedView (its interface, in sequence
         positions)."""
         self.inner = inner
@@ -239,8 +237,7 @@ class DraftKV:
         self._round_start = True
 
 
-def with_draft_kv(drafter: DraftModelDrafter, config: DraftKVConfig | None) -> DraftModelDrafter:
-    """`drafter` (a DraftModelDrafter or VisualPruneDrafter) with its draft runner wrapped in DraftKV."""
-    if config is not None:
-        drafter.draft = DraftKV(drafter.draft, config)
-    return drafter
+def with_draft_kv(runner: CachedModel, config: DraftKVConfig | None) -> CachedModel:
+    """A draft runner (a CachedModel, or visual-prune's PrunedView: anything with its interface) wrapped in
+    DraftKV, so its prompt visual KV is compacted by `config`'s policy; `runner` itself when there is none."""
+    return runner if config is None else DraftKV(runner, config)
