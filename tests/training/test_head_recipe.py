@@ -229,10 +229,10 @@ def test_gguf_tensors_dequantized_in_parallel_are_handed_to_transformers_unchang
 def test_sigterm_ends_training_and_the_exports_still_run(files, target, tmp_path, monkeypatch):
     import signal
 
-    from sparrow.training import batched
+    from sparrow.training import recipe
 
     calls = []
-    loss = batched.batched_ttt_loss
+    loss = recipe.batched_ttt_loss
 
     def counting(*args, **kwargs):
         calls.append(1)
@@ -240,7 +240,7 @@ def test_sigterm_ends_training_and_the_exports_still_run(files, target, tmp_path
             signal.raise_signal(signal.SIGTERM)  # as `timeout` sends it
         return loss(*args, **kwargs)
 
-    monkeypatch.setattr(batched, "batched_ttt_loss", counting)
+    monkeypatch.setattr(recipe, "batched_ttt_loss", counting)
     before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "run"
     report = run(RecipeSettings(out=str(out), target=str(files / "target"), data=(str(files / "data"),),

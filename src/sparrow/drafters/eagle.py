@@ -25,22 +25,25 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_loop import draft_chain, drive
+from sparrow.drafters.longspec import LongSpecDrafter
+from sparrow.drafters.sparrow import SparrowDrafter
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.errors import UserError
 from sparrow.heads.eagle import EagleHead, causal_mask
-from sparrow.heads.layout import load_head
-from sparrow.heads.longspec import LongSpecHead
+from sparrow.heads.layout import default_head_dir, find_head, load_head
 from sparrow.heads.link import DeviceLink
+from sparrow.heads.longspec import LongSpecHead
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness
 from sparrow.policy.length import LengthPolicy
 from sparrow.policy.tree import TreePolicy
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
+from sparrow.vision.prompt import visual_token_ids
 
 
 class HeadRunner:
@@ -193,8 +196,6 @@ class EagleDrafter:
 def _trained_head(target: str) -> Path:
     """The head for a preset target: the one shipped in the package, else the one `sparrow train head --target
     PRESET` keeps in the user cache (its latest checkpoint); `sparrow.heads.layout.find_head`."""
-    from sparrow.heads.layout import default_head_dir, find_head
-
     found = find_head(target)
     if found is not None:
         return found
@@ -237,8 +238,6 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
 def _longspec(head: LongSpecHead, target: LoadedModel, num_draft_tokens: int, adaptive: bool, draft_device: str | None,
               tree_budget: int | str, tree_topk: int, tree_depth: int) -> Drafter:
     """A LongSpec head drafts chains or trees over the target's own KV cache (on the target's device)."""
-    from sparrow.drafters.longspec import LongSpecDrafter
-
     if draft_device is not None:
         raise UserError("a LongSpec head reads the target's KV cache in place: it cannot run on another device")
     if head.target.embed is not target.model.get_input_embeddings():
@@ -258,9 +257,6 @@ def _sparrow(head: EagleHead, target: LoadedModel, num_draft_tokens: int, adapti
              tree_budget: int | str, tree_topk: int, tree_depth: int) -> Drafter:
     """A Sparrow head drafts text-anchored chains or trees; the target's visual placeholder ids say which rows it
     skips."""
-    from sparrow.drafters.sparrow import SparrowDrafter
-    from sparrow.vision.prompt import visual_token_ids
-
     if draft_device is not None:
         raise UserError("a Sparrow head drafts on the target's device: leave --draft-device unset")
     if head.target.embed is not target.model.get_input_embeddings():

@@ -45,6 +45,10 @@ from sparrow.heads.config import HeadConfig, default_layers
 from sparrow.heads.eagle import EagleHead, TargetParts
 from sparrow.heads.int8 import MANIFEST as INT8_MANIFEST
 from sparrow.heads.int8 import Int8Export, is_int8_dir, read_int8, replace_int8, write_int8
+from sparrow.heads.longspec import load_longspec, save_longspec
+from sparrow.heads.sparrow_head import SparrowSpec
+from sparrow.models.presets import PRESETS
+from sparrow.paths import default_cache_dir
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 EAGLE1_ARCHITECTURE = "LlamaForCausalLM"
@@ -108,9 +112,6 @@ def head_config_json(config: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
 def default_head_dir(target: str, cache_dir: str | Path | None = None) -> Path | None:
     """Where `sparrow train head --target PRESET` trains (and `--drafter eagle` without --head finds) the preset's
     head: <sparrow cache>/heads/<preset>; None for targets that are not presets (nothing names them reliably)."""
-    from sparrow.models import PRESETS
-    from sparrow.paths import default_cache_dir
-
     name = target.strip().lower()
     if name not in PRESETS:
         return None
@@ -124,8 +125,6 @@ SHIPPED = Path(__file__).parent / "shipped"
 def shipped_head_dir(target: str) -> Path | None:
     """The head shipped in the package for preset `target` (an int8 export or a dense head), else None (also for
     any target that is not a preset name)."""
-    from sparrow.models.presets import PRESETS
-
     name = target.strip().lower()
     if name not in PRESETS:
         return None
@@ -148,8 +147,6 @@ def find_head(target: str, cache_dir: str | Path | None = None) -> Path | None:
 def save_head(head: EagleHead, directory: str | Path) -> Path:
     """Write `head` to `directory` (created) in its layout; returns the directory."""
     if head.config.arch == "longspec":  # sparrow-only layouts
-        from sparrow.heads.longspec import save_longspec
-
         return save_longspec(head, directory)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -263,8 +260,6 @@ def load_head(directory: str | Path, model: torch.nn.Module, device: torch.devic
     else:
         raw, tensors = _read_config(directory, where), _read_tensors(directory)
     if "SparrowLongSpecHead" in (raw.get("architectures") or []):
-        from sparrow.heads.longspec import load_longspec
-
         return load_longspec(raw, tensors, model, device, where)
     arch = _arch(raw, tensors, where)
     tensors = _normalised(tensors, arch == "eagle3")
@@ -291,8 +286,6 @@ def load_head(directory: str | Path, model: torch.nn.Module, device: torch.devic
         tensors["t2d"], tensors["d2t"] = tensors["t2d"].bool(), tensors["d2t"].long()
     head.load_state_dict(tensors, strict=True)
     if isinstance(raw.get("sparrow"), dict):
-        from sparrow.heads.sparrow_head import SparrowSpec
-
         try:
             head.sparrow = SparrowSpec(**raw["sparrow"])
         except TypeError as error:

@@ -19,8 +19,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from rich.console import Console
-from rich.markup import escape
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -133,7 +131,11 @@ class _Progress:
     """Rich spinner plus one line per step on stderr; a no-op when disabled."""
 
     def __init__(self, enabled: bool) -> None:
-        self.console = Console(stderr=True) if enabled else None
+        self.console = None
+        if enabled:  # rich lazily: the GPU head recipe loads models where only torch and transformers are installed
+            from rich.console import Console
+
+            self.console = Console(stderr=True)
         self._status = None
 
     def __enter__(self) -> _Progress:
@@ -148,6 +150,8 @@ class _Progress:
 
     def __call__(self, message: str) -> None:
         if self.console is not None and self._status is not None:
+            from rich.markup import escape  # lazily, as Console above
+
             self.console.print(f"[dim]sparrow:[/dim] {escape(message)}", highlight=False, soft_wrap=True)
             self._status.update(message)
 

@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Union
 import torch
 from torch import Tensor, nn
 
-from sparrow.training.loop import (Evaluation, StepResult, TrainReport, draw_batch,
-                                   new_optimiser)
 from sparrow.heads.eagle import EagleHead
+from sparrow.training.longspec import train_longspec
+from sparrow.training.loop import Evaluation, StepResult, TrainReport, draw_batch, new_optimiser
 
 if TYPE_CHECKING:
-    from sparrow.runtime.cached_model import CachedModel
     from sparrow.models import LoadedModel
+    from sparrow.runtime.cached_model import CachedModel
 
 Target = Union["LoadedModel", "CachedModel", nn.Module]
 """A target as the caller has it: a LoadedModel, a CachedModel, or the transformers causal LM itself."""
@@ -193,8 +193,6 @@ def train_head(head: EagleHead, target: Target, sequences: Sequence[Tensor], ste
     averages `batch_size` sequences drawn with `generator`. The head is left in eval mode without gradients.
     anchor_offset: LongSpec heads (sparrow.heads.longspec) train at anchor-offset positions shifted by up to it."""
     if head.config.arch == "longspec":
-        from sparrow.training.longspec import train_longspec
-
         return train_longspec(head, _model(target), sequences, steps, lr, generator, anchor_offset=anchor_offset,
                               max_lag=ttt_steps + 1, clip=clip)
     if anchor_offset:

@@ -48,7 +48,15 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from sparrow.errors import UserError
-from sparrow.training.chunks import CHUNK_BYTES
+from sparrow.heads.factory import new_head
+from sparrow.heads.layout import export_int8, save_head
+from sparrow.models.presets import _part_paths, get_preset, not_installed_error
+from sparrow.training.batched import batched_ttt_loss
+from sparrow.training.chunks import CHUNK_BYTES, join_chunks, split_file
+from sparrow.training.data import CorpusSpec, default_roots, distill_prompt, file_sequences
+from sparrow.training.heads import frequent_tokens, init_from_target
+from sparrow.training.loop import Evaluation, new_optimiser
+from sparrow.training.trainer import resumed_head
 
 STATE = "recipe_state.pt"
 METRICS = "metrics.jsonl"
@@ -113,8 +121,6 @@ def load_target(settings: RecipeSettings, device: torch.device) -> tuple[nn.Modu
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     spec = settings.target
     if settings.gguf_chunks is not None:
-        from sparrow.training.chunks import join_chunks
-
         spec = str(join_chunks(settings.gguf_chunks))
     path = Path(spec)
     if not path.exists():
@@ -220,8 +226,6 @@ def distilled(model: nn.Module, tokenizer: Any, snippets: Sequence[str], setting
               eos: list[int], progress: Callable[[int], None] | None = None) -> list[Tensor]:
     """prompt + the target's greedy answer for snippets, `distill_batch` left-padded prompts per generate call,
     until the snippets or the time (`deadline`, checked between calls) run out; `progress(answers)` after each call."""
-    from sparrow.training.data import distill_prompt
-
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     out: list[Tensor] = []
@@ -253,8 +257,6 @@ def build_corpus(model: nn.Module, tokenizer: Any, settings: RecipeSettings, dea
                  ) -> tuple[list[Tensor], list[Tensor], dict[str, Any]]:
     """(training sequences, held-out sequences, a summary) from files and self-distilled answers;
     `progress(split, answers)` after each generate call."""
-    from sparrow.training.data import CorpusSpec, default_roots, file_sequences
-
     roots = settings.data or tuple(str(r) for r in default_roots())
     spec = CorpusSpec(roots=tuple(roots), tokens=settings.tokens, held_out_tokens=settings.held_out_tokens,
                       sequence_length=settings.seq_len, seed=settings.seed)
@@ -325,8 +327,6 @@ def _swap_in(fresh: Path, directory: Path) -> None:
 def write_checkpoint(out: Path, head: Any, optimiser: torch.optim.Optimizer, generator: torch.Generator,
                      progress: dict[str, Any], settings: RecipeSettings) -> None:
     """OUT/checkpoint (dense head + recipe_state.pt) and OUT/int8, each swapped in whole."""
-    from sparrow.heads.layout import export_int8, save_head
-
     fresh = out / "checkpoint.tmp"
     if fresh.exists():
         shutil.rmtree(fresh)
@@ -391,9 +391,6 @@ def evaluate(head: Any, model: nn.Module, sequences: Sequence[Tensor], settings:
              device: torch.device, autocast: bool) -> dict[str, Any]:
     """Held-out top-1 agreement per draft depth (target-fed context, as in training), the mean loss and the
     expected tokens per round 1 + a1 + a1 a2 + ... (`sparrow.training.heads.Evaluation`)."""
-    from sparrow.training.batched import batched_ttt_loss
-    from sparrow.training.loop import Evaluation
-
     head.eval()
     chosen = list(sequences[: settings.eval_sequences])
     agreed: list[int] = []
@@ -418,12 +415,6 @@ def evaluate(head: Any, model: nn.Module, sequences: Sequence[Tensor], settings:
 
 def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any]:
     """The whole recipe (see the module docstring); returns what OUT/eval.json holds."""
-    from sparrow.training.batched import batched_ttt_loss
-    from sparrow.heads.factory import new_head
-    from sparrow.training.heads import frequent_tokens, init_from_target
-    from sparrow.training.loop import new_optimiser
-    from sparrow.training.trainer import resumed_head
-
     started = time.monotonic() if started is None else started
     deadline = started + settings.time_budget
     reserve = max(5.0, 0.05 * settings.time_budget)  # the final evaluation, checkpoint and exports
@@ -594,9 +585,6 @@ def _transformers_version() -> str:
 def prepare(preset: str, directory: str, chunk_bytes: int) -> list[Path]:
     """Cut an installed preset's GGUF (its package parts, as sparrow's loader joins them) into chunks + SHA256SUMS
     under `directory`, checked against the preset's sha256. Runs here (sparrow installed), not on the device."""
-    from sparrow.training.chunks import split_file
-    from sparrow.models.presets import _part_paths, get_preset, not_installed_error
-
     spec = get_preset(preset)
     parts = _part_paths(spec)
     if parts is None:

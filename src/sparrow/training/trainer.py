@@ -30,8 +30,12 @@ from sparrow.errors import UserError
 from sparrow.heads.config import HeadConfig
 from sparrow.heads.eagle import EagleHead, TargetParts
 from sparrow.heads.layout import WEIGHTS, save_head
+from sparrow.heads.longspec import LongSpecConfig, LongSpecHead
+from sparrow.heads.sparrow_head import SparrowSpec
 from sparrow.training.heads import evaluate_head, train_step
+from sparrow.training.longspec import evaluate_longspec, longspec_step
 from sparrow.training.loop import Evaluation, StepResult, draw_batch, new_optimiser
+from sparrow.training.sparrow_head import evaluate_sparrow, sparrow_step
 
 if TYPE_CHECKING:
     from sparrow.heads.longspec import LongSpecHead
@@ -132,16 +136,12 @@ def resumed_head(directory: Path, state: dict[str, Any], model: nn.Module,
     with their fusion and layers, a Sparrow head's spec, a LongSpec head's window and layer) as it was saved."""
     fields = dict(state["head_config"])
     if fields.get("arch") == "longspec":
-        from sparrow.heads.longspec import LongSpecConfig, LongSpecHead
-
         head: EagleHead | LongSpecHead = LongSpecHead(LongSpecConfig(**fields), TargetParts.of(model), device=device,
                                                       dtype=torch.float32)
     else:
         fields["target_layers"] = tuple(fields["target_layers"])
         head = EagleHead(HeadConfig(**fields), TargetParts.of(model), device=device, dtype=torch.float32)
         if state.get("sparrow") is not None:
-            from sparrow.heads.sparrow_head import SparrowSpec
-
             head.sparrow = SparrowSpec(**state["sparrow"])
     weights = state.get("weights")  # older checkpoints: the layout's weights only
     head.load_state_dict({k: t.to(device) for k, t in weights.items()} if weights is not None
@@ -204,8 +204,6 @@ def _trainer_of(head: EagleHead | LongSpecHead, settings: TrainSettings, model: 
                            Callable[[Sequence[Any]], Evaluation]]:
     """The optimiser step and the held-out evaluation of `head`'s arch (the generator: the run's data order)."""
     if head.config.arch == "longspec":
-        from sparrow.training.longspec import evaluate_longspec, longspec_step
-
         if model is None:
             raise ValueError("a LongSpec head trains with its target: pass model=")
         return (lambda optimiser, batch, generator: longspec_step(
@@ -215,7 +213,6 @@ def _trainer_of(head: EagleHead | LongSpecHead, settings: TrainSettings, model: 
     if settings.anchor_offset:
         raise UserError("--anchor-offset applies to --arch longspec only")
     if getattr(head, "sparrow", None) is not None:  # a Sparrow head trains on VideoFeatures (sparrow_head)
-        from sparrow.training.sparrow_head import evaluate_sparrow, sparrow_step
 
         return (lambda optimiser, batch, generator: sparrow_step(head, optimiser, batch, settings.ttt_steps,
                                                                  settings.decay, settings.clip),
