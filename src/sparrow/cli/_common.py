@@ -79,6 +79,30 @@ def check_float(flag: str, value: float | None, expected: str, ok: Callable[[flo
         raise UserError(f"{flag} must be {expected}, got {value}")
 
 
+SPECULATIVE_CONFIG_HELP = ("vLLM's speculative config as JSON, e.g. '{\"method\": \"suffix\", "
+                           "\"num_speculative_tokens\": 16}': method ngram|draft_model|eagle|eagle3|suffix, model, "
+                           "num_speculative_tokens, prompt_lookup_max/min, suffix_decoding_*; a flag given beside it "
+                           "must agree.")
+
+
+def with_speculative_config(text: str | None, drafter: str, draft: object, k: int | None,
+                            options: dict) -> tuple[str, object, int | None, dict]:
+    """--speculative-config applied over --drafter/--draft/-k and the drafter options the flags made; a flag set on
+    the command line (not left at its default) that contradicts a key is refused naming both."""
+    if text is None:
+        return drafter, draft, k, options
+    from click.core import ParameterSource
+
+    from sparrow.speculative_config import merged, parse
+
+    ctx = click.get_current_context(silent=True)
+    flags = {"drafter": "drafter", "draft": "draft", "k": "num_draft_tokens"}
+    given = {name for param, name in flags.items()
+             if ctx is None or ctx.get_parameter_source(param) not in (None, ParameterSource.DEFAULT)}
+    return merged(parse(text), drafter=drafter, draft=draft, num_draft_tokens=k, options=options,
+                  given=given | set(options))
+
+
 def cli_errors(command: Command) -> Command:
     """Decorate a command with the error policy of the module docstring.
 
