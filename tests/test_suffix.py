@@ -246,3 +246,15 @@ class AlwaysAcceptChain:
 
         bonus = S.sample(S.probs(target_logits[-1], sampling), generator)
         return Verdict(tokens=torch.cat([draft.tokens, bonus.reshape(1)]), num_accepted=len(draft))
+
+
+def test_auto_uses_suffix_where_earlier_outputs_repeat(loaded_target, baselines):
+    auto = build_drafter("auto", loaded_target, None, 8)
+    assert "suffix" in auto.candidates
+    pipe = Pipeline(loaded_target, auto)
+    prompt = PROMPTS[1]
+    assert pipe.generate(prompt, max_new_tokens=40).token_ids == baselines[prompt]
+    again = pipe.generate(prompt, max_new_tokens=40)  # the first output is in suffix's store now
+    assert again.token_ids == baselines[prompt]
+    used = [r for r in auto.rounds if r.choice == "suffix"]
+    assert used and sum(r.accepted for r in used) > 0
