@@ -6,11 +6,11 @@ Sequences grow one token at a time (a request's output) and can be removed again
 
     trie = SuffixTrie(depth=4)
     trie.extend(0, [1, 2, 3, 1, 2])   # sequence 0
-    node = trie.find([1, 2])           # occurred twice; children {3: count 1}: "1 2" was followed by 3 once
+    node = trie.find([1, 2])           # trie.count[node] == 2; one child, token 3, count 1
 
 Appending a token touches the `depth` nodes of the suffixes that end there (O(depth) dictionary operations);
 removing a sequence replays its tokens and decrements. Uncompressed (one node per distinct pattern), so the
-node count is at most tokens x depth; `SuffixStore` bounds it by evicting the oldest sequences.
+node count is at most tokens x depth (~100 bytes a node); `SuffixStore` bounds it by evicting the oldest sequences.
 
 Arctic Inference keeps a path-compressed suffix tree in C++ (nodes reference spans of a stored sequence);
 this is its simple Python counterpart, measured small against a target forward (docs/results/suffix.md).
@@ -26,27 +26,35 @@ from dataclasses import dataclass
 from sparrow.errors import UserError
 
 
-class Node:
-    """One pattern: how many positions it occurred at, and what followed (token -> node)."""
-
-    __slots__ = ("count", "children")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, Node] = {}
+ROOT = 0
+_SHIFT = 32  # a child's key: (parent << _SHIFT) | token (token ids < 2**32)
 
 
 class SuffixTrie:
-    """The depth-cut suffixes of a set of growing sequences, with occurrence counts (see the module doc)."""
+    """The depth-cut suffixes of a set of growing sequences, with occurrence counts (see the module doc).
+
+    Nodes are ints (ROOT = 0) in flat int lists, and the edges one dict of int keys: no Python object per node,
+    so the cyclic garbage collector has nothing to walk (one object per node made appends ~15x slower: GC passes
+    over hundreds of thousands of tracked nodes)."""
 
     def __init__(self, depth: int) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise UserError(f"suffix tree depth must be an integer >= 1, got {depth!r}")
         self.depth = depth
-        self.root = Node()
-        self.nodes = 0  # nodes below the root: the memory in use (~250 bytes each in CPython)
+        self._edge: dict[int, int] = {}  # (parent << _SHIFT) | token -> child
+        self.count = [0]  # node -> positions the pattern occurred at
+        self.token = [-1]  # node -> its last token
+        self._parent = [-1]
+        self._first = [-1]  # node -> its newest child (-1: none); children chain through _sibling
+        self._sibling = [-1]
+        self._free: list[int] = []  # node ids to reuse
         self._tokens: dict[int, list[int]] = {}  # sequence id -> its tokens
-        self._open: dict[int, list[Node]] = {}  # sequence id -> nodes of its suffixes of length 0 .. depth - 1
+        self._open: dict[int, list[int]] = {}  # sequence id -> nodes of its suffixes of length 0 .. depth - 1
+
+    @property
+    def nodes(self) -> int:
+        """Nodes below the root: the memory in use."""
+        return len(self.count) - 1 - len(self._free)
 
     def __contains__(self, seq: int) -> bool:
         return seq in self._tokens
@@ -58,20 +66,62 @@ class SuffixTrie:
     def length(self, seq: int) -> int:
         return len(self._tokens.get(seq, ()))
 
+    def children(self, node: int) -> list[int]:
+        """The child nodes of `node`."""
+        kids, child = [], self._first[node]
+        while child >= 0:
+            kids.append(child)
+            child = self._sibling[child]
+        return kids
+
+    def has_children(self, node: int) -> bool:
+        return self._first[node] >= 0
+
+    def _new_child(self, parent: int, token: int) -> int:
+        if self._free:
+            node = self._free.pop()
+            self.count[node], self.token[node], self._parent[node] = 0, token, parent
+            self._first[node], self._sibling[node] = -1, self._first[parent]
+        else:
+            node = len(self.count)
+            self.count.append(0)
+            self.token.append(token)
+            self._parent.append(parent)
+            self._first.append(-1)
+            self._sibling.append(self._first[parent])
+        self._first[parent] = node
+        self._edge[(parent << _SHIFT) | token] = node
+        return node
+
+    def _drop(self, node: int) -> None:
+        """Unlink a node whose count reached 0 (its children, all at 0, are dropped on their own turn)."""
+        parent = self._parent[node]
+        del self._edge[(parent << _SHIFT) | self.token[node]]
+        if self._first[parent] == node:
+            self._first[parent] = self._sibling[node]
+        else:
+            prev = self._first[parent]
+            while self._sibling[prev] != node:
+                prev = self._sibling[prev]
+            self._sibling[prev] = self._sibling[node]
+        self._free.append(node)
+
     def extend(self, seq: int, tokens: Iterable[int]) -> None:
         """Append `tokens` to sequence `seq` (a new one if unknown): count the suffixes ending at each."""
         stored = self._tokens.setdefault(seq, [])
-        frontier = self._open.setdefault(seq, [self.root])
+        frontier = self._open.setdefault(seq, [ROOT])
+        edge, count = self._edge, self.count
         for token in tokens:
             token = int(token)
+            if not 0 <= token < 1 << _SHIFT:
+                raise UserError(f"suffix tree token ids must lie in [0, 2**32), got {token}")
             stored.append(token)
-            grown = [self.root]
+            grown = [ROOT]
             for node in frontier:
-                child = node.children.get(token)
+                child = edge.get((node << _SHIFT) | token)
                 if child is None:
-                    child = node.children[token] = Node()
-                    self.nodes += 1
-                child.count += 1
+                    child = self._new_child(node, token)
+                count[child] += 1
                 grown.append(child)
             frontier = grown[: self.depth]
         self._open[seq] = frontier
@@ -82,23 +132,22 @@ class SuffixTrie:
         self._open.pop(seq, None)
         if stored is None:
             return
-        frontier = [self.root]
+        frontier = [ROOT]
         for token in stored:
-            grown = [self.root]
+            grown = [ROOT]
             for node in frontier:
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:  # its whole subtree is at 0 too (counts never grow downwards)
-                    del node.children[token]
-                    self.nodes -= 1
+                child = self._edge[(node << _SHIFT) | token]
+                self.count[child] -= 1
+                if self.count[child] == 0:  # its whole subtree is at 0 too (counts never grow downwards)
+                    self._drop(child)
                 grown.append(child)
             frontier = grown[: self.depth]
 
-    def find(self, pattern: Sequence[int]) -> Node | None:
+    def find(self, pattern: Sequence[int]) -> int | None:
         """The node of `pattern` (at most `depth` tokens), or None if it never occurred."""
-        node = self.root
+        node = ROOT
         for token in pattern:
-            node = node.children.get(token)
+            node = self._edge.get((node << _SHIFT) | token)
             if node is None:
                 return None
         return node
@@ -178,13 +227,13 @@ class SuffixStore:
         self.trie.remove(seq)
 
 
-def matches(trie: SuffixTrie, context: Sequence[int], min_length: int = 1) -> list[tuple[int, Node]]:
+def matches(trie: SuffixTrie, context: Sequence[int], min_length: int = 1) -> list[tuple[int, int]]:
     """(m, node) for each suffix of `context` of length m (min_length <= m < depth) whose node has children,
-    longest first. Its children's counts are snapshots taken now (what followed, how often)."""
+    longest first."""
     found = []
     longest = min(len(context), trie.depth - 1)
     for m in range(longest, min_length - 1, -1):
         node = trie.find(context[len(context) - m:])
-        if node is not None and node.children:
+        if node is not None and trie.has_children(node):
             found.append((m, node))
     return found

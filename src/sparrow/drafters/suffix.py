@@ -39,7 +39,7 @@ from sparrow.errors import UserError
 from sparrow.noise import Randomness
 from sparrow.policy import LengthPolicy
 from sparrow.runner import runner_for
-from sparrow.suffix_tree import Node, StoreLimits, SuffixStore, SuffixTrie, matches
+from sparrow.suffix_tree import StoreLimits, SuffixStore, SuffixTrie, matches
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
@@ -78,21 +78,24 @@ class Candidate:
     first: int  # length of the most probable path (the chain the length policy follows)
 
 
-def speculate(node: Node, max_depth: int, min_prob: float, budget: int, topk: int) -> Candidate:
-    """Best-first expansion below a pattern's `node`: at most `budget` nodes, `max_depth` deep, `topk` children
-    per node, each path's probability >= `min_prob` (a chain: budget = max_depth, topk = 1)."""
+def speculate(trie: SuffixTrie, node: int, max_depth: int, min_prob: float, budget: int, topk: int) -> Candidate:
+    """Best-first expansion below a pattern's `node` of `trie`: at most `budget` nodes, `max_depth` deep, `topk`
+    children per node, each path's probability >= `min_prob` (a chain: budget = max_depth, topk = 1)."""
     tokens: list[int] = []
     parents: list[int] = []
     depth: list[int] = []
     score = 0.0
     tie = count()  # heap ties: earlier pushes first (a parent's children in count order)
-    heap: list[tuple[float, int, int, int, Node, int]] = []  # (-path prob, tie, parent, token, node, depth)
+    heap: list[tuple[float, int, int, int, int, int]] = []  # (-path prob, tie, parent, token, node, depth)
+    counts = trie.count
 
-    def push(parent: int, below: Node, prob: float, level: int) -> None:
-        total = sum(child.count for child in below.children.values())
-        kids = sorted(below.children.items(), key=lambda item: -item[1].count)[:topk]
-        for token, child in kids:
-            p = prob * child.count / total
+    def push(parent: int, below: int, prob: float, level: int) -> None:
+        kids = trie.children(below)
+        total = sum(counts[child] for child in kids)
+        kids.sort(key=lambda child: (-counts[child], trie.token[child]))
+        for child in kids[:topk]:
+            token = trie.token[child]
+            p = prob * counts[child] / total
             if p >= min_prob:
                 heapq.heappush(heap, (-p, next(tie), parent, token, child, level))
 
@@ -187,7 +190,7 @@ class SuffixDrafter:
                     depth = min(depth_cap, int(c.max_spec_factor * m))
                     if depth < 1 or (best is not None and best.score >= (depth if topk == 1 else budget)):
                         continue  # cannot beat the best (a score is at most its node count)
-                    candidate = speculate(node, depth, c.min_token_prob, min(budget, depth if topk == 1 else budget),
+                    candidate = speculate(trie, node, depth, c.min_token_prob, min(budget, depth if topk == 1 else budget),
                                           topk)
                     if best is None or candidate.score > best.score:
                         best = candidate
