@@ -98,14 +98,15 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(args.threads)
     target = load_model(args.target, dtype=args.dtype, progress=False)
     pipes = {m: sparrow.load(target, drafter="none" if m == "plain" else m, draft=None) for m in METHODS}
+    for name, options in json.loads(args.variants).items():  # e.g. {"suffix-f2": {"max_spec_factor": 2.0}}
+        pipes[name] = sparrow.load(target, drafter="suffix", draft=None, **options)
     pipes["plain"].generate_plain("Hello", max_new_tokens=4)  # warm-up
     rows = []
     previous: dict[str, str] = {}
     for i, request in enumerate(build_workload()):
         prompt = request.prompt.replace("{previous}", extract_file(previous.get(request.kind, "")))
         plain_ids = None
-        for method in METHODS:
-            pipe = pipes[method]
+        for method, pipe in pipes.items():
             run_ = pipe.generate_plain if method == "plain" else pipe.generate
             result = run_(prompt, max_new_tokens=args.max_new_tokens, chat=True)
             if method == "plain":
@@ -193,6 +194,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", default="{}", help='More suffix pipelines: {"name": {options}}.')
     parser.add_argument("--repeat", type=int, default=0, help="Recorded in the rows (to tell runs apart).")
     parser.add_argument("--out", type=Path, default=None, help="Append the rows (JSONL) here.")
     parser.add_argument("--summary", type=Path, default=None, help="Only print the table of these JSONL rows.")
