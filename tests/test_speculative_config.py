@@ -94,3 +94,27 @@ def test_the_commands_refuse_bad_configs_in_one_line(command):
         result = CliRunner().invoke(app, [command, *prompt, "--drafter", "prompt-lookup", "--speculative-config",
                                           '{"method": "suffix"}'])
         assert result.exit_code == 2 and "--drafter 'prompt-lookup' contradicts" in result.output, result.output
+
+
+def test_bench_adds_the_configs_method_with_its_options(monkeypatch, tmp_path):
+    import importlib
+
+    bench_cli = importlib.import_module("sparrow.cli.bench")  # the module (sparrow.cli.bench is also the command)
+
+    seen = {}
+
+    def fake_run(**kwargs):
+        seen.update(kwargs)
+        report = tmp_path / "report.md"
+        report.write_text("ok")
+        return report
+
+    monkeypatch.setattr(bench_cli, "run", fake_run)
+    config = '{"method": "suffix", "num_speculative_tokens": 12, "suffix_decoding_max_spec_factor": 2.0}'
+    result = CliRunner().invoke(app, ["bench", "--quick", "--methods", "plain,prompt-lookup",
+                                      "--speculative-config", config])
+    assert result.exit_code == 0, result.output
+    assert seen["methods"] == "plain,prompt-lookup,suffix" and seen["k"] == 12
+    assert seen["drafter_options"] == {"suffix": {"max_spec_factor": 2.0}}
+    result = CliRunner().invoke(app, ["bench", "-k", "4", "--speculative-config", config])
+    assert result.exit_code == 2 and "-k/--num-draft-tokens 4 contradicts" in result.output

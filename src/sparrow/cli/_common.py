@@ -20,6 +20,7 @@ Exit codes and what stderr shows (commands decorated with `cli_errors`):
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
 import sys
@@ -91,16 +92,26 @@ def with_speculative_config(text: str | None, drafter: str, draft: object, k: in
     the command line (not left at its default) that contradicts a key is refused naming both."""
     if text is None:
         return drafter, draft, k, options
-    from click.core import ParameterSource
-
     from sparrow.speculative_config import merged, parse
 
-    ctx = click.get_current_context(silent=True)
+    ctx = current_context()
     flags = {"drafter": "drafter", "draft": "draft", "k": "num_draft_tokens"}
-    given = {name for param, name in flags.items()
-             if ctx is None or ctx.get_parameter_source(param) not in (None, ParameterSource.DEFAULT)}
+    sources = {param: ctx.get_parameter_source(param) if ctx is not None else None for param in flags}
+    given = {name for param, name in flags.items() if sources[param] is not None and sources[param].name != "DEFAULT"}
     return merged(parse(text), drafter=drafter, draft=draft, num_draft_tokens=k, options=options,
                   given=given | set(options))
+
+
+def current_context() -> object | None:
+    """The running command's click context (Typer runs its own vendored copy of click, so ask both)."""
+    for module in ("typer._click.globals", "click"):
+        try:
+            ctx = importlib.import_module(module).get_current_context(silent=True)
+        except (ImportError, AttributeError):
+            continue
+        if ctx is not None:
+            return ctx
+    return None
 
 
 def cli_errors(command: Command) -> Command:
