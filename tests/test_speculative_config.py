@@ -22,9 +22,11 @@ def test_each_key_maps_onto_sparrows_options():
     assert (model.drafter, model.draft, model.options) == ("draft-model", "qwen2.5-coder-0.5b", {})
     for method in ("eagle", "eagle3"):
         head = resolve({"method": method, "model": "/heads/h", "num_speculative_tokens": 3})
-        assert (head.drafter, head.draft, head.num_draft_tokens, head.options) == ("eagle", None, 3, {"head": "/heads/h"})
-    suffix = resolve('{"method": "suffix", "suffix_decoding_max_tree_depth": 32, "suffix_decoding_max_spec_factor": 2.0,'
-                     ' "suffix_decoding_min_token_prob": 0.05, "suffix_decoding_max_cached_requests": 100}')
+        expected = ("eagle", None, 3, {"head": "/heads/h"})
+        assert (head.drafter, head.draft, head.num_draft_tokens, head.options) == expected
+    suffix = resolve('{"method": "suffix", "suffix_decoding_max_tree_depth": 32, '
+                     '"suffix_decoding_max_spec_factor": 2.0, "suffix_decoding_min_token_prob": 0.05, '
+                     '"suffix_decoding_max_cached_requests": 100}')
     assert suffix.drafter == "suffix" and suffix.options == {"max_tree_depth": 32, "max_spec_factor": 2.0,
                                                              "min_token_prob": 0.05, "max_cached_requests": 100}
 

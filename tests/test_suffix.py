@@ -102,7 +102,7 @@ def baselines(loaded_target) -> dict[str, list[int]]:
 @pytest.mark.parametrize("tree", [{}, dict(tree_budget=12, tree_topk=3, tree_depth=6)], ids=["chain", "tree"])
 def test_greedy_output_equals_plain_with_drafts_accepted(loaded_target, baselines, tree, verifier):
     pipe = Pipeline(loaded_target, build_drafter("suffix", loaded_target, None, 8, **tree), verifier)
-    accepted = trees = 0
+    accepted = 0
     for prompt in PROMPTS:
         result = pipe.generate(prompt, max_new_tokens=40)
         assert result.token_ids == baselines[prompt], (prompt, result.stats)

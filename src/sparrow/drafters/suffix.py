@@ -127,7 +127,8 @@ class SuffixDrafter:
                  store: SuffixStore | None = None) -> None:
         """store: the shared trie over outputs (default: a new one, shared by this drafter's forks)."""
         self.config = config
-        self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive if backoff is None else backoff)
+        backoff = adaptive if backoff is None else backoff
+        self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=backoff)
         self.tree = tree
         limits = StoreLimits(config.max_cached_requests, config.max_cached_tokens)
         self.store = store if store is not None else SuffixStore(config.max_tree_depth, limits)
@@ -190,8 +191,8 @@ class SuffixDrafter:
                     depth = min(depth_cap, int(c.max_spec_factor * m))
                     if depth < 1 or (best is not None and best.score >= (depth if topk == 1 else budget)):
                         continue  # cannot beat the best (a score is at most its node count)
-                    candidate = speculate(trie, node, depth, c.min_token_prob, min(budget, depth if topk == 1 else budget),
-                                          topk)
+                    nodes = depth if topk == 1 else budget  # a chain: its depth
+                    candidate = speculate(trie, node, depth, c.min_token_prob, nodes, topk)
                     if best is None or candidate.score > best.score:
                         best = candidate
             finally:
