@@ -10,7 +10,8 @@ Sequences grow one token at a time (a request's output) and can be removed again
 
 Appending a token touches the `depth` nodes of the suffixes that end there (O(depth) dictionary operations);
 removing a sequence replays its tokens and decrements. Uncompressed (one node per distinct pattern), so the
-node count is at most tokens x depth (~100 bytes a node); `SuffixStore` bounds it by evicting the oldest sequences.
+node count is at most tokens x depth (~160 bytes a node); `SuffixStore` bounds it by evicting the oldest
+sequences.
 
 Arctic Inference keeps a path-compressed suffix tree in C++ (nodes reference spans of a stored sequence);
 this is its simple Python counterpart, measured small against a target forward (docs/results/suffix.md).

@@ -56,7 +56,7 @@ class SuffixConfig:
     max_cached_requests: int = 10000
     """Outputs the shared store keeps (0: no store, the request's own trie only)."""
     max_cached_tokens: int = 100_000
-    """Tokens the shared store keeps (its nodes <= this x max_tree_depth, ~250 bytes each)."""
+    """Tokens the shared store keeps (its nodes <= this x max_tree_depth, ~160 bytes each)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tree_depth, bool) or not isinstance(self.max_tree_depth, int) or self.max_tree_depth < 2:
