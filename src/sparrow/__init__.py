@@ -40,16 +40,19 @@ def __getattr__(name: str) -> Any:
 def generate(prompt, *, target: str = "qwen2.5-coder-1.5b", drafter: str = "draft-model",
              draft: str | None = "default", num_draft_tokens: int | None = None,
              adaptive: bool = True, dtype: str = "auto", device: str | None = None,
-             quant: str | None = None, draft_quant: str | None = None, **options) -> GenerationResult:
+             quant: str | None = None, draft_quant: str | None = None, speculative_config=None,
+             **options) -> GenerationResult:
     """One-call API: gets a pipeline from `PIPELINES` (loading its models once), then generates speculatively.
 
     Safe to call from several threads: generations on the same models run one at a time (see sparrow.pipeline).
     quant / draft_quant: "int8" | "int4" weight-only target / draft (see sparrow.load).
+    speculative_config: vLLM's speculative config, a dict or JSON text (see sparrow.load).
     options: max_new_tokens, temperature, top_k, top_p, seed, stop, chat.
     """
     pipelines = globals()["PIPELINES"] if "PIPELINES" in globals() else __getattr__("PIPELINES")
     pipe = pipelines.get(target, drafter=drafter, draft=draft, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
-                         dtype=dtype, device=device, quant=quant, draft_quant=draft_quant)
+                         dtype=dtype, device=device, quant=quant, draft_quant=draft_quant,
+                         speculative_config=speculative_config)
     return pipe.generate(prompt, **options)
 
 

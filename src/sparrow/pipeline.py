@@ -304,7 +304,7 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
          draft: str | LoadedModel | None = "default", num_draft_tokens: int | None = None,
          adaptive: bool = True, verifier: str = "auto", dtype: str = "auto", device: str | None = None,
          progress: bool = True, quant: str | None = None, draft_quant: str | None = None, compile: bool = False,
-         **drafter_options) -> Pipeline:
+         speculative_config: Mapping[str, Any] | str | None = None, **drafter_options) -> Pipeline:
     """Load a target (and a draft model when the drafter needs or uses one) and build a Pipeline.
 
     draft: preset, path or hub id, a LoadedModel, None (no draft), or "default" (qwen2.5-coder-0.5b for
@@ -316,7 +316,11 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     a dense draft where none pays, and for drafters without a draft model).
     compile: static KV cache and torch.compile'd decode / verify steps for the target and the draft of
     draft-model / quantized-self (`sparrow.runtime.compiled`; text LMs without sliding-window layers).
+    speculative_config: vLLM's speculative config (a dict or its JSON text: method, model,
+    num_speculative_tokens, ...; `sparrow.speculative_config`), applied over drafter / draft / num_draft_tokens.
     """
+    drafter, draft, num_draft_tokens, drafter_options = with_speculative_config(
+        speculative_config, drafter, draft, num_draft_tokens, drafter_options)
     if not isinstance(compile, bool):
         raise UserError(f"compile must be True or False, got {compile!r}")
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
@@ -329,6 +333,16 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     draft = _quantized(draft, draft_quant, keep_dense=True) if draft is not None else None
     return _build(target, drafter, draft, num_draft_tokens, adaptive, verifier,
                   _quantized_run(quant, draft_quant, draft), drafter_options, compile)
+
+
+def with_speculative_config(config: Mapping[str, Any] | str | None, drafter: str, draft: Any,
+                            num_draft_tokens: int | None, options: dict[str, Any]):
+    """The Python API's drafter arguments with a speculative config applied (see sparrow.speculative_config)."""
+    from sparrow.speculative_config import given_arguments, merged
+
+    given = given_arguments(drafter, draft, num_draft_tokens, options)
+    return merged(config, drafter=drafter, draft=draft, num_draft_tokens=num_draft_tokens, options=options,
+                  given=given, python=True)
 
 
 def _quantized(loaded: LoadedModel, quant: str | None, keep_dense: bool = False) -> LoadedModel:
@@ -402,12 +416,14 @@ class PipelineCache:
 
     def get(self, target: str | LoadedModel, *, drafter: str = "draft-model", draft: str | LoadedModel | None = "default",
             num_draft_tokens: int | None = None, adaptive: bool = True, dtype: str = "auto",
-            device: str | None = None, quant: str | None = None, draft_quant: str | None = None) -> Pipeline:
-        options: dict[str, Any] = {}
+            device: str | None = None, quant: str | None = None, draft_quant: str | None = None,
+            speculative_config: Mapping[str, Any] | str | None = None) -> Pipeline:
+        drafter, draft, num_draft_tokens, options = with_speculative_config(speculative_config, drafter, draft,
+                                                                            num_draft_tokens, {})
         draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
                                          device, dtype)  # before loading
         key = (_key(target), drafter, _key(draft), num_draft_tokens, adaptive, resolve_dtype(dtype, device),
-               resolve_device(device), quant, draft_quant)
+               resolve_device(device), quant, draft_quant, tuple(sorted((k, repr(v)) for k, v in options.items())))
         with self._lock:
             pipe = self._pipelines.get(key)
             if pipe is not None:

@@ -75,6 +75,7 @@ class Spec:
 SPECS = {
     "draft-model": Spec("draft-model", {}, trees=True, draft="close"),
     "prompt-lookup": Spec("prompt-lookup", {}, trees=True),
+    "suffix": Spec("suffix", {}, trees=True),
     "layer-skip": Spec("layer-skip", {"skip_set": "mlp=1", "backoff": False}, trees=True),
     "quantized-self-int8": Spec("quantized-self", {"bits": "int8"}, trees=True),
     "quantized-self-int4": Spec("quantized-self", {"bits": "int4", "group_size": 64}, trees=True),

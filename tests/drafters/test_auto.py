@@ -182,7 +182,8 @@ def test_injected_costs_drive_the_choice(clock, llama):
 def test_builds_from_the_registry_with_and_without_a_draft_model(loaded_target, drafts):
     assert REGISTRY["auto"].uses_draft_model and not REGISTRY["auto"].needs_draft_model
     alone = build_drafter("auto", loaded_target)
-    assert list(alone.candidates) == ["prompt-lookup"]
+    assert list(alone.candidates) == ["prompt-lookup", "suffix"]
+    assert list(build_drafter("auto", loaded_target, suffix=False).candidates) == ["prompt-lookup"]
     paired = build_drafter("auto", loaded_target, drafts["close"], num_draft_tokens=4)
     assert list(paired.candidates)[:2] == ["prompt-lookup", "draft-model"]
     assert paired.candidates["draft-model"].length.max_tokens == 4  # -k caps every candidate

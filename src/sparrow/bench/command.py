@@ -29,7 +29,8 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
          per_task: Optional[int], max_new_tokens: Optional[int], repeats: int, first_repeat: int, warmup: int,
          all_turns: bool, target: str, draft: str, cross_draft: str, k: Optional[int], adaptive: bool, dtype: str,
          device: Optional[str], quant: Optional[str], draft_quant: Optional[str], lookup_tokens: int, chat: bool,
-         out: Path, quick: bool, progress: bool, head: Optional[str] = None) -> Path:
+         out: Path, quick: bool, progress: bool, head: Optional[str] = None,
+         drafter_options: Optional[dict] = None) -> Path:
     """Validate (before any model is loaded), run and write `out`; the report's path."""
     from sparrow.bench.data import load_questions, shortest_per_task
     from sparrow.bench.methods import needs_cross_draft, needs_draft, parse_methods
@@ -54,6 +55,8 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
         if value < low:
             raise UserError(f"{name} must be >= {low}, got {value}")
     check_drafter_args("none", k)
+    for name, options in (drafter_options or {}).items():
+        check_drafter_args(name, k, options)
     if head is not None and "eagle" not in method_list:
         raise UserError("--head applies to the eagle method only: add eagle to --methods")
     if "eagle" in method_list and head is None:  # the head shipped in the package or trained for a preset target
@@ -75,7 +78,7 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
                          cross_draft=cross_draft if any(map(needs_cross_draft, method_list)) else None, dtype=dtype,
                          k=k, adaptive=adaptive, max_new_tokens=max_new_tokens, turns=2 if all_turns else 1,
                          chat=chat, device=str(resolve_device(device)), quant=quant, draft_quant=draft_quant,
-                         lookup_tokens=lookup_tokens, head=head)
+                         lookup_tokens=lookup_tokens, head=head, drafter_options=drafter_options or {})
     runner = Runner(method_list, load_models(config, progress), config)
     return run_to_dir(runner, questions, out, repeats=repeats, first_repeat=first_repeat, warmup=warmup,
                       progress=progress)

@@ -12,7 +12,7 @@ import hashlib
 import json
 import platform
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ class BenchConfig:
     lookup_tokens: int = 10  # transformers' prompt_lookup_num_tokens
     temperature: float = 0.0
     head: str | None = None  # the head directory of the "eagle" method
+    drafter_options: dict = field(default_factory=dict)  # method -> its drafter options (--speculative-config)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -60,6 +61,8 @@ class BenchConfig:
         fields = asdict(self)
         if fields["head"] is None:  # runs without a head keep the keys of runs from before the field existed
             del fields["head"]
+        if not fields["drafter_options"]:  # the same for runs without --speculative-config options
+            del fields["drafter_options"]
         return json.dumps(fields, sort_keys=True)
 
 
@@ -107,7 +110,8 @@ def build_pipelines(methods: Sequence[str], models: Models, config: BenchConfig)
         draft_quant = config.draft_quant if has_model or name == "quantized-self" else None
         pipe = sparrow.load(models.target, drafter=name, draft=draft if has_model else None, num_draft_tokens=config.k,
                             adaptive=config.adaptive, progress=False, draft_quant=draft_quant,
-                            **({"head": config.head} if name == "eagle" else {}))
+                            **({"head": config.head} if name == "eagle" else {}),
+                            **config.drafter_options.get(name, {}))
         if config.quant is not None and pipe.drafter is not None:  # a quantized target: k follows the cost curve
             follow_cost_curve(pipe.drafter, pipe.runner)
         pipes[method] = pipe

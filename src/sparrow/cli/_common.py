@@ -20,6 +20,7 @@ Exit codes and what stderr shows (commands decorated with `cli_errors`):
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
 import sys
@@ -77,6 +78,40 @@ def check_float(flag: str, value: float | None, expected: str, ok: Callable[[flo
     """Refuse a float flag that is not finite or fails `ok`; `expected` completes "must be ..."."""
     if value is not None and not (math.isfinite(value) and ok(value)):
         raise UserError(f"{flag} must be {expected}, got {value}")
+
+
+SPECULATIVE_CONFIG_HELP = ("vLLM's speculative config as JSON, e.g. '{\"method\": \"suffix\", "
+                           "\"num_speculative_tokens\": 16}': method ngram|draft_model|eagle|eagle3|suffix, model, "
+                           "num_speculative_tokens, prompt_lookup_max/min, suffix_decoding_*; a flag given beside it "
+                           "must agree.")
+
+
+def with_speculative_config(text: str | None, drafter: str, draft: object, k: int | None,
+                            options: dict) -> tuple[str, object, int | None, dict]:
+    """--speculative-config applied over --drafter/--draft/-k and the drafter options the flags made; a flag set on
+    the command line (not left at its default) that contradicts a key is refused naming both."""
+    if text is None:
+        return drafter, draft, k, options
+    from sparrow.speculative_config import merged, parse
+
+    ctx = current_context()
+    flags = {"drafter": "drafter", "draft": "draft", "k": "num_draft_tokens"}
+    sources = {param: ctx.get_parameter_source(param) if ctx is not None else None for param in flags}
+    given = {name for param, name in flags.items() if sources[param] is not None and sources[param].name != "DEFAULT"}
+    return merged(parse(text), drafter=drafter, draft=draft, num_draft_tokens=k, options=options,
+                  given=given | set(options))
+
+
+def current_context() -> object | None:
+    """The running command's click context (Typer runs its own vendored copy of click, so ask both)."""
+    for module in ("typer._click.globals", "click"):
+        try:
+            ctx = importlib.import_module(module).get_current_context(silent=True)
+        except (ImportError, AttributeError):
+            continue
+        if ctx is not None:
+            return ctx
+    return None
 
 
 def cli_errors(command: Command) -> Command:

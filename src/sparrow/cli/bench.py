@@ -9,7 +9,8 @@ import typer
 
 from sparrow.bench.command import DEFAULT_METHODS, QUICK_MAX_NEW_TOKENS, QUICK_METHODS, run
 from sparrow.bench.data import DEFAULT_DATA
-from sparrow.cli._common import DTYPE_HELP, DType, check_int, cli_errors, dtype_name
+from sparrow.cli._common import (DTYPE_HELP, SPECULATIVE_CONFIG_HELP, DType, check_int, cli_errors, dtype_name,
+                                 with_speculative_config)
 
 
 @cli_errors
@@ -40,6 +41,7 @@ def bench(
     report_only: Annotated[Optional[Path], typer.Option(help="Only render DIR's report from its JSONL files (combines runs).")] = None,
     quick: Annotated[bool, typer.Option(help=f"Smoke run: the shortest question of each task, {QUICK_MAX_NEW_TOKENS} new tokens, methods {QUICK_METHODS}.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Rich progress bar on stderr.")] = True,
+    speculative_config: Annotated[Optional[str], typer.Option(help=SPECULATIVE_CONFIG_HELP + " Its method joins --methods; its options apply to that method.")] = None,
 ) -> None:
     """Spec-Bench speed benchmark: sparrow's drafters and transformers' peers, same prompts, same process."""
     if report_only is not None:
@@ -51,9 +53,20 @@ def bench(
                              ("--repeats", repeats, 1), ("--first-repeat", first_repeat, 0), ("--warmup", warmup, 0),
                              ("-k/--num-draft-tokens", k, 1), ("--lookup-tokens", lookup_tokens, 1)):
         check_int(flag, value, low)  # before any model is loaded
+    drafter_options: dict[str, dict] = {}
+    if speculative_config is not None:
+        from sparrow.bench.command import default_methods
+
+        method, draft, k, options = with_speculative_config(speculative_config, "", draft, k,
+                                                            {"head": head} if head is not None else {})
+        head = options.pop("head", None)
+        listed = [m.strip() for m in (methods or default_methods(quick)).split(",") if m.strip()]
+        methods = ",".join(listed if method in listed else [*listed, method])
+        drafter_options = {method: options} if options else {}
     report = run(data=data, methods=methods, categories=categories, limit=limit, per_task=per_task,
                  max_new_tokens=max_new_tokens, repeats=repeats, first_repeat=first_repeat, warmup=warmup,
                  all_turns=all_turns, target=target, draft=draft, cross_draft=cross_draft, k=k, adaptive=adaptive,
                  dtype=dtype_name(dtype, device), device=device, quant=quant, draft_quant=draft_quant,
-                 lookup_tokens=lookup_tokens, chat=chat, out=out, quick=quick, progress=progress, head=head)
+                 lookup_tokens=lookup_tokens, chat=chat, out=out, quick=quick, progress=progress, head=head,
+                 drafter_options=drafter_options)
     typer.echo(report.read_text())

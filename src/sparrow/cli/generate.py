@@ -10,7 +10,8 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from sparrow.cli._common import DTYPE_HELP, DType, check_float, check_int, cli_errors, err
+from sparrow.cli._common import (DTYPE_HELP, SPECULATIVE_CONFIG_HELP, DType, check_float, check_int, cli_errors, err,
+                                 with_speculative_config)
 from sparrow.config import check_max_new_tokens, check_seed, check_temperature, check_top_k, check_top_p
 from sparrow.drafters.registry import REGISTRY, check_drafter_args, drafter_names
 from sparrow.errors import UserError
@@ -52,6 +53,7 @@ def generate(
     head: Annotated[Optional[str], typer.Option(help="--drafter eagle: the head directory (EAGLE-3 layout as SpecForge exports it, or EAGLE-1).")] = None,
     draft_device: Annotated[Optional[str], typer.Option(help="--drafter eagle: run the head on this device (e.g. cuda:0) and the target on --device; only token ids and hidden states cross (Dovetail).")] = None,
     draft_vocab: Annotated[str, typer.Option(help="Drafts score only the N most frequent target tokens (FR-Spec; draft-model, quantized-self, layer-skip, auto's draft model): an integer >= 0 or 'auto' (65536 for vocabularies over 100k tokens); 0 = the full vocabulary.")] = "0",
+    speculative_config: Annotated[Optional[str], typer.Option(help=SPECULATIVE_CONFIG_HELP)] = None,
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow
@@ -62,6 +64,9 @@ def generate(
     # Cheap checks first, so a typo fails before minutes of model loading.
     check_numbers(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   k=k, frames=frames, drop_rate=drop_rate, draft_kv_budget=draft_kv_budget)
+    drafter, draft, k, spec_options = with_speculative_config(speculative_config, drafter, draft, k,
+                                                             {"head": head} if head is not None else {})
+    head = spec_options.pop("head", None)
     if any(not s for s in stop or ()):
         raise UserError("--stop must not be an empty string")
     if not prompt.strip():
@@ -72,6 +77,7 @@ def generate(
     drafter_options = {**video_options, **tree,
                        **draft_vocab_options(drafter, draft_vocab)}
     drafter_options.update(head_options(drafter, head, draft_device))
+    drafter_options.update(spec_options)
     check_media_args(video, frames, image)
     # sparrow.load checks the drafter options (e.g. the tree flags) before loading any model.
     pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,

@@ -17,7 +17,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from sparrow.cli._common import DTYPE_HELP, DType, check_float, check_int, cli_errors
+from sparrow.cli._common import (DTYPE_HELP, SPECULATIVE_CONFIG_HELP, DType, check_float, check_int, cli_errors,
+                                 with_speculative_config)
 from sparrow.drafters.registry import check_drafter_args, drafter_names
 from sparrow.errors import UserError
 
@@ -50,6 +51,7 @@ def serve(
     openapi: Annotated[bool, typer.Option("--openapi/--no-openapi", help="Serve the OpenAPI schema at /openapi.json (behind --api-key). Off by default; /docs and /redoc are never served (they load scripts from a CDN).")] = False,
     public_metrics: Annotated[bool, typer.Option("--public-metrics/--private-metrics", help="Serve /metrics without --api-key (by default it needs the key when one is set).")] = False,
     replica_cpus: Annotated[Optional[float], typer.Option(help="With --ray: CPUs each replica reserves, and its torch threads (default: this machine's CPUs / --replicas on the local Ray instance, 1 on a cluster).")] = None,
+    speculative_config: Annotated[Optional[str], typer.Option(help=SPECULATIVE_CONFIG_HELP)] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming, /metrics)."""
     check_int("-k/--num-draft-tokens", k, 1)
@@ -70,10 +72,12 @@ def serve(
         raise UserError(f"--port must be in [0, 65535], got {port}")
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key must not be empty")
-    check_drafter_args(drafter, k)
     from sparrow.cli.generate import head_options
 
-    drafter_options = head_options(drafter, head)
+    drafter, draft, k, drafter_options = with_speculative_config(speculative_config, drafter, draft, k,
+                                                                 {"head": head} if head is not None else {})
+    drafter_options.update(head_options(drafter, drafter_options.pop("head", None)))
+    check_drafter_args(drafter, k, drafter_options)
     try:
         import uvicorn
 

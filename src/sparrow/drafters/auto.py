@@ -1,8 +1,9 @@
 """Auto drafter: per round, the drafting method with the highest measured tokens per second, or none.
 
 Candidates are ordinary drafters: prompt lookup, the draft model when one is given (cross-vocab
-when its vocabulary differs from the target's), and self-drafts (layer-skip when it is registered
-and tuned for the target; quantized-self on request, since it builds an int4 copy of the target).
+when its vocabulary differs from the target's), self-drafts (layer-skip when it is registered
+and tuned for the target; quantized-self on request, since it builds an int4 copy of the target),
+and suffix decoding (model-free, from the request's text and earlier outputs; probed like the others).
 "none" (an empty draft, i.e. a plain decoding step) is always an option.
 
 Each option's throughput is estimated online from what its rounds cost and yielded:
@@ -326,14 +327,15 @@ class AutoDrafter:
 def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int, adaptive: bool,
           quantized_self: bool = False, layer_skip: bool = True, config: AutoConfig | None = None,
           tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8,
-          draft_vocab: int | str | DraftVocab | None = None) -> AutoDrafter:
+          draft_vocab: int | str | DraftVocab | None = None, suffix: bool = True) -> AutoDrafter:
     """Registry builder for "auto". `num_draft_tokens` caps every candidate (each keeps its own default
     when that is lower). quantized_self: also try an int4 copy of the target (built now: memory and
     seconds). layer_skip: try "layer-skip" when it is registered and tuned for this target.
     tree_budget (> 0 or "auto"): the same-vocabulary draft model (and quantized-self) also run as tree
     drafters ("draft-model+tree"), so auto chooses between chain, tree and plain decoding.
     draft_vocab (N, "auto" or a DraftVocab): the candidates with a draft LM head (a same-vocabulary draft model,
-    layer-skip, quantized-self) score only the N most frequent target tokens (FR-Spec)."""
+    layer-skip, quantized-self) score only the N most frequent target tokens (FR-Spec).
+    suffix: try "suffix" (Suffix Decoding: drafts from the request's text and the outputs auto saw before)."""
     tree = {"tree_budget": tree_budget, "tree_topk": tree_topk, "tree_depth": tree_depth} if tree_budget else None
     vocab = resolve_draft_vocab(draft_vocab, target, CachedModel(target.model).vocab_size)  # once, shared
     heads = {"draft_vocab": vocab} if vocab is not None else {}
@@ -365,6 +367,8 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
     head = _available_head(target)
     if head is not None:
         candidates.append(make("eagle", None, head=head))
+    if suffix and "suffix" in REGISTRY:
+        candidates.append(make("suffix", None))
     return AutoDrafter(candidates, config=config)
 
 

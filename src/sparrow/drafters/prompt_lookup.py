@@ -99,8 +99,11 @@ class PromptLookupDrafter:
 
 
 def build(target, draft: None, num_draft_tokens: int, adaptive: bool, tree_budget: int | str = 0, tree_topk: int = 4,
-          tree_depth: int = 8, backoff: bool | None = None) -> PromptLookupDrafter:
+          tree_depth: int = 8, backoff: bool | None = None, min_n: int = 1, max_n: int = 3) -> PromptLookupDrafter:
     """Registry builder for "prompt-lookup"; `tree_budget` > 0 merges several matches into a trie ("auto": sized
-    from the target's measured verify cost curve)."""
+    from the target's measured verify cost curve); min_n / max_n: the shortest / longest n-gram matched
+    (vLLM's prompt_lookup_min / prompt_lookup_max)."""
+    PromptLookupDrafter(min_n=min_n, max_n=max_n)  # validates before a cost curve is measured
     tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model))
-    return PromptLookupDrafter(num_draft_tokens=num_draft_tokens, adaptive=adaptive, tree=tree, backoff=backoff)
+    return PromptLookupDrafter(num_draft_tokens=num_draft_tokens, min_n=min_n, max_n=max_n, adaptive=adaptive,
+                               tree=tree, backoff=backoff)

@@ -69,6 +69,7 @@ REGISTRY: dict[str, DrafterEntry] = {
     "draft-model": DrafterEntry("sparrow.drafters.draft_model:build", default_num_draft_tokens=8, needs_draft_model=True,
                                 default_draft="qwen2.5-coder-0.5b"),
     "prompt-lookup": DrafterEntry("sparrow.drafters.prompt_lookup:build", default_num_draft_tokens=16),
+    "suffix": DrafterEntry("sparrow.drafters.suffix:build", default_num_draft_tokens=16),
     "quantized-self": DrafterEntry("sparrow.drafters.quantized_self:build_quantized_self", default_num_draft_tokens=8),
     "cross-vocab": DrafterEntry("sparrow.drafters.cross_vocab:build", default_num_draft_tokens=8,
                                 needs_draft_model=True, default_draft="qwen2.5-coder-0.5b",

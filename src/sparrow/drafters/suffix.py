@@ -1,0 +1,220 @@
+"""Suffix Decoding (Oliaro et al., NeurIPS 2025; Snowflake Arctic Inference, in vLLM and SGLang): model-free
+drafts from counted suffix tries over the request's own prompt and output, and over earlier outputs.
+
+Two tries (`sparrow.drafters.suffix_tree`):
+* the request's own: its prompt and its output so far, built at prefill and grown every round;
+* a process-wide `SuffixStore` over outputs (earlier requests', and the running ones'), shared by every copy
+  of the drafter, i.e. by all requests of one served model; bounded (FIFO eviction of whole outputs).
+  Another request's text only ever reaches a draft: the target verifies every draft token, so each output
+  stays the target's own output for that request.
+
+Each round, for every suffix of the committed tokens (length m < depth) that occurred before with a
+continuation, in either trie, the continuations form a candidate: from the pattern's node, children in order
+of count, each with the estimated probability count / (counts of its siblings) times its parent's. Nodes are
+taken best-first while that path probability stays >= `min_token_prob` (Arctic's rule), at most
+`max_spec_factor x m` deep (longer matches earn longer drafts) and the round cap deep (`LengthPolicy`: it
+grows after fully accepted drafts, shrinks after rejections and backs off to plain steps where drafting does
+not pay). A chain follows the most frequent child; with a tree shape (`tree_budget`), up to `topk` children
+per node and `budget` nodes become a tree for the engine's tree verification. The candidate with the highest
+score (the sum of its nodes' path probabilities: the expected accepted tokens) is drafted.
+
+Drafts are deterministic functions of the committed tokens and the store, so the rejection verifier applies
+the q = 1 rule to them (lossless at any temperature).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, replace
+from itertools import count
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from sparrow.runtime.cached_model import CachedModel
+from sparrow.config import SamplingConfig
+from sparrow.drafters.tree_draft import TreeShape, resolve_shape
+from sparrow.errors import UserError
+from sparrow.noise import Randomness
+from sparrow.policy.length import LengthPolicy
+from sparrow.runtime.runner import runner_for
+from sparrow.drafters.suffix_tree import StoreLimits, SuffixStore, SuffixTrie, matches
+from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """Suffix Decoding's knobs (vLLM's `suffix_decoding_*` keys where they exist; the same defaults)."""
+
+    max_tree_depth: int = 24
+    """Longest pattern + continuation the tries hold (vLLM: suffix_decoding_max_tree_depth)."""
+    max_spec_factor: float = 1.0
+    """A pattern matched over m tokens drafts at most max_spec_factor x m tokens."""
+    min_token_prob: float = 0.1
+    """Draft a node only while its path's estimated probability (from the counts) is at least this."""
+    max_cached_requests: int = 10000
+    """Outputs the shared store keeps (0: no store, the request's own trie only)."""
+    max_cached_tokens: int = 100_000
+    """Tokens the shared store keeps (its nodes <= this x max_tree_depth, ~160 bytes each)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tree_depth, bool) or not isinstance(self.max_tree_depth, int) or self.max_tree_depth < 2:
+            raise UserError(f"suffix max_tree_depth must be an integer >= 2, got {self.max_tree_depth!r}")
+        if not isinstance(self.max_spec_factor, (int, float)) or not self.max_spec_factor > 0:
+            raise UserError(f"suffix max_spec_factor must be a number > 0, got {self.max_spec_factor!r}")
+        if not isinstance(self.min_token_prob, (int, float)) or not 0 <= self.min_token_prob <= 1:
+            raise UserError(f"suffix min_token_prob must lie in [0, 1], got {self.min_token_prob!r}")
+        StoreLimits(self.max_cached_requests, self.max_cached_tokens)  # validates
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A speculation from one matched pattern: nodes best first (a parent before its children)."""
+
+    tokens: list[int]
+    parents: list[int]  # -1: the root (the last committed token)
+    score: float  # sum of the nodes' path probabilities: expected accepted tokens under the counts
+    first: int  # length of the most probable path (the chain the length policy follows)
+
+
+def speculate(trie: SuffixTrie, node: int, max_depth: int, min_prob: float, budget: int, topk: int) -> Candidate:
+    """Best-first expansion below a pattern's `node` of `trie`: at most `budget` nodes, `max_depth` deep, `topk`
+    children per node, each path's probability >= `min_prob` (a chain: budget = max_depth, topk = 1)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    depth: list[int] = []
+    score = 0.0
+    tie = count()  # heap ties: earlier pushes first (a parent's children in count order)
+    heap: list[tuple[float, int, int, int, int, int]] = []  # (-path prob, tie, parent, token, node, depth)
+    counts = trie.count
+
+    def push(parent: int, below: int, prob: float, level: int) -> None:
+        kids = trie.children(below)
+        total = sum(counts[child] for child in kids)
+        kids.sort(key=lambda child: (-counts[child], trie.token[child]))
+        for child in kids[:topk]:
+            token = trie.token[child]
+            p = prob * counts[child] / total
+            if p >= min_prob:
+                heapq.heappush(heap, (-p, next(tie), parent, token, child, level))
+
+    push(-1, node, 1.0, 1)
+    while heap and len(tokens) < budget:
+        negative, _, parent, token, child, level = heapq.heappop(heap)
+        index = len(tokens)
+        tokens.append(token)
+        parents.append(parent)
+        depth.append(level)
+        score -= negative
+        if level < max_depth:
+            push(index, child, -negative, level + 1)
+    first, node_index = 0, -1
+    while True:  # the most probable path: each node's first child in draft order
+        node_index = next((i for i in range(node_index + 1, len(tokens)) if parents[i] == node_index), None)
+        if node_index is None:
+            break
+        first += 1
+    return Candidate(tokens, parents, score, first)
+
+
+class SuffixDrafter:
+    hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
+    name = "suffix"
+
+    def __init__(self, num_draft_tokens: int = 16, adaptive: bool = False, config: SuffixConfig = SuffixConfig(),
+                 tree: TreeShape | None = None, backoff: bool | None = None,
+                 store: SuffixStore | None = None) -> None:
+        """store: the shared trie over outputs (default: a new one, shared by this drafter's forks)."""
+        self.config = config
+        backoff = adaptive if backoff is None else backoff
+        self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=backoff)
+        self.tree = tree
+        limits = StoreLimits(config.max_cached_requests, config.max_cached_tokens)
+        self.store = store if store is not None else SuffixStore(config.max_tree_depth, limits)
+        self._local = SuffixTrie(config.max_tree_depth)
+        self._seq = -1  # this request's sequence in the store
+        self._prompt_length = 0
+        self._synced = 0  # committed tokens already in the request's own trie
+        self._first = 0  # the most probable path's length in the last draft
+
+    def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
+        self.length.reset()
+        self._local = SuffixTrie(self.config.max_tree_depth)
+        ids = prompt.input_ids.tolist()
+        self._local.extend(0, ids)
+        self._prompt_length = self._synced = len(ids)
+        self._seq = self.store.start()
+
+    def _sync(self, committed: list[int]) -> None:
+        """Feed the tokens committed since the last round to the request's trie and its output to the store."""
+        new = committed[self._synced:]
+        if new:
+            self._local.extend(0, new)
+            if self.store.enabled:
+                self.store.extend(self._seq, committed[max(self._synced, self._prompt_length):])
+            self._synced = len(committed)
+
+    def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
+                generator: Randomness) -> Draft:
+        context = committed.tolist()
+        self._sync(context)
+        self._first = 0
+        k = self.length.cap(max_tokens)
+        if k == 0:
+            return Draft.empty(committed.device)
+        best = self._best(context, k, max_tokens)
+        if best is None or not best.tokens:
+            return Draft.empty(committed.device)
+        self._first = best.first
+        tokens = torch.tensor(best.tokens, dtype=torch.long, device=committed.device)
+        if self.tree is None:
+            return Draft(tokens=tokens)
+        return Draft(tokens=tokens, parents=torch.tensor(best.parents, dtype=torch.long, device=committed.device))
+
+    def _best(self, context: Sequence[int], k: int, max_tokens: int) -> Candidate | None:
+        """The highest-scoring candidate over both tries and every matched pattern length."""
+        c = self.config
+        if self.tree is None:
+            budget, topk, depth_cap = k, 1, k
+        else:
+            budget, topk, depth_cap = min(self.tree.budget, max_tokens), self.tree.topk, min(k, self.tree.depth)
+        best: Candidate | None = None
+        sources = [(self._local, None)]
+        if self.store.enabled:
+            sources.append((self.store.trie, self.store.locked()))
+        for trie, lock in sources:
+            if lock is not None:
+                lock.acquire()
+            try:
+                for m, node in matches(trie, context):
+                    depth = min(depth_cap, int(c.max_spec_factor * m))
+                    if depth < 1 or (best is not None and best.score >= (depth if topk == 1 else budget)):
+                        continue  # cannot beat the best (a score is at most its node count)
+                    nodes = depth if topk == 1 else budget  # a chain: its depth
+                    candidate = speculate(trie, node, depth, c.min_token_prob, nodes, topk)
+                    if best is None or candidate.score > best.score:
+                        best = candidate
+            finally:
+                if lock is not None:
+                    lock.release()
+        return best
+
+    def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
+                step: StepStats | None = None) -> None:
+        if draft.parents is None:
+            self.length.observe(step)
+        else:  # the cap rule follows the most probable path
+            self.length.observe(replace(step, num_draft_tokens=self._first,
+                                        num_accepted=min(verdict.num_accepted, self._first)))
+
+
+def build(target, draft: None, num_draft_tokens: int, adaptive: bool, tree_budget: int | str = 0, tree_topk: int = 4,
+          tree_depth: int = 8, backoff: bool | None = None, max_tree_depth: int = 24, max_spec_factor: float = 1.0,
+          min_token_prob: float = 0.1, max_cached_requests: int = 10000,
+          max_cached_tokens: int = 100_000) -> SuffixDrafter:
+    """Registry builder for "suffix"; `tree_budget` > 0 drafts trees ("auto": sized from the target's measured
+    verify cost curve)."""
+    config = SuffixConfig(max_tree_depth, max_spec_factor, min_token_prob, max_cached_requests, max_cached_tokens)
+    tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model))
+    return SuffixDrafter(num_draft_tokens, adaptive=adaptive, config=config, tree=tree, backoff=backoff)
