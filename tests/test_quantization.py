@@ -175,12 +175,12 @@ def test_a_w8a8_verify_forward_equals_one_token_steps_bit_for_bit(dtype):
     prompt, block = ids[:, :20], ids[:, 20:]
     with torch.inference_mode():
         cache = DynamicCache()
-        copy(prompt, past_key_values=cache)
-        steps = torch.cat([copy(block[:, i:i + 1], past_key_values=cache).logits for i in range(10)], dim=1)
+        copy(prompt, cache=cache)
+        steps = torch.cat([copy(block[:, i:i + 1], cache=cache).logits for i in range(10)], dim=1)
         cache = DynamicCache()
-        copy(prompt, past_key_values=cache)
-        verify = torch.cat([copy(block[:, :4], past_key_values=cache).logits,
-                            copy(block[:, 4:], past_key_values=cache).logits], dim=1)
+        copy(prompt, cache=cache)
+        verify = torch.cat([copy(block[:, :4], cache=cache).logits,
+                            copy(block[:, 4:], cache=cache).logits], dim=1)
     assert torch.equal(steps, verify)
 
 
