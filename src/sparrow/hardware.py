@@ -174,18 +174,11 @@ def _time_ms(kernels: dict[str, Callable[[], object]], min_runs: int = 5, min_se
     return {name: min(ts) * 1000 for name, ts in times.items()}
 
 
-def stream_gbs(nbytes: int, runs: int = 5) -> float:
-    """The memory bandwidth in GB/s: the fastest of ``runs`` copies between two float32 buffers of ``nbytes / 2``
-    each (bytes read + written; pass more than the L3 so it streams from memory, as the benchmark's weights do)."""
-    src = torch.ones(max(1, nbytes // 8), dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(runs):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.numel() * 4 / best / 1e9
+def _stream(nbytes: int) -> Callable[[], object]:
+    """A kernel that reads ``nbytes`` from memory and computes next to nothing (the max of a float32 buffer):
+    timed in turns with the benchmark's kernels, it gives the memory bandwidth they must stay under."""
+    buffer = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    return buffer.amax
 
 
 def cache_bytes() -> int:
@@ -246,17 +239,24 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
         weight = torch.randn(out_features, in_features, generator=generator) * 0.02
         inputs = {n: torch.randn(n, in_features, generator=generator) for n in rows}
 
-        def timed(kernels: dict[str, tuple[Callable[[torch.Tensor], object], torch.dtype]]) -> None:
-            """Time ``kernels`` (name -> (kernel, activation dtype)) in turns, at each row count, into ``costs``."""
-            for n in rows:
-                ms = _time_ms({name: functools.partial(kernel, inputs[n].to(dtype))
-                               for name, (kernel, dtype) in kernels.items()})
+        probes: dict[str, float] = {}
+
+        def timed(kernels: dict[str, tuple[Callable[[torch.Tensor], object], torch.dtype]],
+                  extra: dict[str, Callable[[], object]] | None = None) -> None:
+            """Time ``kernels`` (name -> (kernel, activation dtype)) in turns, at each row count, into ``costs``
+            (and the argument-less ``extra`` kernels in the same turns at the first row count, into ``probes``)."""
+            for i, n in enumerate(rows):
+                fns = {name: functools.partial(kernel, inputs[n].to(dtype))
+                       for name, (kernel, dtype) in kernels.items()}
+                ms = _time_ms({**fns, **(extra if extra and i == 0 else {})})
                 for name, cost in ms.items():
-                    costs.setdefault(name, {})[str(n)] = cost
+                    if name in fns:
+                        costs.setdefault(name, {})[str(n)] = cost
+                    else:
+                        probes[name] = cost
 
         # by default 2x the L3 (64 MiB-512 MiB) of distinct weights per kernel, used in turns (see _copies)
         working_set = working_set or min(max(2 * cache_bytes(), 64 << 20), 512 << 20)
-        bandwidth = stream_gbs(working_set)
         size = out_features * in_features
         dense = {torch.float32: _copies(lambda: (weight.clone(),), 4 * size, working_set),
                  torch.bfloat16: _copies(lambda: (weight.to(torch.bfloat16),), 2 * size, working_set)}
@@ -264,7 +264,8 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
                    for dtype, w in dense.items()}
         if onednn.available():
             kernels[ONEDNN] = (lambda x, w=dense[torch.float32]: onednn.linear(x, next(w)[0], None), torch.float32)
-        timed(kernels)
+        timed(kernels, {"stream": _stream(working_set)})
+        bandwidth = working_set / (probes["stream"] / 1000) / 1e9
         dense.clear()  # free them before the quantized copies are made
         act = torch.bfloat16 if _faster_dense(costs) >= MIN_BF16_SPEEDUP else torch.float32  # what auto picks
         cpu = torch.device("cpu")

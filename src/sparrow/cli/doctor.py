@@ -132,7 +132,8 @@ def stability_line(bench: dict[str, Any]) -> str:
             f"{stability.get('rounds')} rounds agree within {100 * spread:.1f}% (tolerance "
             f"{100 * stability.get('tolerance', 0):.0f}%)") if spread is not None else "rounds unknown"
     if rejected:
-        text += f"; {len(rejected)} inconsistent round{'s' * (len(rejected) != 1)} rejected ({rejected[-1]})"
+        count = len(rejected)
+        text += f"; {count} inconsistent round{'s' * (count != 1)} rejected ({rejected[-1]})"
     if bench.get("bandwidth_gbs"):
         text += f"; memory read bandwidth {bench['bandwidth_gbs']:.1f} GB/s"
     if bench.get("cached"):
