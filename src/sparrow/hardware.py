@@ -8,9 +8,9 @@
   worth twice the L3, so they stream from memory as a model's weights do. One round takes about 0.6 s (3 s on
   an AVX2-only CPU) on 2 cores. A busy machine (a model install, dequantization, another job) cannot poison it:
   rounds repeat until ``MIN_ROUNDS`` consistent rounds agree within ``STABLE_TOLERANCE`` (at most ``MAX_ROUNDS``)
-  and the figures are their medians; a round is rejected when it contradicts itself (more rows faster than fewer,
-  or a kernel streaming its weights faster than ``MAX_BANDWIDTH_RATIO`` x the memory bandwidth measured beside
-  it). Only a stable measurement is cached per machine in ``<cache>/hardware/`` (keyed by CPU model, flags,
+  and the figures are their medians (rounds that never agree are neither cached nor chosen by: the flags
+  decide); a round is rejected when it contradicts itself (more rows faster than fewer, or a kernel streaming
+  its weights faster than ``MAX_BANDWIDTH_RATIO`` x the memory bandwidth measured beside it). Only a stable measurement is cached per machine in ``<cache>/hardware/`` (keyed by CPU model, flags,
   threads and torch version); a cached one is checked once per process by a quick dense-only round, and measured
   again (and replaced) when that round runs ``RECHECK_FASTER`` faster than the cache says: other work only ever
   adds time, so a quiet check faster than the cache means the cache was taken under load. ``sparrow doctor
@@ -175,10 +175,13 @@ def _time_ms(kernels: dict[str, Callable[[], object]], min_runs: int = 5, min_se
 
 
 def _stream(nbytes: int) -> Callable[[], object]:
-    """A kernel that reads ``nbytes`` from memory and computes next to nothing (the max of a float32 buffer):
-    timed in turns with the benchmark's kernels, it gives the memory bandwidth they must stay under."""
-    buffer = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-    return buffer.amax
+    """A kernel that reads ``nbytes`` from memory and computes little: a float32 matrix-vector product over a
+    matrix of ``nbytes`` (plain reductions such as ``amax`` ran 7x below the memory bandwidth on a Zen 5 VM, a
+    matrix-vector product at it). Timed in turns with the benchmark's kernels, it gives the bandwidth that their
+    weights' bytes must stay under."""
+    matrix = torch.ones(max(1, nbytes // 4096), 1024, dtype=torch.float32)
+    vector = torch.ones(1024, dtype=torch.float32)
+    return functools.partial(torch.mv, matrix, vector)
 
 
 def cache_bytes() -> int:
@@ -265,7 +268,7 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
         if onednn.available():
             kernels[ONEDNN] = (lambda x, w=dense[torch.float32]: onednn.linear(x, next(w)[0], None), torch.float32)
         timed(kernels, {"stream": _stream(working_set)})
-        bandwidth = working_set / (probes["stream"] / 1000) / 1e9
+        bandwidth = max(1, working_set // 4096) * 4096 / (probes["stream"] / 1000) / 1e9
         dense.clear()  # free them before the quantized copies are made
         act = torch.bfloat16 if _faster_dense(costs) >= MIN_BF16_SPEEDUP else torch.float32  # what auto picks
         cpu = torch.device("cpu")
@@ -482,7 +485,8 @@ def cpu_costs(*, benchmark: bool | None = None, refresh: bool = False, cache_dir
     load, ``check`` (see ``recheck``). Read from the cache when there (and, when ``benchmark``, checked once per
     process by a quick round; re-measured when that disagrees); else measured now (cached only when stable),
     when ``benchmark`` (default: ``benchmark_enabled()``); else None. ``refresh`` measures again regardless.
-    ``costs`` is None when every round was rejected as inconsistent (see ``usable``)."""
+    ``costs`` is None when every round was rejected as inconsistent; only a stable record is chosen by (see
+    ``usable``)."""
     info = info or cpu_info()
     benchmark = benchmark_enabled() if benchmark is None else benchmark
     key = cache_key(info)
@@ -504,8 +508,20 @@ def cpu_costs(*, benchmark: bool | None = None, refresh: bool = False, cache_dir
 
 
 def usable(record: dict[str, object] | None) -> bool:
-    """Whether ``cpu_costs`` returned figures to choose by (not None, not all rounds rejected)."""
-    return record is not None and record.get("costs") is not None
+    """Whether ``cpu_costs`` returned figures to choose by: stable ones. Figures whose rounds never agreed (or
+    were all rejected) are shown by ``sparrow doctor`` but chosen by no one: the CPU flags decide instead."""
+    stability = record.get("stability") if record is not None else None
+    return record is not None and record.get("costs") is not None and (
+        not isinstance(stability, dict) or stability.get("stable") is True)
+
+
+def unusable_reason(record: dict[str, object] | None) -> str:
+    """Why ``usable(record)`` is False, in a few words."""
+    if record is None:
+        return "benchmark disabled, nothing cached"
+    if record.get("costs") is None:
+        return "every benchmark round was inconsistent: the machine was busy"
+    return "the benchmark's rounds disagreed: the machine was busy; not cached"
 
 
 # --- the choice ------------------------------------------------------------------------------------------
@@ -537,7 +553,7 @@ def _choose_cpu(device: torch.device, benchmark: bool | None, cache_dir: Path | 
            f"{info.model} has no bfloat16 instructions ({', '.join(BF16_FLAGS)}; torch converts to float32 inside)")
     record = cpu_costs(benchmark=benchmark, cache_dir=cache_dir, info=info)
     if not usable(record):
-        why = "benchmark disabled" if record is None else "every benchmark round was inconsistent"
+        why = unusable_reason(record)
         return Choice(torch.bfloat16 if info.bf16 else torch.float32,
                       f"{has} ({why}): {'bfloat16' if info.bf16 else 'float32'}", device)
     costs = record["costs"]
@@ -607,7 +623,7 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
         return None, f"{dev.type}: drafts stay dense (the quantized kernels are measured on CPUs only)"
     record = cpu_costs(benchmark=benchmark)
     if not usable(record):
-        return None, "no CPU measurement (benchmark disabled or inconsistent, nothing cached): drafts stay dense"
+        return None, f"no CPU measurement to go by ({unusable_reason(record)}): drafts stay dense"
     costs, dense = record["costs"], str(record["quant_activations"])
     quants = [name for name in DRAFT_QUANTS if name in costs]
     if dtype is not None and _name(dtype) != dense:  # measured with other activations: only w8a8 carries over
@@ -639,7 +655,7 @@ def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool |
         return False, "SPARROW_ONEDNN is off: torch's own linear"
     record = cpu_costs(benchmark=benchmark)
     if not usable(record):
-        return False, "no CPU measurement (benchmark disabled or inconsistent, nothing cached): torch's own linear"
+        return False, f"no CPU measurement to go by ({unusable_reason(record)}): torch's own linear"
     costs = record["costs"]
     speedup = _onednn_speedup(costs)
     if not speedup:

@@ -127,10 +127,14 @@ def stability_line(bench: dict[str, Any]) -> str:
     if bench.get("costs") is None:
         return (f"every one of {stability.get('rounds')} rounds rejected as inconsistent ({rejected[-1]}); "
                 "nothing cached, --dtype auto falls back to the CPU flags")
-    spread = stability.get("spread")
-    text = (f"{'stable' if stability.get('stable') else 'UNSTABLE'}: {stability.get('used')} of "
-            f"{stability.get('rounds')} rounds agree within {100 * spread:.1f}% (tolerance "
-            f"{100 * stability.get('tolerance', 0):.0f}%)") if spread is not None else "rounds unknown"
+    spread, used, rounds = stability.get("spread"), stability.get("used"), stability.get("rounds")
+    if stability.get("stable"):
+        text = (f"stable: {used} of {rounds} rounds agree within {100 * spread:.1f}% (tolerance "
+                f"{100 * stability.get('tolerance', 0):.0f}%)")
+    else:
+        tolerance = 100 * stability.get("tolerance", 0)
+        text = (f"UNSTABLE (machine busy; figures shown, not used: the CPU flags decide): {used} consistent of "
+                f"{rounds} rounds, spread {100 * (spread or 0):.0f}% (tolerance {tolerance:.0f}%)")
     if rejected:
         count = len(rejected)
         text += f"; {count} inconsistent round{'s' * (count != 1)} rejected ({rejected[-1]})"
