@@ -65,6 +65,7 @@ BENCH_SHAPE = (8960, 1536)  # [out_features, in_features]: Qwen2.5-1.5B's MLP ga
 BENCH_ROWS = (1, 8)  # a plain decoding step; verifying a draft of 8 tokens
 MIN_BF16_SPEEDUP = 1.1  # bfloat16 is picked over float32 only when at least this much faster
 MIN_DRAFT_QUANT_SPEEDUP = 1.1  # --draft-quant auto quantizes a draft only when one row runs at least this much faster
+MIN_TARGET_QUANT_SPEEDUP = 1.1  # --quant auto quantizes the target only when 8 rows run at least this much faster
 ONEDNN = "float32_onednn"  # the float32 matmul through oneDNN (sparrow.onednn), beside torch's own
 MIN_ONEDNN_SPEEDUP = 1.1  # float32 models route their linears through oneDNN only when at least this much faster
 DRAFT_QUANTS = ("int8", "int4", "w8a8")  # the weight formats --draft-quant auto chooses among (sparrow.quantization)
@@ -641,6 +642,40 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
                   "(still lossless: the target verifies)")
 
 
+def choose_target_quant(device: str | torch.device | None = None, *, benchmark: bool | None = None,
+                        dtype: torch.dtype | None = None, exclude: tuple[str, ...] = ()) -> tuple[str | None, str]:
+    """``(format, reason)``: the weight format ``--quant auto`` gives the target on ``device``: the quantized format
+    (int8 / int4 weight-only, w8a8; not those in ``exclude``) whose 8-row matmul this machine measured fastest (a
+    target verifies a draft of several tokens a step), when it ran at least ``MIN_TARGET_QUANT_SPEEDUP`` times
+    faster than the dense dtype; None (dense) otherwise, without a stable measurement, and on CUDA. Unlike a
+    draft's, the target's format changes the output: decoding is then lossless relative to the quantized target,
+    not to the dense one. ``dtype``: the target's compute dtype (see ``choose_draft_quant``)."""
+    from sparrow.models.loading import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type != "cpu":
+        return None, f"{dev.type}: the target stays dense (the quantized kernels are measured on CPUs only)"
+    record = cpu_costs(benchmark=benchmark)
+    if not usable(record):
+        return None, f"no CPU measurement to go by ({unusable_reason(record)}): the target stays dense"
+    costs, dense = record["costs"], str(record["quant_activations"])
+    quants = [name for name in DRAFT_QUANTS if name in costs and name not in exclude]
+    if dtype is not None and _name(dtype) != dense:
+        quants, dense = [name for name in quants if name == "w8a8"], _name(dtype)
+    if not quants or dense not in costs:
+        return None, "the measurement has no quantized kernels for this dtype: the target stays dense"
+    rows = str(BENCH_ROWS[-1])
+    best = min(quants, key=lambda name: costs[name][rows])
+    base = _dense(costs, dense)[rows]
+    speedup = base / costs[best][rows]
+    detail = f"{costs[best][rows]:.2f} vs {base:.2f} ms"
+    if speedup < MIN_TARGET_QUANT_SPEEDUP:
+        return None, (f"the fastest quantized format ({best}) ran only {speedup:.2f}x {dense}'s speed at {rows} rows "
+                      f"({detail}; needs {MIN_TARGET_QUANT_SPEEDUP}x): the target stays dense")
+    return best, (f"{best} weights ran {speedup:.1f}x faster than {dense} at {rows} rows ({detail}): a {best} target "
+                  f"(lossless relative to the {best}-quantized target, not to the dense one)")
+
+
 def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool | None = None) -> tuple[bool, str]:
     """``(route, reason)``: whether a float32 model on ``device`` runs its linear layers through oneDNN
     (``sparrow.onednn``): on a CPU where this machine measured that path at least ``MIN_ONEDNN_SPEEDUP`` times
@@ -678,4 +713,4 @@ def clear_cache(measurements: bool = True) -> None:
 
 __all__ = ["Choice", "CpuInfo", "choose", "choose_draft_quant", "choose_dtype", "choose_onednn", "clear_cache",
            "cpu_costs", "cpu_info", "cuda_info", "inconsistencies", "measure", "measure_stable", "parse_cpuinfo",
-           "read_cpuinfo", "recheck", "usable"]
+           "read_cpuinfo", "recheck", "choose_target_quant", "usable"]

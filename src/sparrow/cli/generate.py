@@ -31,7 +31,7 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed of the sampling generator.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
-    quant: Annotated[Optional[str], typer.Option(help="int8|int4 weight-only or w8a8 (CPU: int8 weights and per-token int8 activations, fbgemm) target: faster; lossless only relative to the quantized target.")] = None,
+    quant: Annotated[Optional[str], typer.Option(help="int8|int4 weight-only or w8a8 (CPU: int8 weights and per-token int8 activations, fbgemm) target: faster; lossless only relative to the quantized target. auto: the format this machine runs a verification step fastest (measured, see `sparrow doctor`; dense where none pays), again lossless only relative to the target in that format; none: dense.")] = None,
     draft_quant: Annotated[str, typer.Option(help="Weight format of the draft model (or of the quantized-self copy: int4 where auto picks none): auto (default): the format this machine runs a one-token draft step fastest (measured once, see `sparrow doctor`; dense where none pays); none; or int8|int4|w8a8. Lossless either way: the target verifies.")] = "auto",
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the tokenizer's chat template.")] = False,
@@ -88,9 +88,10 @@ def generate(
         "tokens_per_second": result.tokens_per_second, "mean_accepted_tokens": result.stats.mean_accepted_tokens,
         "acceptance_rate": result.stats.acceptance_rate, "drafter": pipe.drafter_name, "target": target,
         "draft": draft_name(drafter, draft), "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
-        "temperature": temperature, "stats": result.stats.to_dict(), "quant": quant,
+        "temperature": temperature, "stats": result.stats.to_dict(), "quant": target_quant_used(pipe),
         "draft_quant": draft_quant_used(pipe, draft_quant), "compiled": pipe.compiled,
-        "lossless_relative_to": f"the {quant}-quantized target" if quant else "the target",
+        "lossless_relative_to": f"the {target_quant_used(pipe)}-quantized target" if target_quant_used(pipe)
+                                else "the target",
         "tree": tree_record(pipe.drafter, tree),
         "draft_vocab": draft_vocab_record(pipe.drafter),
     }
@@ -184,13 +185,13 @@ def summary(record: dict[str, Any], verify: str) -> Table:
         table.add_row("draft tree", f"budget {tree['budget']}, top-k {tree['topk']}, depth {tree['depth']}")
     table.add_row("mean accepted tokens / step",
                   f"{record['mean_accepted_tokens']:.2f} (acceptance {record['acceptance_rate']:.2f})")
-    if compare:
+    if "baseline" in record:
         table.add_row("plain decoding", f"{rate(record['baseline']['tokens_per_second'])} tok/s"
-                                        + runs(compare, "plain"))
+                                        + (runs(compare, "plain") if compare else ""))
         table.add_row("speedup", ("-" if record["speedup"] is None else f"{record['speedup']:.2f}x")
-                      + f" (medians; {compare['order']} order after an untimed warm-up of each)")
+                      + (f" (medians; {compare['order']} order after an untimed warm-up of each)" if compare else ""))
         table.add_row("identical to plain decoding", ("yes" if record["identical"] else "no")
-                      + f" (all {2 * compare['runs']} runs)"
+                      + (f" (all {2 * compare['runs']} runs)" if compare else "")
                       + (f" (of the {record['quant']} target)" if record["quant"] else ""))
     return table
 
@@ -204,6 +205,12 @@ def runs(compare: dict[str, Any], path: str) -> str:
     timing = compare[path]
     count = compare["runs"]
     return f" (median of {count} run{'s' * (count != 1)}: {rate(timing['min'])}-{rate(timing['max'])})"
+
+
+def target_quant_used(pipe: Any) -> str | None:
+    """The weight format the target runs (--quant, or what --quant auto chose; None: dense)."""
+    info = getattr(pipe.target.model, "sparrow_quantization", None)
+    return info.format if info is not None else None
 
 
 def draft_quant_used(pipe: Any, draft_quant: str | None) -> str | None:
