@@ -83,7 +83,8 @@ def _prompt_lookup(target, draft):
 
 
 def _eagle(target, draft):
-    return build_drafter("eagle", target, None, 4, head=new_head(target.model, "eagle3", torch.Generator().manual_seed(5)))
+    head = new_head(target.model, "eagle3", torch.Generator().manual_seed(5))
+    return build_drafter("eagle", target, None, 4, head=head)
 
 
 PATHS: dict[str, Callable] = {"draft-model": _draft_model, "tree": _tree, "prompt-lookup": _prompt_lookup,

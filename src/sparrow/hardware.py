@@ -10,8 +10,9 @@
   rounds repeat until ``MIN_ROUNDS`` consistent rounds agree within ``STABLE_TOLERANCE`` (at most ``MAX_ROUNDS``)
   and the figures are their medians (rounds that never agree are neither cached nor chosen by: the flags
   decide); a round is rejected when it contradicts itself (more rows faster than fewer, or a kernel streaming
-  its weights faster than ``MAX_BANDWIDTH_RATIO`` x the memory bandwidth measured beside it). Only a stable measurement is cached per machine in ``<cache>/hardware/`` (keyed by CPU model, flags,
-  threads and torch version); a cached one is checked once per process by a quick dense-only round, and measured
+  its weights faster than ``MAX_BANDWIDTH_RATIO`` x the memory bandwidth measured beside it). Only a stable
+  measurement is cached per machine in ``<cache>/hardware/`` (keyed by CPU model, flags, threads and torch
+  version); a cached one is checked once per process by a quick dense-only round, and measured
   again (and replaced) when that round runs ``RECHECK_FASTER`` faster than the cache says: other work only ever
   adds time, so a quiet check faster than the cache means the cache was taken under load. ``sparrow doctor
   --refresh`` measures again regardless.
