@@ -527,3 +527,15 @@ def test_doctor_says_how_stable_the_figures_are(monkeypatch):
     monkeypatch.setattr(hardware, "measure", FakeBench(POISONED))
     table = cli("doctor", "--device", "cpu", "--refresh").output
     assert f"every one of {hardware.MAX_ROUNDS} rounds rejected as inconsistent" in table
+
+
+def test_make_run_measures_after_its_installs_and_before_generating():
+    """Issue 30: `make run` measured the machine while the model installs still loaded it; now it installs,
+    then measures (`sparrow doctor`), then generates."""
+    from pathlib import Path
+
+    lines = Path(__file__).parents[1].joinpath("Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
+    steps = [line.strip() for line in lines.splitlines() if line.startswith("\t")]
+    order = [next(i for i, step in enumerate(steps) if what in step)
+             for what in ("sparrow models install", "sparrow doctor", "sparrow generate")]
+    assert order == sorted(order), steps
