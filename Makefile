@@ -18,8 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[test,bench]"
 	touch $@
 
+# The machine is measured (`sparrow doctor`: --dtype auto's and --draft-quant auto's micro-benchmark, repeated until
+# stable) after the installs have finished and before generate, so no install or dequantization loads it meanwhile.
 run: setup
 	$(BIN)/sparrow models install $(RUN_PRESETS) --yes
+	$(BIN)/sparrow doctor
 	$(BIN)/sparrow generate '$(PROMPT)' --chat --compare
 
 test: setup browser

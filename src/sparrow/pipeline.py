@@ -37,7 +37,8 @@ from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from sparrow.noise import PositionalNoise
 from sparrow.policy.measure import follow_cost_curve
-from sparrow.models.quantization import AUTO, check_quant_args, draft_format, quantized_copy, resolve_draft_quant
+from sparrow.models.quantization import (AUTO, check_quant_args, draft_format, parse_quant, quantized_copy,
+                                         resolve_draft_quant, target_format)
 from sparrow.runtime.runner import runner_for
 from sparrow.stopping import OnText, Stopper
 from sparrow.text import clean_text
@@ -310,7 +311,9 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     draft: preset, path or hub id, a LoadedModel, None (no draft), or "default" (qwen2.5-coder-0.5b for
     draft-model / cross-vocab / auto; none for visual-prune, which then drafts with the pruned target).
 
-    quant: int8 | int4 weight-only or w8a8 (CPU) target (lossless only relative to the quantized target).
+    quant: int8 | int4 weight-only or w8a8 (CPU) target (lossless only relative to the quantized target); "auto":
+    the format this machine measured fastest for a verification step (sparrow.runtime.hardware.choose_target_quant; dense
+    where none pays; lossless then relative to the target in the format chosen); "none": dense.
     draft_quant: int8 | int4 | w8a8 draft model, or the format of the "quantized-self" copy (default int4);
     "auto": the format this machine measured fastest for one draft row (sparrow.runtime.hardware.choose_draft_quant;
     a dense draft where none pays, and for drafters without a draft model).
@@ -325,10 +328,12 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
         raise UserError(f"compile must be True or False, got {compile!r}")
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
                                      device, dtype)
+    quant = _target_quant(quant, drafter)
     if isinstance(target, str):
         target = load_model(target, dtype=dtype, device=device, progress=progress)
     if isinstance(draft, str):
         draft = load_model(draft, dtype=dtype, device=device, progress=progress)
+    quant = target_format(target.model, quant, compile)
     target = _quantized(target, quant)
     draft = _quantized(draft, draft_quant, keep_dense=True) if draft is not None else None
     return _build(target, drafter, draft, num_draft_tokens, adaptive, verifier,
@@ -343,6 +348,13 @@ def with_speculative_config(config: Mapping[str, Any] | str | None, drafter: str
     given = given_arguments(drafter, draft, num_draft_tokens, options)
     return merged(config, drafter=drafter, draft=draft, num_draft_tokens=num_draft_tokens, options=options,
                   given=given, python=True)
+
+
+def _target_quant(quant: str | None, drafter: str) -> str | None:
+    """--quant parsed ('none' -> None); 'auto' stays until `target_format` sees the loaded target, except for
+    quantized-self, which drafts with a quantized copy of a dense target."""
+    quant = parse_quant(quant, "quant", auto=True)
+    return None if quant == AUTO and drafter == "quantized-self" else quant
 
 
 def _quantized(loaded: LoadedModel, quant: str | None, keep_dense: bool = False) -> LoadedModel:
@@ -422,6 +434,10 @@ class PipelineCache:
                                                                             num_draft_tokens, {})
         draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
                                          device, dtype)  # before loading
+        quant = _target_quant(quant, drafter)
+        if quant == AUTO:  # the format this machine runs the target fastest in (its dense model loaded once)
+            with self._lock:
+                quant = target_format(self._model(target, dtype, device, None).model, AUTO)
         key = (_key(target), drafter, _key(draft), num_draft_tokens, adaptive, resolve_dtype(dtype, device),
                resolve_device(device), quant, draft_quant, tuple(sorted((k, repr(v)) for k, v in options.items())))
         with self._lock:

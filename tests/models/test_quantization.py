@@ -178,12 +178,12 @@ def test_a_w8a8_verify_forward_equals_one_token_steps_bit_for_bit(dtype):
     prompt, block = ids[:, :20], ids[:, 20:]
     with torch.inference_mode():
         cache = DynamicCache()
-        copy(prompt, past_key_values=cache)
-        steps = torch.cat([copy(block[:, i:i + 1], past_key_values=cache).logits for i in range(10)], dim=1)
+        copy(prompt, cache=cache)
+        steps = torch.cat([copy(block[:, i:i + 1], cache=cache).logits for i in range(10)], dim=1)
         cache = DynamicCache()
-        copy(prompt, past_key_values=cache)
-        verify = torch.cat([copy(block[:, :4], past_key_values=cache).logits,
-                            copy(block[:, 4:], past_key_values=cache).logits], dim=1)
+        copy(prompt, cache=cache)
+        verify = torch.cat([copy(block[:, :4], cache=cache).logits,
+                            copy(block[:, 4:], cache=cache).logits], dim=1)
     assert torch.equal(steps, verify)
 
 
@@ -314,3 +314,44 @@ def test_generate_summary_names_the_quantized_target_it_was_identical_to():
     assert "float32, target w8a8, draft w8a8" in text and "yes (of the w8a8 target)" in text
     console.print(summary({**record, "quant": None, "draft_quant": None}, "greedy"))
     assert "w8a8" not in console.export_text()  # a float target: nothing said about quantization
+
+
+def test_quant_auto_picks_the_targets_format_by_the_measurement(target, monkeypatch, tmp_path):
+    """--quant auto: the format this machine measured fastest at 8 rows (a verification step) quantizes the target,
+    and speculative decoding equals that quantized target's own plain decoding, with drafts accepted; where no
+    format pays (or with --compile, w8a8 excluded) the target stays dense."""
+    from sparrow.runtime import hardware
+
+    monkeypatch.setenv("SPARROW_DTYPE_BENCHMARK", "1")
+    monkeypatch.setenv("SPARROW_HARDWARE_CACHE", str(tmp_path))
+    costs = {"float32": {"1": 3.0, "8": 3.3}, "bfloat16": {"1": 3.1, "8": 9.9}, "int8": {"1": 1.0, "8": 2.5},
+             "int4": {"1": 0.8, "8": 6.0}, "w8a8": {"1": 1.5, "8": 2.0}}
+    monkeypatch.setattr(hardware, "measure", lambda *a, **k: {
+        "costs": costs, "quant_activations": "float32", "unit": "ms per matmul",
+        "shape": list(hardware.BENCH_SHAPE), "seconds": 0.01})
+    hardware.clear_cache()
+    try:
+        assert hardware.choose_target_quant("cpu")[0] == "w8a8"  # fastest at 8 rows (int4 is, at 1 row)
+        assert hardware.choose_target_quant("cpu", exclude=("w8a8",))[0] == "int8"
+        assert Q.target_format(target.model, "auto", compile=True) == "int8"
+        pipe = sparrow.load(target, drafter="draft-model", draft=target, num_draft_tokens=4, quant="auto")
+        assert pipe.runner.model.sparrow_quantization.name == "w8a8"
+        accepted = 0
+        for prompt in PROMPTS:
+            result = pipe.generate(prompt, max_new_tokens=24)
+            assert result.token_ids == pipe.generate_plain(prompt, max_new_tokens=24).token_ids
+            accepted += result.stats.num_accepted_tokens
+        assert accepted > 0
+        assert sparrow.load(target, drafter="quantized-self", quant="auto").runner.model is target.model  # dense
+        from sparrow.pipeline import PipelineCache
+
+        cached = PipelineCache().get(target, drafter="none", quant="auto")
+        assert cached.runner.model.sparrow_quantization.name == "w8a8"
+        monkeypatch.setattr(hardware, "MIN_TARGET_QUANT_SPEEDUP", 10.0)
+        hardware.clear_cache()
+        fmt, reason = hardware.choose_target_quant("cpu")
+        assert fmt is None and "the target stays dense" in reason
+        assert sparrow.load(target, drafter="none", quant="auto").runner.model is target.model
+        assert sparrow.load(target, drafter="none", quant="none").runner.model is target.model
+    finally:
+        hardware.clear_cache()

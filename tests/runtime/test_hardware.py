@@ -5,6 +5,7 @@ both ways: nothing here assumes the machine the tests run on."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -39,14 +40,21 @@ def isolated(tmp_path, monkeypatch):
     hardware.clear_cache()
 
 
+M = hardware.MIN_ROUNDS  # rounds of a measurement whose figures agree at once
+
+
 class FakeBench:
-    """Stands in for hardware.measure: returns `costs`, counts its calls."""
+    """Stands in for hardware.measure: returns `costs`, counts its full rounds (`calls`) and its quick dense-only
+    load checks (`checks`)."""
 
     def __init__(self, costs: dict) -> None:
-        self.costs, self.calls = costs, 0
+        self.costs, self.calls, self.checks = costs, 0, 0
 
-    def __call__(self, *args, **kwargs) -> dict:
-        self.calls += 1
+    def __call__(self, *args, quant: bool = True, **kwargs) -> dict:
+        if quant:
+            self.calls += 1
+        else:
+            self.checks += 1
         fast = hardware._faster_dense(self.costs) >= hardware.MIN_BF16_SPEEDUP
         return {"costs": self.costs, "quant_activations": "bfloat16" if fast else "float32", "unit": "ms per matmul",
                 "shape": list(hardware.BENCH_SHAPE), "seconds": 0.01}
@@ -74,7 +82,7 @@ def test_parse_cpuinfo_x86_and_arm():
 def test_bf16_flag_and_faster_bf16_picks_bfloat16(monkeypatch):
     bench = machine(monkeypatch, BF16_CPU, FAST_BF16)
     dtype, reason = hardware.choose_dtype("cpu")
-    assert dtype is torch.bfloat16 and bench.calls == 1
+    assert dtype is torch.bfloat16 and bench.calls == M
     assert "avx512_bf16" in reason and "faster than float32" in reason and "Fake EPYC" in reason
 
 
@@ -83,19 +91,19 @@ def test_bf16_flag_and_faster_bf16_picks_bfloat16(monkeypatch):
 def test_without_bf16_instructions_the_measurement_decides(monkeypatch, costs, expected):
     bench = machine(monkeypatch, VNNI_CPU, costs)
     dtype, reason = hardware.choose_dtype("cpu")
-    assert dtype is expected and bench.calls == 1
+    assert dtype is expected and bench.calls == M
     assert "no bfloat16 instructions" in reason and "Fake Xeon" in reason and reason.endswith(str(expected)[6:])
     hardware.clear_cache()
     monkeypatch.setenv("SPARROW_DTYPE_BENCHMARK", "0")
     monkeypatch.setattr(cpu, "read_cpuinfo", lambda: VNNI_CPU.replace("Fake Xeon", "Other Xeon"))  # not cached
     dtype, reason = hardware.choose_dtype("cpu")
-    assert dtype is torch.float32 and "benchmark disabled" in reason and bench.calls == 1  # the flags alone
+    assert dtype is torch.float32 and "benchmark disabled" in reason and bench.calls == M  # the flags alone
 
 
 def test_bf16_flag_but_bf16_not_faster_picks_float32(monkeypatch):
     bench = machine(monkeypatch, BF16_CPU, SLOW_BF16)
     dtype, reason = hardware.choose_dtype("cpu")
-    assert dtype is torch.float32 and bench.calls == 1
+    assert dtype is torch.float32 and bench.calls == M
     assert "avx512_bf16" in reason and "only" in reason
 
 
@@ -115,7 +123,7 @@ def test_the_measurement_is_cached_per_machine(monkeypatch, tmp_path):
     assert hardware.choose_dtype("cpu")[0] is torch.bfloat16
     hardware.clear_cache()  # a new process: only the file remains
     assert hardware.choose_dtype("cpu")[0] is torch.bfloat16
-    assert bench.calls == 1
+    assert bench.calls == M
     [path] = (tmp_path / "cache" / "hardware").glob("cpu-*.json")
     record = json.loads(path.read_text())
     assert record["key"]["cpu"] == "Fake EPYC 9R14" and "avx512_bf16" in record["key"]["flags"]
@@ -123,11 +131,11 @@ def test_the_measurement_is_cached_per_machine(monkeypatch, tmp_path):
     assert not list(path.parent.glob(".*.tmp"))  # written atomically, no temporary left
     # the cache holds even with the benchmark disabled; another CPU (other flags) measures again
     hardware.clear_cache()
-    assert hardware.choose_dtype("cpu", benchmark=False)[1].endswith(": bfloat16") and bench.calls == 1
+    assert hardware.choose_dtype("cpu", benchmark=False)[1].endswith(": bfloat16") and bench.calls == M
     monkeypatch.setattr(cpu, "read_cpuinfo", lambda: BF16_CPU.replace("avx512_bf16", "avx512_bf16 amx_bf16"))
     hardware.clear_cache()
     hardware.choose_dtype("cpu")
-    assert bench.calls == 2 and len(list(path.parent.glob("cpu-*.json"))) == 2
+    assert bench.calls == 2 * M and len(list(path.parent.glob("cpu-*.json"))) == 2
 
 
 @pytest.mark.parametrize("garbage", ["{not json", "", "[]", '{"key": 1}', "null"])
@@ -137,7 +145,7 @@ def test_a_corrupt_cache_file_is_ignored_and_rewritten(monkeypatch, garbage):
     [path] = (hardware.cache_path(hardware.cache_key(cpu.cpu_info())).parent).glob("cpu-*.json")
     path.write_text(garbage)
     hardware.clear_cache()
-    assert hardware.choose_dtype("cpu")[0] is torch.bfloat16 and bench.calls == 2
+    assert hardware.choose_dtype("cpu")[0] is torch.bfloat16 and bench.calls == 2 * M
     assert json.loads(path.read_text())["costs"] == FAST_BF16
 
 
@@ -150,7 +158,7 @@ def test_bad_costs_in_the_cache_are_ignored(monkeypatch):
     path.write_text(json.dumps(record))
     hardware.clear_cache()
     hardware.choose_dtype("cpu")
-    assert bench.calls == 2
+    assert bench.calls == 2 * M
 
 
 def test_an_unwritable_cache_still_chooses(monkeypatch, tmp_path):
@@ -158,7 +166,7 @@ def test_an_unwritable_cache_still_chooses(monkeypatch, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     monkeypatch.setenv("SPARROW_CACHE", str(blocker))
-    assert hardware.choose_dtype("cpu")[0] is torch.bfloat16 and bench.calls == 1
+    assert hardware.choose_dtype("cpu")[0] is torch.bfloat16 and bench.calls == M
 
 
 def test_cuda_bf16_when_supported_else_float16(monkeypatch):
@@ -219,14 +227,14 @@ def test_doctor_json(monkeypatch, text, costs, expected):
     record = json.loads(result.stdout)
     assert record["auto"]["dtype"] == expected and expected in record["auto"]["reason"]
     assert record["device"] == "cpu" and record["cpu"]["model"].startswith("Fake")
-    assert record["benchmark"]["costs"] == costs and record["benchmark"]["cached"] is False and bench.calls == 1
+    assert record["benchmark"]["costs"] == costs and record["benchmark"]["cached"] is False and bench.calls == M
     assert record["versions"]["torch"] == torch.__version__ and record["threads"]["intra_op"] >= 1
     assert record["auto"]["draft_quant"] == "int8"  # int8 ran faster than the dense dtype at 1 row in both
     assert "int8 weights ran" in record["auto"]["draft_quant_reason"]
     again = json.loads(cli("doctor", "--json", "--device", "cpu").stdout)
-    assert again["benchmark"]["cached"] is True and bench.calls == 1
+    assert again["benchmark"]["cached"] is True and bench.calls == M
     fresh = json.loads(cli("doctor", "--json", "--device", "cpu", "--refresh").stdout)
-    assert fresh["benchmark"]["cached"] is False and bench.calls == 2
+    assert fresh["benchmark"]["cached"] is False and bench.calls == 2 * M
     table = cli("doctor", "--device", "cpu")
     assert table.exit_code == 0 and "--dtype auto" in table.output and expected in table.output
 
@@ -382,3 +390,152 @@ def test_resolve_draft_quant_before_loading(monkeypatch, drafter, expected):
     machine(monkeypatch, BF16_CPU, FAST_INT4)
     has_model = REGISTRY[drafter].takes_draft_model
     assert resolve_draft_quant("auto", drafter, has_model, "cpu") == expected
+
+
+# --- a measurement a busy machine cannot poison ---------------------------------------------------------
+
+# issue 30: measured while a model install was loading the machine, bfloat16 "ran" 8 rows 4x faster than 1 row
+POISONED = {"float32": {"1": 3.0, "8": 3.3}, "bfloat16": {"1": 5.20, "8": 1.28}, "int8": {"1": 1.0, "8": 3.0}}
+
+
+def scaled(costs: dict, factor: float) -> dict:
+    return {name: {n: v * factor for n, v in row.items()} for name, row in costs.items()}
+
+
+class Rounds(FakeBench):
+    """A measure() whose full rounds return `rounds` in turn (the last one repeats) and whose quick load checks
+    return `check` (default: the round it would return next)."""
+
+    def __init__(self, rounds: list[dict], check: dict | None = None) -> None:
+        super().__init__(rounds[0])
+        self.rounds, self.check = rounds, check
+
+    def __call__(self, *args, quant: bool = True, **kwargs) -> dict:
+        self.costs = self.rounds[min(self.calls, len(self.rounds) - 1)]
+        if not quant and self.check is not None:
+            self.costs = self.check
+        return super().__call__(*args, quant=quant, **kwargs)
+
+
+def cached_files(tmp_path) -> list:
+    return list((tmp_path / "cache" / "hardware").glob("cpu-*.json"))
+
+
+def test_an_inconsistent_measurement_is_rejected_and_not_cached(monkeypatch, tmp_path):
+    bench = machine(monkeypatch, BF16_CPU, POISONED)
+    dtype, reason = hardware.choose_dtype("cpu")
+    assert bench.calls == hardware.MAX_ROUNDS and not cached_files(tmp_path)
+    assert dtype is torch.bfloat16 and "every benchmark round was inconsistent" in reason  # the flags decide
+    assert hardware.choose_draft_quant("cpu")[0] is None and bench.calls == hardware.MAX_ROUNDS  # not again
+    record = hardware.cpu_costs()
+    assert record["costs"] is None and record["stability"]["rejected"][0].startswith("bfloat16: 8 rows 1.28 ms")
+    hardware.clear_cache()  # a new process measures again
+    hardware.choose_dtype("cpu")
+    assert bench.calls == 2 * hardware.MAX_ROUNDS
+
+
+def test_inconsistent_rounds_are_dropped_and_the_stable_ones_cached(monkeypatch, tmp_path):
+    bench = Rounds([POISONED, FAST_BF16, scaled(FAST_BF16, 1.05)])
+    monkeypatch.setattr(cpu, "read_cpuinfo", lambda: BF16_CPU)
+    monkeypatch.setattr(hardware, "measure", bench)
+    record = hardware.cpu_costs()
+    assert bench.calls == 3 and record["stability"]["stable"] and record["stability"]["used"] == 2
+    assert len(record["stability"]["rejected"]) == 1 and 0.04 < record["stability"]["spread"] < 0.06
+    assert record["costs"]["bfloat16"]["1"] == pytest.approx(1.2 * 1.025)  # the median of the agreeing rounds
+    [path] = cached_files(tmp_path)
+    assert json.loads(path.read_text())["costs"] == record["costs"]
+
+
+def test_rounds_that_never_agree_are_neither_cached_nor_chosen_by(monkeypatch, tmp_path):
+    bench = Rounds([SLOW_BF16, scaled(SLOW_BF16, 1.5)] * hardware.MAX_ROUNDS)
+    monkeypatch.setattr(cpu, "read_cpuinfo", lambda: BF16_CPU)
+    monkeypatch.setattr(hardware, "measure", bench)
+    dtype, reason = hardware.choose_dtype("cpu")
+    assert dtype is torch.bfloat16 and "rounds disagreed" in reason  # the flags, not SLOW_BF16's float32
+    assert hardware.choose_draft_quant("cpu")[0] is None  # not SLOW_BF16's int8
+    record = hardware.cpu_costs()
+    assert bench.calls == hardware.MAX_ROUNDS and not record["stability"]["stable"] and not cached_files(tmp_path)
+    factors = [1.0, 1.5] * hardware.MAX_ROUNDS
+    expected = 3.1 * statistics.median(factors[:hardware.MAX_ROUNDS])  # bfloat16's 1-row figure: the median
+    assert record["costs"]["bfloat16"]["1"] == pytest.approx(expected)
+
+
+def test_a_kernel_faster_than_the_memory_bandwidth_allows_is_inconsistent():
+    """A round that measured the bandwidth low (busy) is judged by the best bandwidth of its measurement."""
+    size = hardware.BENCH_SHAPE[0] * hardware.BENCH_SHAPE[1]
+    ms = 2 * size / 50e9 * 1000  # bfloat16 weights streamed at 50 GB/s
+    result = {"costs": {"bfloat16": {"1": ms, "8": ms * 1.1}}, "shape": list(hardware.BENCH_SHAPE)}
+    assert hardware.inconsistencies({**result, "bandwidth_gbs": 40.0}) == []
+    [problem] = hardware.inconsistencies({**result, "bandwidth_gbs": 20.0})
+    assert problem.startswith("bfloat16: 50 GB/s of weights > 2x the measured 20 GB/s")
+    assert hardware.inconsistencies({**result, "bandwidth_gbs": 20.0}, bandwidth=40.0) == []
+    rounds = iter([40.0, 20.0, 20.0])
+    record = hardware.measure_stable(lambda: {**result, "quant_activations": "bfloat16", "bandwidth_gbs": next(rounds)})
+    assert record["stability"]["stable"] and not record["stability"]["rejected"] and record["bandwidth_gbs"] == 40.0
+
+
+def test_a_quiet_check_faster_than_the_cache_measures_again_and_replaces_it(monkeypatch, tmp_path):
+    busy = scaled(FAST_BF16, 3.0)  # consistent, stable, but measured under load
+    bench = Rounds([busy, busy, FAST_BF16], check=FAST_BF16)
+    monkeypatch.setattr(cpu, "read_cpuinfo", lambda: BF16_CPU)
+    monkeypatch.setattr(hardware, "measure", bench)
+    assert hardware.cpu_costs()["costs"] == busy and bench.calls == M and bench.checks == 0
+    [path] = cached_files(tmp_path)
+    hardware.clear_cache()  # a new process: the cached figures are checked by one quick round
+    record = hardware.cpu_costs()
+    assert bench.checks == 1 and bench.calls == 2 * M and record["cached"] is False
+    assert record["costs"] == FAST_BF16 and record["check"]["ratio"] == pytest.approx(1 / 3, abs=1e-3)
+    assert json.loads(path.read_text())["costs"] == FAST_BF16  # the cache replaced
+    assert hardware.cpu_costs()["check"]["replaced"] and bench.checks == 1  # once per process
+
+
+def test_a_slower_check_keeps_the_cache(monkeypatch, tmp_path):
+    """A check slower than the cache says only that the machine is busy now: the cache stays."""
+    bench = Rounds([FAST_BF16], check=scaled(FAST_BF16, 2.0))
+    monkeypatch.setattr(cpu, "read_cpuinfo", lambda: BF16_CPU)
+    monkeypatch.setattr(hardware, "measure", bench)
+    hardware.cpu_costs()
+    hardware.clear_cache()
+    record = hardware.cpu_costs()
+    assert record["cached"] is True and record["check"] == {"ratio": 2.0, "agreed": True}
+    assert bench.calls == M and bench.checks == 1
+
+
+def test_an_old_or_unstable_cache_record_is_not_trusted(monkeypatch, tmp_path):
+    bench = machine(monkeypatch, BF16_CPU, FAST_BF16)
+    hardware.cpu_costs()
+    [path] = cached_files(tmp_path)
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "stability": {**record["stability"], "stable": False}}))
+    hardware.clear_cache()
+    assert hardware.cpu_costs(benchmark=False) is None
+    path.write_text(json.dumps({**record, "costs": POISONED}))
+    assert hardware.cpu_costs(benchmark=False) is None
+
+
+def test_doctor_says_how_stable_the_figures_are(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # one line per row
+    bench = Rounds([POISONED, FAST_BF16, scaled(FAST_BF16, 1.05)])
+    monkeypatch.setattr(cpu, "read_cpuinfo", lambda: BF16_CPU)
+    monkeypatch.setattr(hardware, "measure", bench)
+    record = json.loads(cli("doctor", "--json", "--device", "cpu").stdout)
+    assert record["benchmark"]["stability"]["stable"] and record["benchmark"]["stability"]["rounds"] == 3
+    table = cli("doctor", "--device", "cpu").output
+    assert "stable: 2 of 3 rounds agree within 4.8%" in table and "1 inconsistent round rejected" in table
+    assert "checked at load: 1.02x the cached time" in table
+    hardware.clear_cache()
+    monkeypatch.setattr(hardware, "measure", FakeBench(POISONED))
+    table = cli("doctor", "--device", "cpu", "--refresh").output
+    assert f"every one of {hardware.MAX_ROUNDS} rounds rejected as inconsistent" in table
+
+
+def test_make_run_measures_after_its_installs_and_before_generating():
+    """Issue 30: `make run` measured the machine while the model installs still loaded it; now it installs,
+    then measures (`sparrow doctor`), then generates."""
+    from pathlib import Path
+
+    lines = Path(__file__).parents[1].joinpath("Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
+    steps = [line.strip() for line in lines.splitlines() if line.startswith("\t")]
+    order = [next(i for i, step in enumerate(steps) if what in step)
+             for what in ("sparrow models install", "sparrow doctor", "sparrow generate")]
+    assert order == sorted(order), steps

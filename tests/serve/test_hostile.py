@@ -64,7 +64,7 @@ ROWS = [
     (gen("hi", "--image", "/no/such/cat.png"), 2, "image: no such file: '/no/such/cat.png'", EARLY),
     (gen("hi", "--drafter", "medusa"), 2, "unknown drafter 'medusa'; expected one of: ", EARLY),
     (gen("hi", "--verify", "typical"), 2, "unknown verifier 'typical'; expected one of: auto, ", EARLY),
-    (gen("hi", "--quant", "int3"), 2, "invalid quant 'int3': expected one of int8, int4", EARLY),
+    (gen("hi", "--quant", "int3"), 2, "invalid quant 'int3': expected one of auto, none, int8, int4", EARLY),
     (gen(""), 2, "prompt must not be empty", EARLY),
     (gen(" \t\n "), 2, "prompt must not be empty", EARLY),
     ((*TUNE, "--time-budget", "nan"), 2, "--time-budget must be a finite number of seconds > 0, got nan", EARLY),

@@ -19,7 +19,7 @@ from sparrow.cli._common import cli_errors
 @cli_errors
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
-    benchmark: Annotated[bool, typer.Option("--benchmark/--no-benchmark", help="Measure the per-token costs (well under a second, once per machine: cached) or only read a cached measurement.")] = True,
+    benchmark: Annotated[bool, typer.Option("--benchmark/--no-benchmark", help="Measure the per-token costs (rounds until they agree, a few seconds; cached per machine once stable, then checked by a quick round) or only read a cached measurement.")] = True,
     refresh: Annotated[bool, typer.Option("--refresh", help="Measure again even if a measurement is cached.")] = False,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
 ) -> None:
@@ -30,7 +30,7 @@ def doctor(
     dev = resolve_device(device)
     info = cpu.cpu_info()
     measured = hardware.cpu_costs(benchmark=benchmark, refresh=refresh, info=info)
-    hardware.clear_cache()  # choose from the measurement just read or taken
+    hardware.clear_cache(measurements=False)  # choose from the measurement just read or taken
     choice = hardware.choose(dev, benchmark=benchmark)
     draft_quant = hardware.choose_draft_quant(dev, benchmark=benchmark)
     record = report(dev, info, measured, choice, draft_quant, hardware.choose_onednn(dev, benchmark=benchmark))
@@ -58,7 +58,8 @@ def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any,
     benchmark = None
     if measured is not None:
         benchmark = {key: measured.get(key) for key in ("costs", "quant_activations", "unit", "shape", "seconds",
-                                                         "measured_at", "cached", "path")}
+                                                         "measured_at", "cached", "path", "stability",
+                                                         "bandwidth_gbs", "check")}
         benchmark["rows"] = list(hardware.BENCH_ROWS)
     return {
         "device": str(dev),
@@ -99,6 +100,8 @@ def table(record: dict[str, Any]) -> Table:
     if bench is None:
         out.add_row("CPU costs", "not measured (--no-benchmark and nothing cached)")
     else:
+        out.add_row("measurement", stability_line(bench))
+    if bench is not None and bench["costs"] is not None:
         rows = [str(n) for n in bench["rows"]]
         shape = "x".join(map(str, bench["shape"]))
         source = f"cached {bench['measured_at']}" if bench["cached"] else f"measured now in {bench['seconds']:.2f} s"
@@ -115,3 +118,37 @@ def table(record: dict[str, Any]) -> Table:
     out.add_row("--draft-quant auto", f"{record['auto']['draft_quant'] or 'dense'}: {record['auto']['draft_quant_reason']}")
     out.add_row("float32 linears", record["auto"]["float32_onednn_reason"])
     return out
+
+
+def stability_line(bench: dict[str, Any]) -> str:
+    """How far the benchmark's figures can be trusted: rounds, their spread, rejections, cache and load check."""
+    stability = bench.get("stability") or {}
+    rejected = stability.get("rejected") or []
+    if bench.get("costs") is None:
+        return (f"every one of {stability.get('rounds')} rounds rejected as inconsistent ({rejected[-1]}); "
+                "nothing cached, --dtype auto falls back to the CPU flags")
+    spread, used, rounds = stability.get("spread"), stability.get("used"), stability.get("rounds")
+    if stability.get("stable"):
+        text = (f"stable: {used} of {rounds} rounds agree within {100 * spread:.1f}% (tolerance "
+                f"{100 * stability.get('tolerance', 0):.0f}%)")
+    else:
+        tolerance = 100 * stability.get("tolerance", 0)
+        text = (f"UNSTABLE (machine busy; figures shown, not used: the CPU flags decide): {used} consistent of "
+                f"{rounds} rounds, spread {100 * (spread or 0):.0f}% (tolerance {tolerance:.0f}%)")
+    if rejected:
+        count = len(rejected)
+        text += f"; {count} inconsistent round{'s' * (count != 1)} rejected ({rejected[-1]})"
+    if bench.get("bandwidth_gbs"):
+        text += f"; memory read bandwidth {bench['bandwidth_gbs']:.1f} GB/s"
+    if bench.get("cached"):
+        text += f"; cached {bench.get('measured_at')}"
+    elif stability.get("stable"):
+        text += "; cached now"
+    else:
+        text += "; not cached (measured again next run)"
+    check = bench.get("check")
+    if check and check.get("replaced"):
+        text += f"; replaced the cached figures (a quick check ran {check['ratio']:.2f}x their time)"
+    elif check and check.get("ratio") is not None:
+        text += f"; checked at load: {check['ratio']:.2f}x the cached time (agrees)"
+    return text

@@ -32,11 +32,12 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed of the sampling generator.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
-    quant: Annotated[Optional[str], typer.Option(help="int8|int4 weight-only or w8a8 (CPU: int8 weights and per-token int8 activations, fbgemm) target: faster; lossless only relative to the quantized target.")] = None,
+    quant: Annotated[Optional[str], typer.Option(help="int8|int4 weight-only or w8a8 (CPU: int8 weights and per-token int8 activations, fbgemm) target: faster; lossless only relative to the quantized target. auto: the format this machine runs a verification step fastest (measured, see `sparrow doctor`; dense where none pays), again lossless only relative to the target in that format; none: dense.")] = None,
     draft_quant: Annotated[str, typer.Option(help="Weight format of the draft model (or of the quantized-self copy: int4 where auto picks none): auto (default): the format this machine runs a one-token draft step fastest (measured once, see `sparrow doctor`; dense where none pays); none; or int8|int4|w8a8. Lossless either way: the target verifies.")] = "auto",
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the tokenizer's chat template.")] = False,
-    compare: Annotated[bool, typer.Option(help="Also run plain decoding; report identical and speedup.")] = False,
+    compare: Annotated[bool, typer.Option(help="Also run plain decoding; report identical and speedup (both paths warmed up untimed, then timed alternately in ABBA order; medians of --compare-runs runs each).")] = False,
+    compare_runs: Annotated[int, typer.Option(help="With --compare: timed runs of each path (ABBA order; the medians are reported).")] = 2,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
     compile_steps: Annotated[bool, typer.Option("--compile/--no-compile", help="Static KV cache and torch.compile'd decode/verify steps for the target and a draft-model/quantized-self draft (text LMs without sliding-window layers; the first steps of each shape compile).")] = False,
     video: Annotated[Optional[str], typer.Option(help="Video file or directory of frames (needs a VLM target).")] = None,
@@ -67,6 +68,7 @@ def generate(
     drafter, draft, k, spec_options = with_speculative_config(speculative_config, drafter, draft, k,
                                                              {"head": head} if head is not None else {})
     head = spec_options.pop("head", None)
+    check_int("--compare-runs", compare_runs, 1)
     if any(not s for s in stop or ()):
         raise UserError("--stop must not be an empty string")
     if not prompt.strip():
@@ -84,36 +86,65 @@ def generate(
                         dtype=dtype.value, device=device, progress=not as_json, quant=quant, draft_quant=draft_quant,
                         verifier=verify, compile=compile_steps, **drafter_options)
     pipe.request(prompt, **options)  # context-length checks need the tokenizer
-    if compare:  # warm-up on a short prompt, so neither timed run pays one-time costs (kernels, allocator)
-        pipe.generate_plain("Hello", max_new_tokens=4)
-        pipe.generate("Hello", max_new_tokens=4)
-    result = pipe.generate(prompt, **options)
-    baseline = pipe.generate_plain(prompt, **options) if compare else None
+    comparison = run_compare(pipe, prompt, options, compare_runs) if compare else None
+    result = comparison.speculative[0] if comparison is not None else pipe.generate(prompt, **options)
     record = {
         "text": result.text, "token_ids": result.token_ids, "new_tokens": result.new_tokens,
         "finish_reason": result.finish_reason, "seconds": result.seconds,
         "tokens_per_second": result.tokens_per_second, "mean_accepted_tokens": result.stats.mean_accepted_tokens,
         "acceptance_rate": result.stats.acceptance_rate, "drafter": pipe.drafter_name, "target": target,
         "draft": draft_name(drafter, draft), "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
-        "temperature": temperature, "stats": result.stats.to_dict(), "quant": quant,
+        "temperature": temperature, "stats": result.stats.to_dict(), "quant": target_quant_used(pipe),
         "draft_quant": draft_quant_used(pipe, draft_quant), "compiled": pipe.compiled,
-        "lossless_relative_to": f"the {quant}-quantized target" if quant else "the target",
+        "lossless_relative_to": f"the {target_quant_used(pipe)}-quantized target" if target_quant_used(pipe)
+                                else "the target",
         "tree": tree_record(pipe.drafter, tree),
         "draft_vocab": draft_vocab_record(pipe.drafter),
     }
     if verify == "loose":  # LOSSY: the output may differ from the target's own output
         record.update(verifier="loose", lossy=True, lossless_relative_to=None)
-    if baseline is not None:
-        record["baseline"] = {"token_ids": baseline.token_ids, "seconds": baseline.seconds,
-                              "tokens_per_second": baseline.tokens_per_second}
-        record["identical"] = baseline.token_ids == result.token_ids
-        record["speedup"] = (result.tokens_per_second / baseline.tokens_per_second
-                             if baseline.tokens_per_second > 0 else None)  # None: a run too short for the clock
+    if comparison is not None:
+        record.update(compare_record(comparison))
     if as_json:
         sys.stdout.write(json.dumps(finite(record), allow_nan=False) + "\n")
         return
     typer.echo(result.text)
     err.print(summary(record, verify))
+
+
+def run_compare(pipe: Any, prompt: str, options: dict[str, Any], runs: int) -> Any:
+    """Speculative and plain decoding of ``prompt``, each warmed up untimed on it (a few tokens: neither timed
+    path pays for cold kernels, allocator or weight pages), then timed ``runs`` times each in ABBA order."""
+    from sparrow.bench.compare import compare
+
+    warm = {**options, "max_new_tokens": min(8, options["max_new_tokens"])}
+
+    def warm_up() -> None:
+        pipe.generate(prompt, **warm)
+        pipe.generate_plain(prompt, **warm)
+
+    return compare(lambda: pipe.generate(prompt, **options), lambda: pipe.generate_plain(prompt, **options),
+                   warm_up, runs)
+
+
+def compare_record(comparison: Any) -> dict[str, Any]:
+    """The JSON fields of --compare: the speculative figures become the medians of its runs; `baseline` (plain
+    decoding), `identical` (every run), `speedup` (of the medians) and `compare` (order, runs, each run's tok/s)."""
+    from statistics import median
+
+    spec, plain = comparison.speculative_timing, comparison.plain_timing
+
+    def path(timing: Any) -> dict[str, Any]:
+        return {"median": timing.median, "min": timing.low, "max": timing.high, "tokens_per_second": list(timing.rates)}
+
+    return {
+        "seconds": median(r.seconds for r in comparison.speculative), "tokens_per_second": spec.median,
+        "baseline": {"token_ids": comparison.plain[0].token_ids,
+                     "seconds": median(r.seconds for r in comparison.plain), "tokens_per_second": plain.median},
+        "identical": comparison.identical, "speedup": comparison.speedup,
+        "compare": {"order": comparison.order, "runs": len(comparison.plain), "warm_up": True,
+                    "speculative": path(spec), "plain": path(plain)},
+    }
 
 
 def finite(value: Any) -> Any:
@@ -147,8 +178,10 @@ def summary(record: dict[str, Any], verify: str) -> Table:
     table.add_row("drafter", f"{record['drafter']} (target {record['target']})")
     table.add_row("dtype", record["dtype"] + (f", target {record['quant']}" if record["quant"] else "")
                   + (f", draft {record['draft_quant']}" if record["draft_quant"] else ""))
+    compare = record.get("compare")
     table.add_row("tokens", f"{record['new_tokens']} in {record['seconds']:.2f} s = "
-                            f"{record['tokens_per_second']:.2f} tok/s")
+                            f"{rate(record['tokens_per_second'])} tok/s"
+                            + (runs(compare, "speculative") if compare else ""))
     if verify == "loose":
         table.add_row("verification", "loose (LOSSY: output may differ from the target's)")
     if record["draft_vocab"] is not None:
@@ -159,11 +192,31 @@ def summary(record: dict[str, Any], verify: str) -> Table:
     table.add_row("mean accepted tokens / step",
                   f"{record['mean_accepted_tokens']:.2f} (acceptance {record['acceptance_rate']:.2f})")
     if "baseline" in record:
-        table.add_row("plain decoding", f"{record['baseline']['tokens_per_second']:.2f} tok/s")
-        table.add_row("speedup", "-" if record["speedup"] is None else f"{record['speedup']:.2f}x")
+        table.add_row("plain decoding", f"{rate(record['baseline']['tokens_per_second'])} tok/s"
+                                        + (runs(compare, "plain") if compare else ""))
+        table.add_row("speedup", ("-" if record["speedup"] is None else f"{record['speedup']:.2f}x")
+                      + (f" (medians; {compare['order']} order after an untimed warm-up of each)" if compare else ""))
         table.add_row("identical to plain decoding", ("yes" if record["identical"] else "no")
+                      + (f" (all {2 * compare['runs']} runs)" if compare else "")
                       + (f" (of the {record['quant']} target)" if record["quant"] else ""))
     return table
+
+
+def rate(value: float | None) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.2f}"
+
+
+def runs(compare: dict[str, Any], path: str) -> str:
+    """' (median of N runs: min-max tok/s)' for one path of a --compare record."""
+    timing = compare[path]
+    count = compare["runs"]
+    return f" (median of {count} run{'s' * (count != 1)}: {rate(timing['min'])}-{rate(timing['max'])})"
+
+
+def target_quant_used(pipe: Any) -> str | None:
+    """The weight format the target runs (--quant, or what --quant auto chose; None: dense)."""
+    info = getattr(pipe.target.model, "sparrow_quantization", None)
+    return info.format if info is not None else None
 
 
 def draft_quant_used(pipe: Any, draft_quant: str | None) -> str | None:

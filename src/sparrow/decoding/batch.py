@@ -77,7 +77,7 @@ class Generation:
 
 
 class BatchedKV:
-    """The `past_key_values` of one batched scoring forward: layer i's `update` appends row b's first n_b new
+    """The `cache` of one batched scoring forward: layer i's `update` appends row b's first n_b new
     keys and values to sequence b's own cache and returns all rows' caches, right-padded to one length."""
 
     def __init__(self, caches: list, new: list[int]) -> None:
@@ -166,7 +166,7 @@ def forward_batch(model: PreTrainedModel, runners: list[CachedModel], inputs: li
         allowed[b, n:, 0] = True
     dtype = next(model.parameters()).dtype
     cache = BatchedKV([runner.cache for runner in runners], new)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=pos,
+    out = model(input_ids=ids, cache=cache, use_cache=True, position_ids=pos,
                 attention_mask=additive_mask(allowed, dtype)[:, None], output_hidden_states=bool(hidden_layers))
     outputs = []
     for b, n in enumerate(new):

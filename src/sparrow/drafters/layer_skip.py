@@ -323,7 +323,7 @@ class SkipView:
         if mask is not None:  # [n, length + n] bool -> additive [1, 1, n, length + n]
             dtype = next(self.view.parameters()).dtype
             extra["attention_mask"] = additive_mask(mask.to(self.target.device), dtype)[None, None]
-        out = self.view(input_ids=tokens.to(self.target.device)[None], past_key_values=self.target.cache,
+        out = self.view(input_ids=tokens.to(self.target.device)[None], cache=self.target.cache,
                         use_cache=True, position_ids=self.target.position_ids(positions), **extra)
         self.length += n
         return TargetOutput(out.logits[0])
@@ -367,7 +367,7 @@ class LayerSkipDrafter:
         """One draft forward of `token` ([1]) at cache position `position` -> [vocab] logits."""
         target = self.target
         positions = target.position_ids(torch.tensor([position]))
-        out = self.view(input_ids=token.to(target.device)[None], past_key_values=target.cache, use_cache=True,
+        out = self.view(input_ids=token.to(target.device)[None], cache=target.cache, use_cache=True,
                         position_ids=positions, logits_to_keep=1)
         return out.logits[0, -1]
 

@@ -152,7 +152,7 @@ class SparseDrafter:
     def _forward(self, token: Tensor, position: int) -> Tensor:
         """One draft step: [1] token at true `position` -> [vocab] logits."""
         positions = self._target.position_ids(torch.tensor([position]))
-        out = self.model(input_ids=token.reshape(1, 1), past_key_values=self.cache, use_cache=True,
+        out = self.model(input_ids=token.reshape(1, 1), cache=self.cache, use_cache=True,
                          position_ids=positions)
         return out.logits[0, -1]
 

@@ -93,10 +93,10 @@ def video_features(model: nn.Module, head: EagleHead, input_ids: Tensor, model_i
     device = next(model.parameters()).device
     layers, bridge = head.config.target_layers, spec_of(head).bridge_layer
     cache = DynamicCache(config=model.config)
-    parts = [model(input_ids=input_ids.to(device)[None], past_key_values=cache, use_cache=True,
+    parts = [model(input_ids=input_ids.to(device)[None], cache=cache, use_cache=True,
                    output_hidden_states=True, **model_inputs)]
     if continuation.numel():
-        parts.append(model(input_ids=continuation.to(device)[None], past_key_values=cache, use_cache=True,
+        parts.append(model(input_ids=continuation.to(device)[None], cache=cache, use_cache=True,
                            output_hidden_states=True))
     states = [torch.cat([p.hidden_states[i][0] for p in parts]) for i in range(len(parts[0].hidden_states))]
     tokens = torch.cat([input_ids.to(device), continuation.to(device)])

@@ -110,11 +110,30 @@ def draft_format(model: nn.Module | None, draft_quant: str | None) -> str | None
     return fmt if takes else None
 
 
+def target_format(model: nn.Module, quant: str | None, compile: bool = False) -> str | None:
+    """The format a loaded target runs in: `quant`, or for 'auto' the format sparrow.runtime.hardware measured fastest for
+    a verification step (8 rows) on the model's device in its dtype (`choose_target_quant`; not w8a8 with
+    `compile`, which cannot trace it), where that kernel takes at least one of the model's linear layers; None
+    (dense) otherwise."""
+    if quant != AUTO:
+        return quant
+    from sparrow.runtime.hardware import choose_target_quant
+
+    weight = next(model.parameters())
+    fmt = choose_target_quant(weight.device, dtype=weight.dtype, exclude=(W8A8,) if compile else ())[0]
+    if fmt is None:
+        return None
+    kind = W8A8 if fmt == W8A8 else QUANT_BITS[fmt]
+    takes = any(kernel_takes(kind, m.out_features, m.in_features, DEFAULT_GROUP_SIZE, weight.device)
+                for m in model.modules() if type(m) is nn.Linear)
+    return fmt if takes else None
+
+
 def check_quant_args(drafter: str, quant: str | None, draft_quant: str | None, has_draft_model: bool) -> None:
     """Cheap validation of --quant / --draft-quant, run before any model is loaded."""
-    parse_quant(quant, "quant")
+    quant = parse_quant(quant, "quant", auto=True)
     parse_quant(draft_quant, "draft_quant", auto=True)
-    if quant is not None and drafter == "quantized-self":
+    if quant not in (None, AUTO) and drafter == "quantized-self":
         raise UserError("drafter 'quantized-self' drafts with a quantized copy of an unquantized target; "
                          "drop --quant (or use --drafter draft-model with --draft-quant)")
     if draft_quant is not None and not has_draft_model and drafter != "quantized-self":

@@ -68,7 +68,7 @@ class CachedModel:
         self.cache.activate_past_recording()
         out = self.model(
             input_ids=prompt.input_ids.to(self.device)[None],
-            past_key_values=self.cache,
+            cache=self.cache,
             use_cache=True,
             logits_to_keep=1,
             output_hidden_states=bool(hidden_layers),
@@ -98,7 +98,7 @@ class CachedModel:
             extra["attention_mask"] = self._attention_mask(mask.to(self.device), positions.to(self.device))
         out = self.model(
             input_ids=tokens.to(self.device)[None],
-            past_key_values=self.cache,
+            cache=self.cache,
             use_cache=True,
             position_ids=self.position_ids(positions),
             output_hidden_states=bool(hidden_layers),

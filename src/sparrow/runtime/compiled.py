@@ -157,7 +157,7 @@ class StaticCachedModel(CachedModel):
         if self.cache is None or not wanted <= self.capacity <= 2 * wanted:
             self._allocate(wanted)
         self._set_length(0)
-        out = self.model(input_ids=prompt.input_ids.to(self.device)[None], past_key_values=self.cache,
+        out = self.model(input_ids=prompt.input_ids.to(self.device)[None], cache=self.cache,
                          use_cache=True, logits_to_keep=1, output_hidden_states=bool(hidden_layers),
                          **prompt.model_inputs)
         self._length = n
@@ -211,7 +211,7 @@ class StaticCachedModel(CachedModel):
         """One padded forward (the compiled graph): tokens [1, b] int64, position_ids [1, b], allowed [b, capacity]
         bool, pad: 0-d int64, rows of padding at the end. Returns [b, vocab] logits and [len(hidden_layers), b, d]
         hidden states (or None); the counters end at start + b - pad."""
-        out = self.model(input_ids=tokens, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
+        out = self.model(input_ids=tokens, position_ids=position_ids, cache=self.cache, use_cache=True,
                          attention_mask=additive_mask(allowed, self.dtype)[None, None],
                          output_hidden_states=bool(hidden_layers))
         for layer in self.cache.layers:

@@ -4,10 +4,18 @@
   and a short micro-benchmark: one decoder MLP projection (a 1536 x 8960 weight, Qwen2.5-1.5B's) applied to
   1 row (a plain decoding step) and to 8 rows (verifying a draft), in float32 (torch's linear and oneDNN's,
   ``sparrow.runtime.onednn``) and bfloat16, then with int8 and int4 weight-only weights and w8a8
-  (``sparrow.models.quantization``'s kernels) in the dtype picked, each kernel cycling through copies of its weight
-  worth twice the L3, so they stream from memory as a model's weights do. It takes about 0.6 s (3 s on an
-  AVX2-only CPU) on 2 cores and is cached per machine in ``<cache>/hardware/`` (keyed by CPU model, flags,
-  threads and torch version), so it runs once (``sparrow doctor --refresh`` measures again).
+  (``sparrow.runtime.quant``'s kernels) in the dtype picked, each kernel cycling through copies of its weight
+  worth twice the L3, so they stream from memory as a model's weights do. One round takes about 0.6 s (3 s on
+  an AVX2-only CPU) on 2 cores. A busy machine (a model install, dequantization, another job) cannot poison it:
+  rounds repeat until ``MIN_ROUNDS`` consistent rounds agree within ``STABLE_TOLERANCE`` (at most ``MAX_ROUNDS``)
+  and the figures are their medians (rounds that never agree are neither cached nor chosen by: the flags
+  decide); a round is rejected when it contradicts itself (more rows faster than fewer, or a kernel streaming
+  its weights faster than ``MAX_BANDWIDTH_RATIO`` x the memory bandwidth measured beside it). Only a stable
+  measurement is cached per machine in ``<cache>/hardware/`` (keyed by CPU model, flags, threads and torch
+  version); a cached one is checked once per process by a quick dense-only round, and measured
+  again (and replaced) when that round runs ``RECHECK_FASTER`` faster than the cache says: other work only ever
+  adds time, so a quiet check faster than the cache means the cache was taken under load. ``sparrow doctor
+  --refresh`` measures again regardless.
 * CUDA: the compute capability (native bfloat16 from 8.0, Ampere).
 
 ``choose_dtype(device)`` then picks:
@@ -58,15 +66,24 @@ from sparrow.runtime.cpu import BF16_FLAGS, CpuInfo, cpu_info
 from sparrow.runtime.devices import resolve_device
 from sparrow.runtime.quant import DynamicInt8Linear, kernel_takes, pack_int4, quantize_int4, quantize_int8
 
-FORMAT = 4  # bump when the cached record's layout or the benchmark changes
+FORMAT = 5  # bump when the cached record's layout or the benchmark changes (5: stable rounds; older caches remeasure)
 BENCH_SHAPE = (8960, 1536)  # [out_features, in_features]: Qwen2.5-1.5B's MLP gate/up projection
 BENCH_ROWS = (1, 8)  # a plain decoding step; verifying a draft of 8 tokens
 MIN_BF16_SPEEDUP = 1.1  # bfloat16 is picked over float32 only when at least this much faster
 MIN_DRAFT_QUANT_SPEEDUP = 1.1  # --draft-quant auto quantizes a draft only when one row runs at least this much faster
+MIN_TARGET_QUANT_SPEEDUP = 1.1  # --quant auto quantizes the target only when 8 rows run at least this much faster
 ONEDNN = "float32_onednn"  # the float32 matmul through oneDNN (sparrow.runtime.onednn), beside torch's own
 MIN_ONEDNN_SPEEDUP = 1.1  # float32 models route their linears through oneDNN only when at least this much faster
 DRAFT_QUANTS = ("int8", "int4", "w8a8")  # the weight formats --draft-quant auto chooses among (sparrow.models.quantization)
 INT4_GROUP_SIZE = 128
+MIN_ROUNDS = 2  # consistent rounds that must agree before a measurement is trusted (and cached)
+MAX_ROUNDS = 4  # rounds at most; a measurement whose rounds never agreed is used for this process only
+STABLE_TOLERANCE = 0.15  # rounds agree when every figure is within 15% of the figures' median
+MIN_ROWS_RATIO = 0.8  # 8 rows stream the same weight as 1 row and compute more: below 0.8x its cost is load noise
+MAX_BANDWIDTH_RATIO = 2.0  # a kernel implying its weights stream > 2x the measured read bandwidth was mistimed
+RECHECK_FASTER = 0.35  # a quick load-time round this much faster than the cached figures: measure again
+WEIGHT_BYTES = {"float32": 4.0, "float32_onednn": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5}
+DENSE = ("float32", "bfloat16", "float32_onednn")  # the kernels of the quick load-time check
 _OFF = {"0", "false", "no", "off"}
 
 
@@ -103,6 +120,16 @@ def _time_ms(kernels: dict[str, Callable[[], object]], min_runs: int = 5, min_se
         if (runs >= min_runs and spent >= min_seconds) or (runs >= 3 and spent >= max_seconds):
             break
     return {name: min(ts) * 1000 for name, ts in times.items()}
+
+
+def _stream(nbytes: int) -> Callable[[], object]:
+    """A kernel that reads ``nbytes`` from memory and computes little: a float32 matrix-vector product over a
+    matrix of ``nbytes`` (plain reductions such as ``amax`` ran 7x below the memory bandwidth on a Zen 5 VM, a
+    matrix-vector product at it). Timed in turns with the benchmark's kernels, it gives the bandwidth that their
+    weights' bytes must stay under."""
+    matrix = torch.ones(max(1, nbytes // 4096), 1024, dtype=torch.float32)
+    vector = torch.ones(1024, dtype=torch.float32)
+    return functools.partial(torch.mv, matrix, vector)
 
 
 def cache_bytes() -> int:
@@ -161,13 +188,21 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
         weight = torch.randn(out_features, in_features, generator=generator) * 0.02
         inputs = {n: torch.randn(n, in_features, generator=generator) for n in rows}
 
-        def timed(kernels: dict[str, tuple[Callable[[torch.Tensor], object], torch.dtype]]) -> None:
-            """Time ``kernels`` (name -> (kernel, activation dtype)) in turns, at each row count, into ``costs``."""
-            for n in rows:
-                ms = _time_ms({name: functools.partial(kernel, inputs[n].to(dtype))
-                               for name, (kernel, dtype) in kernels.items()})
+        probes: dict[str, float] = {}
+
+        def timed(kernels: dict[str, tuple[Callable[[torch.Tensor], object], torch.dtype]],
+                  extra: dict[str, Callable[[], object]] | None = None) -> None:
+            """Time ``kernels`` (name -> (kernel, activation dtype)) in turns, at each row count, into ``costs``
+            (and the argument-less ``extra`` kernels in the same turns at the first row count, into ``probes``)."""
+            for i, n in enumerate(rows):
+                fns = {name: functools.partial(kernel, inputs[n].to(dtype))
+                       for name, (kernel, dtype) in kernels.items()}
+                ms = _time_ms({**fns, **(extra if extra and i == 0 else {})})
                 for name, cost in ms.items():
-                    costs.setdefault(name, {})[str(n)] = cost
+                    if name in fns:
+                        costs.setdefault(name, {})[str(n)] = cost
+                    else:
+                        probes[name] = cost
 
         # by default 2x the L3 (64 MiB-512 MiB) of distinct weights per kernel, used in turns (see _copies)
         working_set = working_set or min(max(2 * cache_bytes(), 64 << 20), 512 << 20)
@@ -178,7 +213,8 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
                    for dtype, w in dense.items()}
         if onednn.available():
             kernels[ONEDNN] = (lambda x, w=dense[torch.float32]: onednn.linear(x, next(w)[0], None), torch.float32)
-        timed(kernels)
+        timed(kernels, {"stream": _stream(working_set)})
+        bandwidth = max(1, working_set // 4096) * 4096 / (probes["stream"] / 1000) / 1e9
         dense.clear()  # free them before the quantized copies are made
         act = torch.bfloat16 if _faster_dense(costs) >= MIN_BF16_SPEEDUP else torch.float32  # what auto picks
         cpu = torch.device("cpu")
@@ -199,8 +235,104 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
             quantized["w8a8"] = (lambda x: next(linears)[0](x), act)
         if quantized:
             timed(quantized)
-    return {"costs": costs, "quant_activations": _name(act), "unit": "ms per matmul",
-            "shape": list(shape), "seconds": round(time.perf_counter() - start, 3)}
+    return {"costs": costs, "quant_activations": _name(act), "unit": "ms per matmul", "shape": list(shape),
+            "bandwidth_gbs": round(bandwidth, 2), "seconds": round(time.perf_counter() - start, 3)}
+
+
+# --- stable measurements ---------------------------------------------------------------------------------
+
+
+def inconsistencies(result: dict[str, object], bandwidth: float | None = None) -> list[str]:
+    """Why one round of ``measure`` cannot be true ([] where nothing is wrong): a kernel that ran more rows in
+    less time than fewer (below ``MIN_ROWS_RATIO``; they stream the same weight), or that read its weights
+    faster than ``MAX_BANDWIDTH_RATIO`` x the memory bandwidth (default: the one measured in the same round;
+    ``measure_stable`` passes the best of its rounds, as a busy round measures the bandwidth low too)."""
+    costs: dict[str, dict[str, float]] = result["costs"]  # type: ignore[assignment]
+    shape = result.get("shape") or list(BENCH_SHAPE)
+    bandwidth = bandwidth if bandwidth is not None else result.get("bandwidth_gbs")
+    problems = []
+    for name, row in costs.items():
+        counts = sorted(row, key=int)
+        for fewer, more in zip(counts, counts[1:]):
+            if row[more] < MIN_ROWS_RATIO * row[fewer]:
+                problems.append(f"{name}: {more} rows {row[more]:.2f} ms < {fewer} row{'s' * (fewer != '1')} "
+                                f"{row[fewer]:.2f} ms")
+        if isinstance(bandwidth, (int, float)) and bandwidth > 0 and name in WEIGHT_BYTES:
+            implied = shape[0] * shape[1] * WEIGHT_BYTES[name] / (min(row.values()) / 1000) / 1e9
+            if implied > MAX_BANDWIDTH_RATIO * bandwidth:
+                problems.append(f"{name}: {implied:.0f} GB/s of weights > {MAX_BANDWIDTH_RATIO:g}x the measured "
+                                f"{bandwidth:.0f} GB/s")
+    return problems
+
+
+def spread(rounds: list[dict[str, dict[str, float]]]) -> float:
+    """The largest (max - min) / median of any figure over ``rounds`` (costs dicts); 0 for one round."""
+    worst = 0.0
+    for name, row in rounds[0].items():
+        for n in row:
+            values = sorted(r[name][n] for r in rounds if name in r and n in r[name])
+            worst = max(worst, (values[-1] - values[0]) / values[len(values) // 2])
+    return worst
+
+
+def _median_costs(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    def median(values: list[float]) -> float:
+        values = sorted(values)
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    return {name: {n: median([r[name][n] for r in rounds]) for n in row} for name, row in rounds[0].items()}
+
+
+def measure_stable(measure_fn: Callable[..., dict[str, object]] | None = None, *, min_rounds: int = MIN_ROUNDS,
+                   max_rounds: int = MAX_ROUNDS, tolerance: float = STABLE_TOLERANCE) -> dict[str, object]:
+    """``measure`` repeated until the last ``min_rounds`` consistent rounds (see ``inconsistencies``; with the
+    same activation dtype) agree within ``tolerance`` (see ``spread``), at most ``max_rounds`` rounds. Returns the
+    medians of the agreeing rounds as ``costs`` (None when every round was rejected) and ``stability``:
+    ``{"stable", "rounds", "used", "spread", "tolerance", "rejected": [why, ...]}``."""
+    measure_fn = measure_fn or measure  # looked up now: the tests replace hardware.measure
+    start = time.perf_counter()
+    good: list[dict[str, object]] = []
+    rejected: list[str] = []
+    used: list[dict[str, object]] = []
+    stable, rounds, bandwidth = False, 0, 0.0
+    for rounds in range(1, max_rounds + 1):
+        result = measure_fn()
+        if isinstance(result.get("bandwidth_gbs"), (int, float)):
+            bandwidth = max(bandwidth, float(result["bandwidth_gbs"]))  # type: ignore[arg-type]
+        problems = inconsistencies(result, bandwidth or None)
+        if problems:
+            rejected.append("; ".join(problems))
+            continue
+        good.append(result)
+        used = [r for r in good if r["quant_activations"] == result["quant_activations"]]
+        if len(used) >= min_rounds and spread([r["costs"] for r in used[-min_rounds:]]) <= tolerance:
+            used, stable = used[-min_rounds:], True
+            break
+    stability = {"stable": stable, "rounds": rounds, "used": len(used), "tolerance": tolerance,
+                 "spread": round(spread([r["costs"] for r in used]), 4) if used else None, "rejected": rejected}
+    seconds = round(time.perf_counter() - start, 3)
+    if not used:
+        return {"costs": None, "stability": stability, "seconds": seconds}
+    return {**used[-1], "costs": _median_costs([r["costs"] for r in used]), "stability": stability,
+            "bandwidth_gbs": round(bandwidth, 2) if bandwidth else None, "seconds": seconds}
+
+
+def recheck(record: dict[str, object], measure_fn: Callable[..., dict[str, object]] | None = None
+            ) -> dict[str, object]:
+    """One quick dense-only round against a cached ``record``: ``{"ratio", "agreed"}``, ratio = the smallest
+    (new / cached) cost of any dense figure. It agrees unless it ran ``RECHECK_FASTER`` faster (a slower check
+    says only that the machine is busy now); an inconsistent check is ignored (ratio None, agreed)."""
+    check = (measure_fn or measure)(quant=False)
+    if inconsistencies(check):
+        return {"ratio": None, "agreed": True}
+    cached: dict[str, dict[str, float]] = record["costs"]  # type: ignore[assignment]
+    ratios = [cost / cached[name][n] for name, row in check["costs"].items() if name in DENSE and name in cached
+              for n, cost in row.items() if n in cached[name]]
+    if not ratios:
+        return {"ratio": None, "agreed": True}
+    ratio = min(ratios)
+    return {"ratio": round(ratio, 3), "agreed": ratio >= 1 - RECHECK_FASTER}
 
 
 # --- the per-machine cache -------------------------------------------------------------------------------
@@ -237,12 +369,16 @@ def _valid_costs(costs: object) -> bool:
 
 
 def read_cached(path: Path, key: dict[str, object]) -> dict[str, object] | None:
-    """The cached record at ``path`` if it is whole and for ``key``; None otherwise (missing, corrupt, stale)."""
+    """The cached record at ``path`` if it is whole, for ``key``, stable and consistent; None otherwise (missing,
+    corrupt, stale, or figures that contradict themselves)."""
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("key") != key or not _valid_costs(record.get("costs")):
+        return None
+    stability = record.get("stability")
+    if not isinstance(stability, dict) or stability.get("stable") is not True or inconsistencies(record):
         return None
     return record
 
@@ -265,13 +401,36 @@ def benchmark_enabled() -> bool:
 
 
 _lock = threading.Lock()
+_unsaved: dict[Path, dict[str, object]] = {}  # this process's measurements that were not cached (unstable)
+_checked: dict[Path, dict[str, object]] = {}  # this process's load-time check of each cached measurement
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _measured(path: Path, key: dict[str, object], check: dict[str, object] | None = None) -> dict[str, object]:
+    """Measure until stable (``measure_stable``); cache it only when stable, else keep it for this process."""
+    record = {"key": key, "measured_at": _now(), **measure_stable()}
+    if check is not None:
+        record["check"] = check
+    written = bool(record["stability"]["stable"]) and _write(path, record)  # type: ignore[index]
+    if not written:
+        _unsaved[path] = record
+    elif check is not None:
+        _checked[path] = {**check, "replaced": True}  # what later reads in this process report
+    return {**record, "path": str(path) if written else None, "cached": False}
 
 
 def cpu_costs(*, benchmark: bool | None = None, refresh: bool = False, cache_dir: Path | str | None = None,
               info: CpuInfo | None = None) -> dict[str, object] | None:
-    """This machine's measured costs (see ``measure``), with ``key``, ``path``, ``measured_at`` and ``cached``
-    (True: read from the cache). Read from the cache when there; else measured now and cached, when
-    ``benchmark`` (default: ``benchmark_enabled()``); else None. ``refresh`` measures again regardless."""
+    """This machine's measured costs (see ``measure`` and ``measure_stable``), with ``key``, ``path``,
+    ``measured_at``, ``stability``, ``cached`` (True: read from the cache) and, for a cached record checked at
+    load, ``check`` (see ``recheck``). Read from the cache when there (and, when ``benchmark``, checked once per
+    process by a quick round; re-measured when that disagrees); else measured now (cached only when stable),
+    when ``benchmark`` (default: ``benchmark_enabled()``); else None. ``refresh`` measures again regardless.
+    ``costs`` is None when every round was rejected as inconsistent; only a stable record is chosen by (see
+    ``usable``)."""
     info = info or cpu_info()
     benchmark = benchmark_enabled() if benchmark is None else benchmark
     key = cache_key(info)
@@ -279,13 +438,34 @@ def cpu_costs(*, benchmark: bool | None = None, refresh: bool = False, cache_dir
     with _lock:
         record = None if refresh else read_cached(path, key)
         if record is not None:
-            return {**record, "path": str(path), "cached": True}
+            if benchmark and path not in _checked:
+                check = _checked[path] = recheck(record)
+                if not check["agreed"]:  # the cache was measured under load: measure again
+                    return _measured(path, key, check)
+            if path not in _unsaved:
+                return {**record, "path": str(path), "cached": True, "check": _checked.get(path)}
+        if not refresh and path in _unsaved:
+            return {**_unsaved[path], "path": None, "cached": False}
         if not benchmark and not refresh:
             return None
-        record = {"key": key, "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  **measure()}
-        written = _write(path, record)
-    return {**record, "path": str(path) if written else None, "cached": False}
+        return _measured(path, key)
+
+
+def usable(record: dict[str, object] | None) -> bool:
+    """Whether ``cpu_costs`` returned figures to choose by: stable ones. Figures whose rounds never agreed (or
+    were all rejected) are shown by ``sparrow doctor`` but chosen by no one: the CPU flags decide instead."""
+    stability = record.get("stability") if record is not None else None
+    return record is not None and record.get("costs") is not None and (
+        not isinstance(stability, dict) or stability.get("stable") is True)
+
+
+def unusable_reason(record: dict[str, object] | None) -> str:
+    """Why ``usable(record)`` is False, in a few words."""
+    if record is None:
+        return "benchmark disabled, nothing cached"
+    if record.get("costs") is None:
+        return "every benchmark round was inconsistent: the machine was busy"
+    return "the benchmark's rounds disagreed: the machine was busy; not cached"
 
 
 # --- the choice ------------------------------------------------------------------------------------------
@@ -316,9 +496,10 @@ def _choose_cpu(device: torch.device, benchmark: bool | None, cache_dir: Path | 
     has = (f"{info.model} has {', '.join(info.bf16_flags)}" if info.bf16 else
            f"{info.model} has no bfloat16 instructions ({', '.join(BF16_FLAGS)}; torch converts to float32 inside)")
     record = cpu_costs(benchmark=benchmark, cache_dir=cache_dir, info=info)
-    if record is None:
+    if not usable(record):
+        why = unusable_reason(record)
         return Choice(torch.bfloat16 if info.bf16 else torch.float32,
-                      f"{has} (benchmark disabled): {'bfloat16' if info.bf16 else 'float32'}", device)
+                      f"{has} ({why}): {'bfloat16' if info.bf16 else 'float32'}", device)
     costs = record["costs"]
     speedup = _faster_dense(costs)
     detail = _versus(costs["bfloat16"], _dense(costs, "float32"))
@@ -383,8 +564,8 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
     if dev.type != "cpu":
         return None, f"{dev.type}: drafts stay dense (the quantized kernels are measured on CPUs only)"
     record = cpu_costs(benchmark=benchmark)
-    if record is None:
-        return None, "no CPU measurement (benchmark disabled, nothing cached): drafts stay dense"
+    if not usable(record):
+        return None, f"no CPU measurement to go by ({unusable_reason(record)}): drafts stay dense"
     costs, dense = record["costs"], str(record["quant_activations"])
     quants = [name for name in DRAFT_QUANTS if name in costs]
     if dtype is not None and _name(dtype) != dense:  # measured with other activations: only w8a8 carries over
@@ -402,6 +583,40 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
                   "(still lossless: the target verifies)")
 
 
+def choose_target_quant(device: str | torch.device | None = None, *, benchmark: bool | None = None,
+                        dtype: torch.dtype | None = None, exclude: tuple[str, ...] = ()) -> tuple[str | None, str]:
+    """``(format, reason)``: the weight format ``--quant auto`` gives the target on ``device``: the quantized format
+    (int8 / int4 weight-only, w8a8; not those in ``exclude``) whose 8-row matmul this machine measured fastest (a
+    target verifies a draft of several tokens a step), when it ran at least ``MIN_TARGET_QUANT_SPEEDUP`` times
+    faster than the dense dtype; None (dense) otherwise, without a stable measurement, and on CUDA. Unlike a
+    draft's, the target's format changes the output: decoding is then lossless relative to the quantized target,
+    not to the dense one. ``dtype``: the target's compute dtype (see ``choose_draft_quant``)."""
+    from sparrow.runtime.devices import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type != "cpu":
+        return None, f"{dev.type}: the target stays dense (the quantized kernels are measured on CPUs only)"
+    record = cpu_costs(benchmark=benchmark)
+    if not usable(record):
+        return None, f"no CPU measurement to go by ({unusable_reason(record)}): the target stays dense"
+    costs, dense = record["costs"], str(record["quant_activations"])
+    quants = [name for name in DRAFT_QUANTS if name in costs and name not in exclude]
+    if dtype is not None and _name(dtype) != dense:
+        quants, dense = [name for name in quants if name == "w8a8"], _name(dtype)
+    if not quants or dense not in costs:
+        return None, "the measurement has no quantized kernels for this dtype: the target stays dense"
+    rows = str(BENCH_ROWS[-1])
+    best = min(quants, key=lambda name: costs[name][rows])
+    base = _dense(costs, dense)[rows]
+    speedup = base / costs[best][rows]
+    detail = f"{costs[best][rows]:.2f} vs {base:.2f} ms"
+    if speedup < MIN_TARGET_QUANT_SPEEDUP:
+        return None, (f"the fastest quantized format ({best}) ran only {speedup:.2f}x {dense}'s speed at {rows} rows "
+                      f"({detail}; needs {MIN_TARGET_QUANT_SPEEDUP}x): the target stays dense")
+    return best, (f"{best} weights ran {speedup:.1f}x faster than {dense} at {rows} rows ({detail}): a {best} target "
+                  f"(lossless relative to the {best}-quantized target, not to the dense one)")
+
+
 def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool | None = None) -> tuple[bool, str]:
     """``(route, reason)``: whether a float32 model on ``device`` runs its linear layers through oneDNN
     (``sparrow.runtime.onednn``): on a CPU where this machine measured that path at least ``MIN_ONEDNN_SPEEDUP`` times
@@ -414,8 +629,8 @@ def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool |
     if not _onednn_enabled():
         return False, "SPARROW_ONEDNN is off: torch's own linear"
     record = cpu_costs(benchmark=benchmark)
-    if record is None:
-        return False, "no CPU measurement (benchmark disabled, nothing cached): torch's own linear"
+    if not usable(record):
+        return False, f"no CPU measurement to go by ({unusable_reason(record)}): torch's own linear"
     costs = record["costs"]
     speedup = _onednn_speedup(costs)
     if not speedup:
@@ -427,10 +642,14 @@ def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool |
                    f"{MIN_ONEDNN_SPEEDUP}x): torch's own linear")
 
 
-def clear_cache() -> None:
-    """Forget the choices made in this process (the measurements on disk stay)."""
+def clear_cache(measurements: bool = True) -> None:
+    """Forget the choices made in this process and, with ``measurements``, its uncached measurements and load
+    checks (as a new process would; the measurements on disk stay)."""
     _choices.clear()
+    if measurements:
+        _unsaved.clear()
+        _checked.clear()
 
 
-__all__ = ["Choice", "choose", "choose_draft_quant", "choose_dtype", "choose_onednn", "clear_cache",
-           "cpu_costs", "cuda_info", "measure"]
+__all__ = ["Choice", "choose", "choose_draft_quant", "choose_dtype", "choose_onednn", "choose_target_quant",
+           "clear_cache", "cpu_costs", "cuda_info", "inconsistencies", "measure", "measure_stable", "recheck", "usable"]

@@ -146,7 +146,7 @@ class AgreementProxy:
                 n = seq.numel() - start
                 assert 1 <= start and n >= 1, (seq.numel(), start)
                 cache = DynamicCache()  # plain full layers: sequences are far shorter than any sliding window
-                logits = model(input_ids=seq[None], past_key_values=cache, use_cache=True, logits_to_keep=n + 1).logits
+                logits = model(input_ids=seq[None], cache=cache, use_cache=True, logits_to_keep=n + 1).logits
                 reference = logits[0, :-1].float().argmax(-1)  # [n] full-model prediction at each query
                 self.items.append((seq, start, cache, reference))
 
@@ -174,7 +174,7 @@ class AgreementProxy:
             queries = seq[start - 1:start - 1 + n]
             positions = torch.arange(start - 1, start - 1 + n, device=self.device)[None]
             try:
-                logits = view(input_ids=queries[None], past_key_values=cache, use_cache=True, position_ids=positions,
+                logits = view(input_ids=queries[None], cache=cache, use_cache=True, position_ids=positions,
                               attention_mask=self._mask(total, start, n, dtype)).logits[0].float()
             finally:
                 crop_layers(cache, total)

@@ -60,7 +60,7 @@ def _target_pass(model: nn.Module, tokens: Tensor, positions: Tensor) -> tuple[A
     """The target over `tokens` at `positions`: its cache (kept alive by the caller) and logits [n, vocab]."""
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
-    result = model(input_ids=tokens.to(device)[None], position_ids=positions.to(device)[None], past_key_values=cache,
+    result = model(input_ids=tokens.to(device)[None], position_ids=positions.to(device)[None], cache=cache,
                    use_cache=True)
     return cache, result.logits[0]
 
