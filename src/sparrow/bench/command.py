@@ -7,7 +7,17 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
+
+from sparrow.bench.data import load_questions, shortest_per_task
+from sparrow.bench.methods import needs_cross_draft, needs_draft, parse_methods
+from sparrow.bench.report import write_report
+from sparrow.bench.runner import BenchConfig, Models, Runner
+from sparrow.drafters.registry import REGISTRY, check_drafter_args
 from sparrow.errors import UserError
+from sparrow.heads.layout import find_head
+from sparrow.models import load_model, resolve_device, resolve_dtype
+from sparrow.models.quantization import check_quant_args, parse_quant, quantized_copy
+from sparrow.runtime.hardware import choose_draft_quant
 
 DEFAULT_METHODS = "plain,draft-model,prompt-lookup,hf-plain,hf-assisted,hf-prompt-lookup"
 QUICK_METHODS = "plain,draft-model,prompt-lookup,hf-plain,hf-assisted"
@@ -15,8 +25,6 @@ QUICK_MAX_NEW_TOKENS = 64
 
 
 def default_methods(quick: bool) -> str:
-    from sparrow.drafters.registry import REGISTRY
-
     methods = QUICK_METHODS if quick else DEFAULT_METHODS
     return methods + (",auto" if "auto" in REGISTRY else "")
 
@@ -32,14 +40,6 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
          out: Path, quick: bool, progress: bool, head: Optional[str] = None,
          drafter_options: Optional[dict] = None) -> Path:
     """Validate (before any model is loaded), run and write `out`; the report's path."""
-    from sparrow.bench.data import load_questions, shortest_per_task
-    from sparrow.bench.methods import needs_cross_draft, needs_draft, parse_methods
-    from sparrow.bench.runner import BenchConfig, Runner
-    from sparrow.drafters.registry import check_drafter_args
-    from sparrow.models import resolve_device, resolve_dtype
-    from sparrow.runtime.hardware import choose_draft_quant
-    from sparrow.models.quantization import check_quant_args, parse_quant
-
     # Cheap checks first: a typo fails before minutes of model loading.
     method_list = parse_methods(methods or default_methods(quick))
     questions = load_questions(data, _list(categories), limit, per_task)
@@ -60,7 +60,6 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
     if head is not None and "eagle" not in method_list:
         raise UserError("--head applies to the eagle method only: add eagle to --methods")
     if "eagle" in method_list and head is None:  # the head shipped in the package or trained for a preset target
-        from sparrow.heads.layout import find_head
 
         found = find_head(target)
         if found is None:
@@ -86,10 +85,6 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
 
 def load_models(config, progress: bool = True):
     """The target (quantized once when asked) and only the drafts some method needs."""
-    from sparrow.bench.runner import Models
-    from sparrow.models import load_model
-    from sparrow.models.quantization import quantized_copy
-
     def load(name: str | None):
         return load_model(name, dtype=config.dtype, device=config.device, progress=progress) if name else None
 
@@ -108,9 +103,15 @@ def run_to_dir(runner, questions: list, out: Path, *, repeats: int = 1, first_re
     import json
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    from sparrow.bench.report import write_report
 
     for method, why in runner.skipped.items():
         Console(stderr=True).print(f"skipping {method}: {why}", markup=False, highlight=False, soft_wrap=True)

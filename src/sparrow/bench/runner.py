@@ -20,14 +20,22 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from sparrow.bench.data import Question
-from sparrow.bench.methods import (PLAIN, baseline_of, is_peer, needs_cross_draft, needs_draft,
-                                   needs_same_vocabulary, parse_methods)
+from sparrow.bench.methods import (
+    PLAIN,
+    baseline_of,
+    is_peer,
+    needs_cross_draft,
+    needs_draft,
+    needs_same_vocabulary,
+    parse_methods,
+)
 from sparrow.bench.peers import run_peer
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.drafters.registry import REGISTRY
-from sparrow.models import LoadedModel
-from sparrow.pipeline import Pipeline
 from sparrow.errors import UserError
+from sparrow.models import LoadedModel
+from sparrow.pipeline import Pipeline, load
+from sparrow.policy.measure import follow_cost_curve
+from sparrow.runtime.cached_model import CachedModel
 
 
 @dataclass(frozen=True)
@@ -96,9 +104,6 @@ def unfit_methods(methods: Sequence[str], models: Models) -> dict[str, str]:
 
 def build_pipelines(methods: Sequence[str], models: Models, config: BenchConfig) -> dict[str, Pipeline]:
     """One Pipeline per sparrow method, all sharing the one loaded target (and drafts)."""
-    import sparrow
-    from sparrow.policy.measure import follow_cost_curve
-
     pipes = {}
     for method in methods:
         if is_peer(method):
@@ -108,7 +113,7 @@ def build_pipelines(methods: Sequence[str], models: Models, config: BenchConfig)
         draft = models.cross_draft if needs_cross_draft(method) else models.draft
         has_model = entry is not None and entry.takes_draft_model
         draft_quant = config.draft_quant if has_model or name == "quantized-self" else None
-        pipe = sparrow.load(models.target, drafter=name, draft=draft if has_model else None, num_draft_tokens=config.k,
+        pipe = load(models.target, drafter=name, draft=draft if has_model else None, num_draft_tokens=config.k,
                             adaptive=config.adaptive, progress=False, draft_quant=draft_quant,
                             **({"head": config.head} if name == "eagle" else {}),
                             **config.drafter_options.get(name, {}))

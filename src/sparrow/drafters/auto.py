@@ -53,20 +53,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.drafters.vocab import DraftVocab, resolve_draft_vocab
 from sparrow.drafters.base import watching_prefill
 from sparrow.drafters.cross_vocab import CrossVocabDrafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter
 from sparrow.drafters.registry import REGISTRY
+from sparrow.drafters.vocab import DraftVocab, resolve_draft_vocab
+from sparrow.errors import UserError
+from sparrow.heads.layout import find_head, load_head
 from sparrow.noise import Randomness
-from sparrow.policy.length import LengthPolicy
 from sparrow.policy.estimates import DecayedLine, ProbeSchedule
+from sparrow.policy.length import LengthPolicy
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.timing import now
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
-from sparrow.errors import UserError
 
 if TYPE_CHECKING:
     from sparrow.drafters import Drafter
@@ -375,12 +376,9 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
 def _available_head(target: LoadedModel) -> Any:
     """The eagle head shipped or trained for a preset target (`sparrow.heads.layout.find_head`), or None; a head
     that does not fit the target is left out with a warning."""
-    from sparrow.heads.layout import find_head
-
     head = find_head(target.name)
     if head is None:
         return None
-    from sparrow.heads.layout import load_head
 
     try:
         return load_head(head, target.model)

@@ -27,18 +27,26 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from sparrow.runtime.attention.capture import QueryCapture
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.drafters.kv.chunk_retrieval import ChunkRetrieval, RetrievalSlots
+from sparrow.drafters import visual_prune
 from sparrow.drafters.draft_loop import autoregressive_draft
+from sparrow.drafters.kv import compress as kv_compress
+from sparrow.drafters.kv.chunk_retrieval import ChunkRetrieval, RetrievalSlots
 from sparrow.drafters.kv.compress import HybridKV
-from sparrow.drafters.kv.selection import (KVSelector, TopKAttention, candidate_span, check_budget, kept_positions,
-                                           resolve_budget)
+from sparrow.drafters.kv.selection import (
+    KVSelector,
+    TopKAttention,
+    candidate_span,
+    check_budget,
+    kept_positions,
+    resolve_budget,
+)
+from sparrow.errors import UserError
 from sparrow.noise import Randomness
 from sparrow.policy.length import LengthPolicy
+from sparrow.runtime.attention.capture import QueryCapture
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
-from sparrow.errors import UserError
 
 DEFAULT_BUDGET = 1024
 DEFAULT_SINKS = 4
@@ -191,9 +199,6 @@ def build(target, draft: None, num_draft_tokens: int, adaptive: bool, budget: in
     """Registry builder for "sparse" (`target` is a LoadedModel). For a VLM the span defaults to the
     visual tokens (Sparse-to-Dense); `draft_kv` names a selection policy (topk, mm-shiftkv, hybridkv),
     `draft_kv_budget` overrides `budget`, and `retrieve_every` (hybridkv) re-chooses chunks every R rounds."""
-    from sparrow.drafters import visual_prune
-    from sparrow.drafters.kv import compress as kv_compress
-
     if span is None and getattr(target.model.config, "vision_config", None) is not None:
         span = visual_prune.visual_span(target.model.config)
     if draft_kv is not None:

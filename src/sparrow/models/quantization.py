@@ -40,7 +40,7 @@ from sparrow.errors import UserError
 from sparrow.models import PRESETS, LoadedModel, cache
 from sparrow.paths import default_cache_dir
 from sparrow.runtime.attention.rowwise import use_rowwise
-from sparrow.runtime.hardware import choose_draft_quant
+from sparrow.runtime.hardware import choose_draft_quant, choose_target_quant
 from sparrow.runtime.quant import (
     CPU_INT8_K_MULTIPLE,
     W8A8,
@@ -117,7 +117,6 @@ def target_format(model: nn.Module, quant: str | None, compile: bool = False) ->
     (dense) otherwise."""
     if quant != AUTO:
         return quant
-    from sparrow.runtime.hardware import choose_target_quant
 
     weight = next(model.parameters())
     fmt = choose_target_quant(weight.device, dtype=weight.dtype, exclude=(W8A8,) if compile else ())[0]

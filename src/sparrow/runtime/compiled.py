@@ -33,8 +33,9 @@ from torch import Tensor
 from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from sparrow.runtime.cached_model import CachedModel, additive_mask
 from sparrow.errors import UserError
+from sparrow.runtime.cached_model import CachedModel, additive_mask
+from sparrow.runtime.quant import DynamicInt8Linear
 from sparrow.types import Prompt, TargetOutput
 
 Q_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -51,8 +52,6 @@ it): patching it around each call instead cost milliseconds a step."""
 def traceable(model: PreTrainedModel) -> bool:
     """Whether torch.compile can trace the model's layers: not w8a8 ones (fbgemm's packed int8 weights are an
     opaque object dynamo cannot put in a graph)."""
-    from sparrow.runtime.quant import DynamicInt8Linear
-
     return not any(isinstance(m, DynamicInt8Linear) for m in model.modules())
 
 

@@ -591,8 +591,6 @@ def choose_target_quant(device: str | torch.device | None = None, *, benchmark: 
     faster than the dense dtype; None (dense) otherwise, without a stable measurement, and on CUDA. Unlike a
     draft's, the target's format changes the output: decoding is then lossless relative to the quantized target,
     not to the dense one. ``dtype``: the target's compute dtype (see ``choose_draft_quant``)."""
-    from sparrow.runtime.devices import resolve_device
-
     dev = resolve_device(device)
     if dev.type != "cpu":
         return None, f"{dev.type}: the target stays dense (the quantized kernels are measured on CPUs only)"

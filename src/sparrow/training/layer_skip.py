@@ -38,14 +38,22 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparrow.runtime.cached_model import _text_config
-from sparrow.drafters.layer_skip import (LayerSkipDrafter, SkipRecord, SkipSet, anchor_layers, crop_layers,
-                                         find_layers, skipping_view)
-from sparrow.models import LoadedModel
-from sparrow.policy.measure import measure_cost_curve
-from sparrow.policy.estimates import tokens_per_second
-from sparrow.runtime.runner import runner_for
+from sparrow.drafters.layer_skip import (
+    LayerSkipDrafter,
+    SkipRecord,
+    SkipSet,
+    anchor_layers,
+    crop_layers,
+    find_layers,
+    skipping_view,
+)
 from sparrow.errors import UserError
+from sparrow.models import LoadedModel
+from sparrow.pipeline import Pipeline
+from sparrow.policy.estimates import tokens_per_second
+from sparrow.policy.measure import measure_cost_curve
+from sparrow.runtime.cached_model import _text_config
+from sparrow.runtime.runner import runner_for
 
 CALIBRATION_PROMPTS = (
     "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
@@ -186,8 +194,6 @@ class AgreementProxy:
 
 def calibration_sequences(target: LoadedModel, prompts: Sequence[str], new_tokens: int) -> tuple[list[Tensor], list[int]]:
     """Prompt + the target's own greedy continuation, and where each continuation starts."""
-    from sparrow.pipeline import Pipeline
-
     pipe = Pipeline(target, None)
     sequences, starts = [], []
     for prompt in prompts:
@@ -293,8 +299,6 @@ class Search:
 
 def measure_speedup(target: LoadedModel, skip: SkipSet, k: int, prompts: Sequence[str], new_tokens: int) -> float:
     """Decode tokens per second with the layer-skip drafter over plain decoding (same process, greedy)."""
-    from sparrow.pipeline import Pipeline
-
     drafter = LayerSkipDrafter(target.model, skip, k, adaptive=True, backoff=False)
     spec, plain = Pipeline(target, drafter), Pipeline(target, None)
     spec.generate("Hello", max_new_tokens=4)  # warm-up
