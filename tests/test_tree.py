@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_gemma3, tiny_model
-from sparrow.runtime.cached_model import CachedModel
+
 from sparrow.decoding.engine import score
+from sparrow.drafters.base import DrafterBase
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.runner import runner_for
 from sparrow.tree import TreeLayout, ancestor_mask, chain_parents, depths, merge_paths, on_first_branch, path_to
 from sparrow.types import Draft, Prompt
@@ -133,6 +134,7 @@ def test_rows_select_committed_outputs():
 @pytest.fixture(scope="module")
 def qwen_vl(tmp_path_factory):
     from vlm_models import moving_squares, save_tiny_vlm, write_mp4
+
     from sparrow.models import load_model
     from sparrow.pipeline import Pipeline
 
@@ -153,7 +155,7 @@ def test_tree_on_mrope_video_model(qwen_vl):
     assert runner.rope_delta < 0  # the video really shifted the text positions
 
 
-class RecordingDrafter:
+class RecordingDrafter(DrafterBase):
     """A draft-model drafter (chain or tree) that asks for hidden states and records what the engine hands it."""
 
     name = "recording"
@@ -179,6 +181,7 @@ class RecordingDrafter:
 @pytest.mark.parametrize("tree_budget", [0, 8])
 def test_drafters_get_the_target_hidden_states_of_committed_rows(tree_budget, tokenizer):
     from conftest import perturbed
+
     from sparrow.drafters import build_drafter
     from sparrow.models import LoadedModel
     from sparrow.pipeline import Pipeline

@@ -194,7 +194,7 @@ class Pipeline:
             drafter = verifier = None
             if self.drafter is not None and not plain:
                 drafter = self._forks.pop() if self._forks else fork_drafter(self.drafter)
-                if hasattr(drafter, "lazy_prefill"):  # in a batch, a draft nobody drafts with is never prefilled
+                if drafter.lazy_prefill is not None:  # in a batch, a draft nobody drafts with is never prefilled
                     drafter.lazy_prefill = True
                 verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
         generator = PositionalNoise(request.seed, self.runner.device) if request.seed is not None else None

@@ -9,7 +9,6 @@ import torch
 from vlm_models import KINDS, byte_tokenizer, moving_squares, perturbed, tiny_processor, tiny_vlm
 
 from sparrow.drafters import build_drafter
-from sparrow.drafters.base import watching_prefill
 from sparrow.drafters.kv.draft_kv import DraftKV, DraftKVConfig, draft_kv_config, kv_bytes, with_draft_kv
 from sparrow.drafters.kv.compress import HybridKV
 from sparrow.drafters.visual_prune import VisualPruneDrafter, visual_span
@@ -50,7 +49,7 @@ def prefill(drafter, target: LoadedModel):
     """Prefill target and drafter as the engine does; returns the prompt."""
     prompt = Pipeline(target, None).encode(QUESTION, **VIDEO)
     runner = runner_for(target.model)
-    with watching_prefill(drafter, runner):
+    with drafter.watch_prefill(runner):
         runner.prefill(prompt)
     drafter.prefill(prompt, runner)
     return prompt

@@ -170,8 +170,8 @@ class Runner:
         run = pipe.generate_plain if method == PLAIN else pipe.generate
         result = run(ids, max_new_tokens=max_new_tokens)
         s = result.stats
-        counts = getattr(pipe.drafter, "counts", None)  # "auto": rounds per option of this request
-        return {"drafter_choices": counts() if callable(counts) else None, "token_ids": result.token_ids, "seconds": result.seconds, "decoding_steps": s.steps,
+        counts = pipe.drafter.counts  # "auto": rounds per option of this request
+        return {"drafter_choices": counts() if counts is not None else None, "token_ids": result.token_ids, "seconds": result.seconds, "decoding_steps": s.steps,
                 "step_tokens": s.steps + s.num_accepted_tokens, "target_forwards": s.steps + 1,
                 "finish_reason": result.finish_reason, "num_draft_tokens": s.num_draft_tokens,
                 "num_accepted_tokens": s.num_accepted_tokens, "accepted_per_position": list(s.accepted_per_position),

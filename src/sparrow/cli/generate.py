@@ -10,8 +10,16 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from sparrow.cli._common import (DTYPE_HELP, SPECULATIVE_CONFIG_HELP, DType, check_float, check_int, cli_errors, err,
-                                 with_speculative_config)
+from sparrow.cli._common import (
+    DTYPE_HELP,
+    SPECULATIVE_CONFIG_HELP,
+    DType,
+    check_float,
+    check_int,
+    cli_errors,
+    err,
+    with_speculative_config,
+)
 from sparrow.config import check_max_new_tokens, check_seed, check_temperature, check_top_k, check_top_p
 from sparrow.drafters.registry import REGISTRY, check_drafter_args, drafter_names
 from sparrow.errors import UserError
@@ -240,7 +248,7 @@ def tree_record(drafter: Any, tree: dict[str, int | str]) -> dict[str, int | str
     """The JSON `tree` of a run: the shape the drafter resolved (the budget "auto" measured), else the options."""
     if not tree:
         return None
-    shape = getattr(drafter, "tree", None)
+    shape = drafter.tree
     if shape is not None:
         return {"budget": shape.budget, "topk": shape.topk, "depth": shape.depth}
     return {key.removeprefix("tree_"): value for key, value in tree.items()}
@@ -286,10 +294,8 @@ def draft_vocab_options(drafter: str, value: str) -> dict[str, int | str]:
 
 def draft_vocab_record(drafter: Any) -> int | None:
     """The JSON `draft_vocab` of a run: tokens the draft scored (None: the full vocabulary)."""
-    from sparrow.drafters.vocab import DraftVocab
 
-    vocab = getattr(drafter, "vocab", None)
-    return len(vocab) if isinstance(vocab, DraftVocab) else None
+    return len(drafter.vocab) if drafter.vocab is not None else None
 
 
 def video_drafter_options(drafter: str, verify: str, drop_rate: float | None, draft_kv: str | None,

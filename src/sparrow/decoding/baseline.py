@@ -7,11 +7,11 @@ difference between the two is the loop itself.
 from __future__ import annotations
 
 from sparrow import sampling as S
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.noise import Randomness, at
-from sparrow.timing import now as clock
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.stopping import Stopper
+from sparrow.timing import now as clock
 from sparrow.types import Decoded, GenerationStats, Prompt, StepStats
 
 

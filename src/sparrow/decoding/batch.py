@@ -32,17 +32,16 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, PretrainedConfig
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from sparrow import sampling as S
-from sparrow.runtime.cached_model import CachedModel, additive_mask
 from sparrow.config import SamplingConfig
-from sparrow.drafters.base import Drafter, watching_prefill
+from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_loop import DraftSteps, Forward
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness, at
-from sparrow.policy.length import LengthPolicy
 from sparrow.policy.estimates import AcceptanceEstimate, ProbeSchedule, expected_tokens
+from sparrow.runtime.cached_model import CachedModel, additive_mask
 from sparrow.stopping import Stopper
 from sparrow.timing import now
 from sparrow.tree import TreeLayout, on_first_branch
@@ -342,13 +341,12 @@ class Batch:
         device = seq.target.device
         start = now(device)
         layers = seq.drafter.hidden_layers if seq.drafter is not None else ()
-        with watching_prefill(seq.drafter, seq.target) if seq.drafter is not None else nullcontext():
+        with seq.drafter.watch_prefill(seq.target) if seq.drafter is not None else nullcontext():
             out = seq.target.prefill(seq.prompt, layers)
         if seq.drafter is not None:
             seq.drafter.prefill(seq.prompt, seq.target, out)
-            length = getattr(seq.drafter, "length", None)
-            if isinstance(length, LengthPolicy):  # what its drafter learnt so far: the budget's first estimate
-                seq.acceptance = copy.deepcopy(length.acceptance)
+            if seq.drafter.length is not None:  # what its drafter learnt so far: the budget's first estimate
+                seq.acceptance = copy.deepcopy(seq.drafter.length.acceptance)
         n = seq.prompt.input_ids.numel()
         first = S.choose(out.logits[-1], seq.sampling, at(seq.generator, n))
         seq.committed = torch.cat([seq.prompt.input_ids.to(device), first.reshape(1)])
@@ -381,14 +379,14 @@ class Batch:
             noise = at(seq.generator, seq.committed.numel())
             if seq.drafter is None or budget == 0:
                 proposed[b] = Draft.empty(device)
-            elif hasattr(seq.drafter, "propose_steps"):
+            elif seq.drafter.propose_steps is not None:
                 together[b] = seq.drafter.propose_steps(seq.committed, budget, seq.sampling, noise)
             else:
                 proposed[b] = seq.drafter.propose(seq.committed, budget, seq.sampling, noise)
         proposed.update(draft_together(together))
         drafts = [proposed[b] for b in range(len(seqs))]
         for seq, draft, limit in zip(seqs, drafts, limits):
-            assert draft.tokens.numel() <= min(cap, limit), (getattr(seq.drafter, "name", None), len(draft), cap)
+            assert draft.tokens.numel() <= min(cap, limit), (seq.drafter and seq.drafter.name, len(draft), cap)
         drafting, phase = sum(1 for d in drafts if len(d)), now(device) - t0
         draft_seconds = [phase / max(drafting, 1) if len(d) else 0.0 for d in drafts]  # the phase, shared
         t1 = now(device)

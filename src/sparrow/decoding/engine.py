@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from sparrow import sampling as S
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.drafters.base import Drafter, watching_prefill
+from sparrow.drafters.base import Drafter
 from sparrow.noise import Randomness, at
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.stopping import Stopper
 from sparrow.timing import now
 from sparrow.tree import TreeLayout, on_first_branch
@@ -41,7 +41,7 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
     """
     device, layers = target.device, drafter.hidden_layers
     start = now(device, sync_timing)
-    with watching_prefill(drafter, target):  # e.g. the sparse drafter records this forward's queries
+    with drafter.watch_prefill(target):  # e.g. the sparse drafter records this forward's queries
         out = target.prefill(prompt, layers)  # cache: prompt; invariant from here on: cache == committed[:-1]
     drafter.prefill(prompt, target, out)
     first = S.choose(out.logits[-1], sampling, at(generator, prompt.input_ids.numel()))  # position: the prompt length

@@ -54,17 +54,13 @@ import torch
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
-from sparrow.drafters.base import watching_prefill
-from sparrow.drafters.cross_vocab import CrossVocabDrafter
-from sparrow.drafters.draft_model import DraftModelDrafter
-from sparrow.drafters.prompt_lookup import PromptLookupDrafter
+from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.registry import REGISTRY
 from sparrow.drafters.vocab import DraftVocab, resolve_draft_vocab
 from sparrow.errors import UserError
 from sparrow.heads.layout import find_head, load_head
 from sparrow.noise import Randomness
 from sparrow.policy.estimates import DecayedLine, ProbeSchedule
-from sparrow.policy.length import LengthPolicy
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.timing import now
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
@@ -150,7 +146,7 @@ class _Shadow:
     draft_seconds: float
 
 
-class AutoDrafter:
+class AutoDrafter(DrafterBase):
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "auto"
 
@@ -163,18 +159,18 @@ class AutoDrafter:
         self.candidates: dict[str, Drafter] = {c.name: c for c in candidates}
         # Candidates that read the target's hidden states (an eagle head) follow every round's committed rows,
         # chosen or not; the target then returns the hidden states they read (one set of layers).
-        self.followers = [n for n, c in self.candidates.items() if getattr(c, "hidden_layers", ())]
+        self.followers = [n for n, c in self.candidates.items() if c.hidden_layers]
         layers = {tuple(self.candidates[n].hidden_layers) for n in self.followers}
         if len(layers) > 1:
             raise UserError(f"auto drafter candidates read different target layers {sorted(layers)}: give one")
         self.hidden_layers: tuple[int, ...] = layers.pop() if layers else ()
-        lookups = [c.name for c in candidates if isinstance(c, PromptLookupDrafter)]
+        lookups = [c.name for c in candidates if c.free_to_ask]
         self.lookup: str | None = lookups[0] if lookups else None
         self.models = [n for n in names if n != self.lookup]  # candidates that cost real compute to probe
         for candidate in candidates:  # plain rounds are this drafter's choice ("none"), not a candidate's
-            if isinstance(getattr(candidate, "length", None), LengthPolicy):
+            if candidate.length is not None:
                 candidate.length.backoff = False
-            if isinstance(candidate, DraftModelDrafter) and candidate.tree_policy is not None:
+            if candidate.tree_policy is not None:
                 candidate.tree_policy.backoff = False
         self.verify = DecayedLine(self.config.verify_decay)
         self.stats = {n: Throughput() for n in names}
@@ -196,7 +192,7 @@ class AutoDrafter:
         """Every candidate's context around the target's prefill (e.g. a sparse candidate's query capture)."""
         with ExitStack() as stack:
             for candidate in self.candidates.values():
-                stack.enter_context(watching_prefill(candidate, target))
+                stack.enter_context(candidate.watch_prefill(target))
             yield
 
     def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:
@@ -211,7 +207,7 @@ class AutoDrafter:
             probes.restart(self.config.reprobe_interval if self.stats[n].count else 0)
         # Drafters with their own model prefill on first use; the rest (they may read the target's
         # fresh cache) now.
-        self._lazy = {n for n, c in self.candidates.items() if isinstance(c, (DraftModelDrafter, CrossVocabDrafter))}
+        self._lazy = {n for n, c in self.candidates.items() if c.draft is not None}
         for name, candidate in self.candidates.items():
             if name not in self._lazy:
                 candidate.prefill(prompt, target, out)
@@ -238,8 +234,7 @@ class AutoDrafter:
         if name in self._lazy:
             self._lazy.discard(name)
             self.candidates[name].prefill(self._prompt, self._target, self._prefill_out)
-        if isinstance(self.candidates[name], DraftModelDrafter):
-            self.candidates[name].catch_up(committed)
+        self.candidates[name].catch_up(committed)
         self._switch_seconds = now(committed.device) - switch
         if probe:
             self.stats[name].scale(self.config.probe_weight)  # stale: let this round count most

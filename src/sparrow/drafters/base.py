@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import Protocol
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
 
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.noise import Randomness
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
+
+if TYPE_CHECKING:  # annotations only: these modules build on this one
+    from sparrow.drafters.draft_loop import DraftSteps
+    from sparrow.drafters.tree_draft import TreeShape
+    from sparrow.drafters.vocab import DraftVocab
+    from sparrow.policy.length import LengthPolicy
+    from sparrow.policy.tree import TreePolicy
 
 
 class Drafter(Protocol):
-    """Optional: `watch_prefill(target) -> context manager`, which the engine runs the target's prefill inside
-    (drafters that read what that forward computes, e.g. its queries: sparse, visual-prune)."""
+    """Everything the house (the engine, the batch, the policies, auto, the CLI and bench) uses of a drafter.
+
+    The first five are what every drafter defines; `DrafterBase` gives the rest their defaults, so a drafter
+    overrides only what it has."""
 
     name: str
     hidden_layers: tuple[int, ...]
@@ -36,8 +47,57 @@ class Drafter(Protocol):
         ([root, *accepted path]: num_accepted + 1 rows, the last of which predicted the bonus/recovered
         token), and `step` the engine-measured draft and verify seconds."""
 
+    # optional members (defaults in DrafterBase)
+    length: LengthPolicy | None
+    """The drafter's draft-length policy, which the batch reads for its first estimate; None: it has none."""
+    tree_policy: TreePolicy | None
+    """The policy that decides whether to draft a tree this round; None: chains only."""
+    tree: TreeShape | None
+    """The tree shape it drafts (--tree-budget), for the CLI's report; None: chains."""
+    vocab: DraftVocab | None
+    """Its reduced draft vocabulary (FR-Spec), for the CLI's report; None: the full vocabulary."""
+    draft: CachedModel | None
+    """The runner of its draft model, whose cost curve the policies measure; None: no draft model."""
+    candidates: Mapping[str, Drafter]
+    """The drafters it chooses among (auto); empty for every other drafter."""
+    counts: Callable[[], Mapping[str, int]] | None
+    """Rounds per option of the last request (auto), for bench's rows; None: not a chooser."""
+    lazy_prefill: bool | None
+    """Whether its draft model prefills on the first proposal instead of at prefill (a batch sets it, so a draft
+    nobody drafts with is never prefilled); None: it has no draft model to prefill."""
+    propose_steps: Callable[[Tensor, int, SamplingConfig, Randomness], DraftSteps] | None
+    """`propose` as a generator of draft forwards, which the batch runs together with other requests' forwards
+    (`sparrow.drafters.draft_loop`); None: proposals run one drafter at a time."""
 
-def watching_prefill(drafter: Drafter, target: CachedModel) -> AbstractContextManager:
-    """The context to run the target's prefill in for `drafter`: its `watch_prefill(target)`, else none."""
-    watch = getattr(drafter, "watch_prefill", None)
-    return watch(target) if watch is not None else nullcontext()
+    free_to_ask: bool
+    """Proposing costs next to nothing (n-gram lookup in the text), so auto asks it every round."""
+
+    def catch_up(self, committed: Tensor) -> None:
+        """Feed the tokens committed while another drafter drafted (auto switching to this one) in one forward;
+        a no-op for drafters without a draft model cache."""
+
+    def watch_prefill(self, target: CachedModel) -> AbstractContextManager:
+        """A context the engine runs the target's prefill inside (drafters that read what that forward computes,
+        e.g. its queries: sparse, visual-prune); a no-op by default."""
+
+
+class DrafterBase:
+    """The defaults of the Drafter protocol's optional members: a drafter with none of them."""
+
+    hidden_layers: tuple[int, ...] = ()
+    length: LengthPolicy | None = None
+    tree_policy: TreePolicy | None = None
+    tree: TreeShape | None = None
+    vocab: DraftVocab | None = None
+    draft: CachedModel | None = None
+    candidates: Mapping[str, Drafter] = MappingProxyType({})
+    counts: Callable[[], Mapping[str, int]] | None = None
+    lazy_prefill: bool | None = None
+    propose_steps: Callable[[Tensor, int, SamplingConfig, Randomness], DraftSteps] | None = None
+    free_to_ask: bool = False
+
+    def catch_up(self, committed: Tensor) -> None:
+        pass
+
+    def watch_prefill(self, target: CachedModel) -> AbstractContextManager:
+        return nullcontext()

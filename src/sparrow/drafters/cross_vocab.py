@@ -39,15 +39,16 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.dtw import carry_confidence, dtw_path, target_to_source
 from sparrow.drafters.token_bytes import TokenBytes, valid_utf8_prefix
+from sparrow.errors import UserError
 from sparrow.noise import Randomness
 from sparrow.policy.length import LengthPolicy
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
-from sparrow.errors import UserError
 
 if TYPE_CHECKING:
     from sparrow.models import LoadedModel
@@ -88,7 +89,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-class CrossVocabDrafter:
+class CrossVocabDrafter(DrafterBase):
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "cross-vocab"
 

@@ -20,10 +20,10 @@ import torch
 from torch import Tensor
 
 from sparrow import sampling as S
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.noise import Randomness, at
 from sparrow.policy.length import LengthPolicy
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import Draft
 
 Step = Callable[[Tensor, int], Tensor]

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
+from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.draft_loop import DraftSteps, Forward, draft_chain, drive
 from sparrow.drafters.kv.draft_kv import draft_kv_config, with_draft_kv
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
@@ -36,7 +37,7 @@ def common_prefix_length(a: Tensor, b: Tensor) -> int:
     return int(differ[0]) if differ.numel() else n
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(DrafterBase):
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "draft-model"
 

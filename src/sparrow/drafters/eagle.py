@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
-from sparrow.drafters.base import Drafter
+from sparrow.drafters.base import Drafter, DrafterBase
 from sparrow.drafters.draft_loop import draft_chain, drive
 from sparrow.drafters.longspec import LongSpecDrafter
 from sparrow.drafters.sparrow import SparrowDrafter
@@ -115,7 +115,7 @@ class HeadRunner:
         self.cache.crop(min(rows, self.cache.rows))
 
 
-class EagleDrafter:
+class EagleDrafter(DrafterBase):
     """Drafts with an EAGLE head from the target features of the layers it reads (`hidden_layers`); the name is
     "eagle", or "eagle+tree" when it drafts EAGLE-2 trees."""
 

@@ -42,19 +42,19 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from sparrow.runtime.cached_model import CachedModel, _text_config, additive_mask
 from sparrow.config import GREEDY, SamplingConfig
-from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
+from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
+from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
+from sparrow.errors import UserError
 from sparrow.models import LoadedModel
-from sparrow.paths import default_cache_dir
 from sparrow.noise import Randomness
+from sparrow.paths import default_cache_dir
 from sparrow.policy.length import LengthPolicy
+from sparrow.runtime.cached_model import CachedModel, _text_config, additive_mask
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
-from sparrow.errors import UserError
-
 
 # --- skip sets -------------------------------------------------------------------------------------
 
@@ -333,7 +333,7 @@ class SkipView:
         crop_layers(self.target.cache, self.start)
 
 
-class LayerSkipDrafter:
+class LayerSkipDrafter(DrafterBase):
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "layer-skip"
 

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.draft_loop import draft_chain, drive
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree
 from sparrow.errors import UserError
 from sparrow.heads.longspec import LongSpecHead, target_layer_kv, window_mask
 from sparrow.noise import Randomness
 from sparrow.policy.length import LengthPolicy
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
@@ -58,7 +59,7 @@ class WindowCache:
         self.positions = self.positions[first:keep].clone()
 
 
-class LongSpecDrafter:
+class LongSpecDrafter(DrafterBase):
     """Chains of draft tokens from a LongSpec head over the target's KV cache (`hidden_layers` is empty: the
     head reads the target's cache, not its hidden states)."""
 

@@ -8,15 +8,16 @@ from dataclasses import replace
 
 from torch import Tensor
 
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.tree_draft import TreeShape, resolve_shape
+from sparrow.errors import UserError
 from sparrow.noise import Randomness
 from sparrow.policy.length import LengthPolicy
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.runner import runner_for
 from sparrow.tree import merge_paths
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
-from sparrow.errors import UserError
 
 
 def find_continuation(context: Tensor, min_n: int, max_n: int, k: int) -> Tensor:
@@ -49,9 +50,10 @@ def find_continuations(context: Tensor, min_n: int, max_n: int, k: int, limit: i
     return found
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(DrafterBase):
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "prompt-lookup"
+    free_to_ask = True  # auto asks it every round
 
     def __init__(self, num_draft_tokens: int = 16, min_n: int = 1, max_n: int = 3, adaptive: bool = False,
                  tree: TreeShape | None = None, backoff: bool | None = None) -> None:

@@ -9,14 +9,14 @@ disk); an adaptive draft length follows the measured cost curve (see sparrow.pol
 
 from __future__ import annotations
 
-from sparrow.drafters.vocab import DraftVocab, resolve_draft_vocab
-from sparrow.runtime.runner import runner_for
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.tree_draft import resolve_shape
-from sparrow.models import LoadedModel
-from sparrow.policy.measure import follow_cost_curve
-from sparrow.models.quantization import DEFAULT_GROUP_SIZE, quantized_copy
+from sparrow.drafters.vocab import DraftVocab, resolve_draft_vocab
 from sparrow.errors import UserError
+from sparrow.models import LoadedModel
+from sparrow.models.quantization import DEFAULT_GROUP_SIZE, quantized_copy
+from sparrow.policy.measure import follow_cost_curve
+from sparrow.runtime.runner import runner_for
 
 DEFAULT_BITS = "int4"
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.draft_loop import draft_chain, drive
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree
 from sparrow.errors import UserError
@@ -27,10 +27,11 @@ from sparrow.heads.longspec import window_mask
 from sparrow.heads.sparrow_head import spec_of
 from sparrow.noise import Randomness
 from sparrow.policy.length import LengthPolicy
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
-class SparrowDrafter:
+class SparrowDrafter(DrafterBase):
     name = "eagle"
 
     def __init__(self, head: EagleHead, visual_ids: tuple[int, ...], num_draft_tokens: int = 6,

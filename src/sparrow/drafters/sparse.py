@@ -29,6 +29,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from sparrow.config import SamplingConfig
 from sparrow.drafters import visual_prune
+from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.kv import compress as kv_compress
 from sparrow.drafters.kv.chunk_retrieval import ChunkRetrieval, RetrievalSlots
@@ -60,7 +61,7 @@ def _check_count(name: str, value: int, minimum: int) -> None:
         raise UserError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-class SparseDrafter:
+class SparseDrafter(DrafterBase):
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "sparse"
 

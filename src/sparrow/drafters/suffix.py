@@ -32,14 +32,15 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.drafters.base import DrafterBase
+from sparrow.drafters.suffix_tree import StoreLimits, SuffixStore, SuffixTrie, matches
 from sparrow.drafters.tree_draft import TreeShape, resolve_shape
 from sparrow.errors import UserError
 from sparrow.noise import Randomness
 from sparrow.policy.length import LengthPolicy
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.runner import runner_for
-from sparrow.drafters.suffix_tree import StoreLimits, SuffixStore, SuffixTrie, matches
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
 
@@ -118,7 +119,7 @@ def speculate(trie: SuffixTrie, node: int, max_depth: int, min_prob: float, budg
     return Candidate(tokens, parents, score, first)
 
 
-class SuffixDrafter:
+class SuffixDrafter(DrafterBase):
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "suffix"
 

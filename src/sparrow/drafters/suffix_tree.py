@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 from sparrow.errors import UserError
 
-
 ROOT = 0
 _SHIFT = 32  # a child's key: (parent << _SHIFT) | token (token ids < 2**32)
 

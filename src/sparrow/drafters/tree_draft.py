@@ -28,11 +28,11 @@ import torch
 from torch import Tensor
 
 from sparrow import sampling as S
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
-from sparrow.policy.measure import measure_cost_curve
-from sparrow.types import Draft
 from sparrow.errors import UserError
+from sparrow.policy.measure import measure_cost_curve
+from sparrow.runtime.cached_model import CachedModel
+from sparrow.types import Draft
 
 
 @dataclass(frozen=True)

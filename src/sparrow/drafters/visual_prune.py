@@ -38,15 +38,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sparrow.drafters.draft_model import DraftModelDrafter
+from sparrow.drafters.kv.draft_kv import DraftKVConfig, draft_kv_config, with_draft_kv
+from sparrow.drafters.kv.selection import attention_scores
+from sparrow.errors import UserError
 from sparrow.runtime.attention.capture import QueryCapture
 from sparrow.runtime.cached_model import CachedModel
-from sparrow.drafters.kv.draft_kv import DraftKVConfig, draft_kv_config, with_draft_kv
-from sparrow.drafters.draft_model import DraftModelDrafter
-from sparrow.drafters.kv.selection import attention_scores
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Prompt, TargetOutput
 from sparrow.vision.prompt import visual_token_positions
-from sparrow.errors import UserError
 
 DEFAULT_DROP_RATE = 0.9
 DEFAULT_MASS = 0.4  # SpecVLM's `percentage`

@@ -29,11 +29,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-from sparrow.policy.estimates import (AcceptanceEstimate, CostCurve, DecayedLine, ProbeSchedule, best_length,
-                                      tokens_per_second)
-from sparrow.types import StepStats
 from sparrow.errors import UserError
+from sparrow.policy.estimates import (
+    AcceptanceEstimate,
+    CostCurve,
+    DecayedLine,
+    ProbeSchedule,
+    best_length,
+    tokens_per_second,
+)
+from sparrow.types import StepStats
 
 """Variance of the token counts (tokens^2) under which a line's slope is not identifiable."""
 """Timing runs feed ids i * stride % vocab: a prime stride spreads them over any vocabulary, like text."""

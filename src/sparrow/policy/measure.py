@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
 import torch
 
 from sparrow.policy.estimates import CostCurve
-from sparrow.policy.length import LengthPolicy
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.timing import now
 from sparrow.types import Prompt
+
+if TYPE_CHECKING:  # an annotation only: drafters build on the policies
+    from sparrow.drafters.base import Drafter
 
 
 DUMMY_ID_STRIDE = 7919
@@ -68,13 +71,13 @@ def measure_cost_curve(target: CachedModel, max_tokens: int, draft: CachedModel 
 
 
 
-def follow_cost_curve(drafter: object, target: CachedModel) -> None:
+def follow_cost_curve(drafter: Drafter, target: CachedModel) -> None:
     """Switch an adaptive draft-model drafter's policy to the cost-aware mode, measured now (k stays the
     maximum); for `auto`, each of its candidates with a draft model. No-op for fixed lengths, drafters without a
     draft model, and drafters already set up."""
-    for candidate in getattr(drafter, "candidates", {}).values():  # auto: the same draft model, the same rule
+    for candidate in drafter.candidates.values():  # auto: the same draft model, the same rule
         follow_cost_curve(candidate, target)
-    policy, draft = getattr(drafter, "length", None), getattr(drafter, "draft", None)
-    if isinstance(policy, LengthPolicy) and policy.adaptive and policy.curve is None and isinstance(draft, CachedModel):
+    policy, draft = drafter.length, drafter.draft
+    if policy is not None and policy.adaptive and policy.curve is None and isinstance(draft, CachedModel):
         policy.follow(measure_cost_curve(target, policy.max_tokens, draft))
 

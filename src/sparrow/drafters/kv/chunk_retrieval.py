@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparrow.runtime.attention.capture import QueryCapture
 from sparrow.drafters.kv.compress import HybridKV
+from sparrow.runtime.attention.capture import QueryCapture
 
 SpanKV = Callable[[int, Tensor], tuple[Tensor, Tensor]]
 """(layer, heads [h] int64) -> the full span's keys and values of those KV heads, each [h, L, d]."""

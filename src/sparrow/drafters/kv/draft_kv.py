@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from sparrow.runtime.attention.capture import QueryCapture
 from sparrow.drafters.kv.chunk_retrieval import ChunkRetrieval, RetrievalSlots
 from sparrow.drafters.kv.compress import SELECTORS, HybridKV, build_selector
 from sparrow.drafters.kv.selection import KVSelector, check_budget, kept_positions
 from sparrow.errors import UserError
-from sparrow.types import Prompt, TargetOutput
+from sparrow.runtime.attention.capture import QueryCapture
 from sparrow.runtime.vision import is_vlm
+from sparrow.types import Prompt, TargetOutput
 from sparrow.vision.prompt import visual_token_positions
 
 if TYPE_CHECKING:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
+
 from sparrow.errors import UserError
 
 
