@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_model, tiny_tokenizer
-from sparrow.runtime import cpu, hardware
+from sparrow.runtime import cpu, hardware, microbench
 from sparrow.cli import app
 from sparrow.errors import UserError
 from sparrow.models import resolve_dtype
@@ -40,7 +40,7 @@ def isolated(tmp_path, monkeypatch):
     hardware.clear_cache()
 
 
-M = hardware.MIN_ROUNDS  # rounds of a measurement whose figures agree at once
+M = microbench.MIN_ROUNDS  # rounds of a measurement whose figures agree at once
 
 
 class FakeBench:
@@ -55,7 +55,7 @@ class FakeBench:
             self.calls += 1
         else:
             self.checks += 1
-        fast = hardware._faster_dense(self.costs) >= hardware.MIN_BF16_SPEEDUP
+        fast = hardware.faster_dense(self.costs) >= hardware.MIN_BF16_SPEEDUP
         return {"costs": self.costs, "quant_activations": "bfloat16" if fast else "float32", "unit": "ms per matmul",
                 "shape": list(hardware.BENCH_SHAPE), "seconds": 0.01}
 
@@ -202,7 +202,7 @@ def test_resolve_dtype_auto_on_this_machine_is_a_real_dtype(monkeypatch):
 def test_measure_on_a_small_shape(monkeypatch, activations):
     """The real micro-benchmark, on a weight small enough to take milliseconds; the weight-only kernels run in
     the dtype auto picks from the dense timings (forced here by a zero or an infinite speedup threshold)."""
-    monkeypatch.setattr(hardware, "MIN_BF16_SPEEDUP", 0.0 if activations == "bfloat16" else float("inf"))
+    monkeypatch.setattr(microbench, "MIN_BF16_SPEEDUP", 0.0 if activations == "bfloat16" else float("inf"))
     record = hardware.measure(rows=(1, 8), shape=(64, 128), working_set=1 << 20)
     from sparrow.runtime import onednn
 
@@ -211,7 +211,7 @@ def test_measure_on_a_small_shape(monkeypatch, activations):
     assert record["quant_activations"] == activations
     assert all(cost > 0 for row in record["costs"].values() for cost in row.values())
     assert hardware._valid_costs(record["costs"]) and record["shape"] == [64, 128]
-    assert hardware.cache_bytes() >= 1 << 10
+    assert microbench.cache_bytes() >= 1 << 10
 
 
 def cli(*args: str):
@@ -424,14 +424,14 @@ def cached_files(tmp_path) -> list:
 def test_an_inconsistent_measurement_is_rejected_and_not_cached(monkeypatch, tmp_path):
     bench = machine(monkeypatch, BF16_CPU, POISONED)
     dtype, reason = hardware.choose_dtype("cpu")
-    assert bench.calls == hardware.MAX_ROUNDS and not cached_files(tmp_path)
+    assert bench.calls == microbench.MAX_ROUNDS and not cached_files(tmp_path)
     assert dtype is torch.bfloat16 and "every benchmark round was inconsistent" in reason  # the flags decide
-    assert hardware.choose_draft_quant("cpu")[0] is None and bench.calls == hardware.MAX_ROUNDS  # not again
+    assert hardware.choose_draft_quant("cpu")[0] is None and bench.calls == microbench.MAX_ROUNDS  # not again
     record = hardware.cpu_costs()
     assert record["costs"] is None and record["stability"]["rejected"][0].startswith("bfloat16: 8 rows 1.28 ms")
     hardware.clear_cache()  # a new process measures again
     hardware.choose_dtype("cpu")
-    assert bench.calls == 2 * hardware.MAX_ROUNDS
+    assert bench.calls == 2 * microbench.MAX_ROUNDS
 
 
 def test_inconsistent_rounds_are_dropped_and_the_stable_ones_cached(monkeypatch, tmp_path):
@@ -447,16 +447,16 @@ def test_inconsistent_rounds_are_dropped_and_the_stable_ones_cached(monkeypatch,
 
 
 def test_rounds_that_never_agree_are_neither_cached_nor_chosen_by(monkeypatch, tmp_path):
-    bench = Rounds([SLOW_BF16, scaled(SLOW_BF16, 1.5)] * hardware.MAX_ROUNDS)
+    bench = Rounds([SLOW_BF16, scaled(SLOW_BF16, 1.5)] * microbench.MAX_ROUNDS)
     monkeypatch.setattr(cpu, "read_cpuinfo", lambda: BF16_CPU)
     monkeypatch.setattr(hardware, "measure", bench)
     dtype, reason = hardware.choose_dtype("cpu")
     assert dtype is torch.bfloat16 and "rounds disagreed" in reason  # the flags, not SLOW_BF16's float32
     assert hardware.choose_draft_quant("cpu")[0] is None  # not SLOW_BF16's int8
     record = hardware.cpu_costs()
-    assert bench.calls == hardware.MAX_ROUNDS and not record["stability"]["stable"] and not cached_files(tmp_path)
-    factors = [1.0, 1.5] * hardware.MAX_ROUNDS
-    expected = 3.1 * statistics.median(factors[:hardware.MAX_ROUNDS])  # bfloat16's 1-row figure: the median
+    assert bench.calls == microbench.MAX_ROUNDS and not record["stability"]["stable"] and not cached_files(tmp_path)
+    factors = [1.0, 1.5] * microbench.MAX_ROUNDS
+    expected = 3.1 * statistics.median(factors[:microbench.MAX_ROUNDS])  # bfloat16's 1-row figure: the median
     assert record["costs"]["bfloat16"]["1"] == pytest.approx(expected)
 
 
@@ -526,7 +526,7 @@ def test_doctor_says_how_stable_the_figures_are(monkeypatch):
     hardware.clear_cache()
     monkeypatch.setattr(hardware, "measure", FakeBench(POISONED))
     table = cli("doctor", "--device", "cpu", "--refresh").output
-    assert f"every one of {hardware.MAX_ROUNDS} rounds rejected as inconsistent" in table
+    assert f"every one of {microbench.MAX_ROUNDS} rounds rejected as inconsistent" in table
 
 
 def test_make_run_measures_after_its_installs_and_before_generating():

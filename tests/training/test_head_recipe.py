@@ -132,7 +132,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_runs_without_sparrows_othe
 def test_the_batched_training_time_test_equals_the_per_sequence_one(target):
     from sparrow.training.batched import batched_ttt_loss
     from sparrow.heads.factory import new_head
-    from sparrow.training.recipe import padded, target_features
+    from sparrow.training.recipe_data import padded, target_features
     from sparrow.training.heads import extract_features, ttt_loss
 
     head = new_head(target.model, "eagle3", torch.Generator().manual_seed(0), draft_vocab=torch.arange(0, 320, 2))
@@ -188,7 +188,7 @@ def test_gguf_tensors_dequantized_in_parallel_are_handed_to_transformers_unchang
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    from sparrow.training.recipe import fast_gguf_loading
+    from sparrow.training.recipe_data import fast_gguf_loading
 
     rng = np.random.default_rng(0)
     path = tmp_path / "t.gguf"

@@ -414,7 +414,7 @@ def test_every_head_variant_is_rebuilt_exactly_from_its_checkpoint(target, tmp_p
 
 def test_progress_into_a_log_file_is_plain_lines_with_the_time_left(capsys):
     """stderr is no terminal here: one line per stage when it starts, at most once a minute, and when it ends."""
-    from sparrow.cli.train import _Bars
+    from sparrow.cli.train_run import _Bars
 
     now = [0.0]
     with _Bars(True, log_every=60, clock=lambda: now[0]) as bars:

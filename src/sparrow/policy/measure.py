@@ -71,10 +71,12 @@ def measure_cost_curve(target: CachedModel, max_tokens: int, draft: CachedModel 
 
 
 
-def follow_cost_curve(drafter: Drafter, target: CachedModel) -> None:
+def follow_cost_curve(drafter: Drafter | None, target: CachedModel) -> None:
     """Switch an adaptive draft-model drafter's policy to the cost-aware mode, measured now (k stays the
     maximum); for `auto`, each of its candidates with a draft model. No-op for fixed lengths, drafters without a
     draft model, and drafters already set up."""
+    if drafter is None:  # plain decoding
+        return
     for candidate in drafter.candidates.values():  # auto: the same draft model, the same rule
         follow_cost_curve(candidate, target)
     policy, draft = drafter.length, drafter.draft

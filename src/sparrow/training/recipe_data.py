@@ -1,0 +1,269 @@
+"""The GPU recipe's data: the target loaded from a preset's GGUF (its metadata parsed once), its online features
+(hidden states and top-k labels of a batch), the offline corpus plus self-distilled answers generated in large
+batches, and their padding."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from sparrow.errors import UserError
+from sparrow.training.chunks import join_chunks
+from sparrow.training.data import CorpusSpec, default_roots, distill_prompt, file_sequences
+
+
+def load_target(settings: RecipeSettings, device: torch.device) -> tuple[nn.Module, Any]:
+    """The target model (eval, frozen; bf16 on a GPU, float32 on a CPU) and its tokenizer."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    spec = settings.target
+    if settings.gguf_chunks is not None:
+        spec = str(join_chunks(settings.gguf_chunks))
+    path = Path(spec)
+    if not path.exists():
+        raise UserError(f"--target {spec!r}: no such directory or .gguf file")
+    major = int(transformers.__version__.split(".")[0])
+    minor = int(transformers.__version__.split(".")[1])
+    dtype_key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    if path.suffix == ".gguf":
+        where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    else:
+        where = {"pretrained_model_name_or_path": str(path)}
+    with fast_gguf_loading(path, os.cpu_count() or 1) if path.suffix == ".gguf" else contextlib.nullcontext():
+        tokenizer = AutoTokenizer.from_pretrained(**where)
+        model = AutoModelForCausalLM.from_pretrained(**where, **{dtype_key: dtype})
+    return model.to(device).eval().requires_grad_(False), tokenizer
+
+
+
+def _file_offset(data: Any) -> int:
+    """The byte offset of a GGUFReader tensor's array in its file (the same for every reader of the file)."""
+    import numpy as np
+
+    root = data
+    while isinstance(getattr(root, "base", None), np.ndarray):  # up to the array over the whole mapped file
+        root = root.base
+    return int(data.__array_interface__["data"][0]) - int(root.__array_interface__["data"][0])
+
+
+
+@contextlib.contextmanager
+def fast_gguf_loading(path: Path, workers: int) -> Iterator[None]:
+    """transformers parses a GGUF's metadata anew for the config, the tokenizer and the weights (gguf's reader walks
+    a 151k-token vocabulary field by field: ~40 s each on this project's CPU), then dequantizes its tensors one
+    after another. Inside this block the file is parsed once: `gguf.GGUFReader` (which transformers imports when
+    it loads) returns that reader for this file, and `gguf.dequantize` answers from its tensors dequantized
+    beforehand on `workers` threads (matched by their offset in the file); any other call goes to gguf's own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import gguf
+
+    original_reader, original = gguf.GGUFReader, gguf.dequantize
+    reader = original_reader(str(path))
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        arrays = list(pool.map(lambda t: original(t.data, t.tensor_type), reader.tensors))
+    done = {(_file_offset(t.data), int(t.tensor_type)): a for t, a in zip(reader.tensors, arrays)}
+    del arrays
+
+    def read(where: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and Path(where).resolve() == path.resolve():
+            return reader
+        return original_reader(where, *args, **kwargs)
+
+    def lookup(data: Any, qtype: Any) -> Any:
+        found = done.pop((_file_offset(data), int(qtype)), None)
+        return found if found is not None else original(data, qtype)
+
+    gguf.GGUFReader, gguf.dequantize = read, lookup
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.dequantize = original_reader, original
+
+
+
+def eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
+    ids = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return sorted(int(i) for i in ids)
+
+
+
+@torch.no_grad()
+def target_features(model: nn.Module, tokens: Tensor, lengths: Tensor, layers: Sequence[int], top_k: int,
+                    chunk_rows: int = 4096) -> tuple[Tensor, Tensor, Tensor]:
+    """One target forward over a right-padded batch tokens [B, T] (lengths [B]) -> its hidden states of `layers`
+    (transformers' hidden_states indices) concatenated [B, T, len(layers) * D] and its top-k next-token ids
+    [B, T, k] and float32 log-probs, the LM head applied `chunk_rows` rows at a time."""
+    b, t = tokens.shape
+    mask = (torch.arange(t, device=tokens.device)[None] < lengths[:, None].to(tokens.device)).long()
+    out = model.get_decoder()(input_ids=tokens, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    features = torch.cat([out.hidden_states[i] for i in layers], -1)
+    final = out.last_hidden_state.flatten(0, 1)
+    head = model.get_output_embeddings()
+    ids, logprobs = [], []
+    for start in range(0, final.shape[0], chunk_rows):
+        chunk = head(final[start : start + chunk_rows]).float().log_softmax(-1).topk(top_k, dim=-1)
+        logprobs.append(chunk.values)
+        ids.append(chunk.indices)
+    return features, torch.cat(ids).view(b, t, -1), torch.cat(logprobs).view(b, t, -1)
+
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    """`text` as a user turn with the chat template (when the tokenizer has one), ready for the answer."""
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
+
+@torch.no_grad()
+def distilled(model: nn.Module, tokenizer: Any, snippets: Sequence[str], settings: RecipeSettings, deadline: float,
+              eos: list[int], progress: Callable[[int], None] | None = None) -> list[Tensor]:
+    """prompt + the target's greedy answer for snippets, `distill_batch` left-padded prompts per generate call,
+    until the snippets or the time (`deadline`, checked between calls) run out; `progress(answers)` after each call."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    out: list[Tensor] = []
+    for start in range(0, len(snippets), settings.distill_batch):
+        if time.monotonic() >= deadline:
+            break
+        prompts = [chat_ids(tokenizer, distill_prompt(s))[-settings.seq_len :] for s in
+                   snippets[start : start + settings.distill_batch]]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        generated = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                   max_new_tokens=settings.distill_tokens, min_new_tokens=1, pad_token_id=pad,
+                                   eos_token_id=eos or None, temperature=None, top_p=None, top_k=None)
+        for p, row in zip(prompts, generated[:, width:].cpu()):
+            ends = torch.isin(row, torch.tensor(eos)).nonzero() if eos else row.new_zeros(0, 1)
+            answer = row[: int(ends[0]) + 1] if ends.numel() else row
+            out.append(torch.cat([torch.tensor(p), answer]))
+        if progress is not None:
+            progress(len(out))
+    return out
+
+
+
+def build_corpus(model: nn.Module, tokenizer: Any, settings: RecipeSettings, deadline: float, eos: list[int],
+                 progress: Callable[[str, int], None] | None = None
+                 ) -> tuple[list[Tensor], list[Tensor], dict[str, Any]]:
+    """(training sequences, held-out sequences, a summary) from files and self-distilled answers;
+    `progress(split, answers)` after each generate call."""
+    roots = settings.data or tuple(str(r) for r in default_roots())
+    spec = CorpusSpec(roots=tuple(roots), tokens=settings.tokens, held_out_tokens=settings.held_out_tokens,
+                      sequence_length=settings.seq_len, seed=settings.seed)
+    train, held_out, files, snippets = file_sequences(spec, tokenizer, torch.Generator().manual_seed(settings.seed))
+    start = time.monotonic()
+    held_count = max(1, settings.distill // 10) if settings.distill else 0
+    report = (lambda split: None) if progress is None else (lambda split: lambda n: progress(split, n))
+    answers_held = distilled(model, tokenizer, snippets["held_out"][:held_count], settings, deadline, eos,
+                             report("held_out"))
+    answers = distilled(model, tokenizer, snippets["train"][: settings.distill], settings, deadline, eos,
+                        report("train"))
+    summary = {"files": {k: len(v) for k, v in files.items()}, "file_sequences": len(train),
+               "file_tokens": sum(t.numel() for t in train), "distilled": len(answers),
+               "distilled_tokens": sum(t.numel() for t in answers), "distilled_held_out": len(answers_held),
+               "distill_seconds": time.monotonic() - start}
+    return train + answers, held_out + answers_held, summary
+
+
+
+def save_corpus(path: Path, train: list[Tensor], held_out: list[Tensor], summary: dict[str, Any]) -> None:
+    tensors = {f"train.{i}": t.contiguous() for i, t in enumerate(train)}
+    tensors.update({f"held_out.{i}": t.contiguous() for i, t in enumerate(held_out)})
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata={"summary": json.dumps(summary)})
+    os.replace(partial, path)
+
+
+
+def load_corpus(path: Path) -> tuple[list[Tensor], list[Tensor], dict[str, Any]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        summary = json.loads((handle.metadata() or {}).get("summary", "{}"))
+    tensors = load_file(str(path))
+
+    def split(name: str) -> list[Tensor]:
+        return [tensors[f"{name}.{i}"] for i in range(sum(k.startswith(name + ".") for k in tensors))]
+
+    return split("train"), split("held_out"), summary
+
+
+
+def padded(sequences: Sequence[Tensor], limit: int) -> tuple[Tensor, Tensor]:
+    """Sequences (cut to `limit`) right-padded with 0 -> tokens [B, T], lengths [B]."""
+    cut = [s[:limit] for s in sequences]
+    lengths = torch.tensor([s.numel() for s in cut])
+    tokens = torch.zeros(len(cut), int(lengths.max()), dtype=torch.long)
+    for row, s in enumerate(cut):
+        tokens[row, : s.numel()] = s
+    return tokens, lengths
+
+
+@dataclass(frozen=True)
+class RecipeSettings:
+    """The options of `run` (see `python -m sparrow.training.recipe run --help`)."""
+
+    out: str
+    target: str | None = None  # a transformers directory or a .gguf file
+    gguf_chunks: str | None = None  # a directory of chunks + SHA256SUMS (`prepare`)
+    data: tuple[str, ...] = ()  # default: the standard library and installed packages
+    device: str | None = None  # default: cuda if available
+    time_budget: float = 480.0
+    tokens: int = 2_000_000  # training tokens from files
+    held_out_tokens: int = 20_000
+    seq_len: int = 512
+    distill: int = 4096  # at most this many self-distilled answers (and the time share)
+    distill_tokens: int = 256
+    distill_batch: int = 128
+    distill_share: float = 0.25  # of the budget
+    draft_vocab: int = 16384
+    intermediate_size: int | None = 3584  # fits the int8 export in 60 MB for a 1.5B target (None: the target's)
+    ttt_steps: int = 6  # = the eagle drafter's default draft length
+    batch_size: int = 32
+    top_k: int = 32
+    lr: float = 3e-4
+    warmup: int = 50
+    clip: float = 0.5
+    decay: float = 0.8
+    checkpoint_every: float = 60.0  # seconds
+    eval_sequences: int = 64
+    max_steps: int | None = None
+    seed: int = 0
+    resume: bool = False
+    autocast: bool | None = None  # bf16 autocast (default: on a GPU)
+    threads: int | None = None  # CPU threads for torch (default: torch's)
+
+    def __post_init__(self) -> None:
+        if (self.target is None) == (self.gguf_chunks is None):
+            raise UserError("give exactly one of --target (a model directory or .gguf file) and --gguf-chunks DIR")
+        for name in ("time_budget", "checkpoint_every", "lr", "distill_share"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for name in ("tokens", "seq_len", "distill_tokens", "distill_batch", "draft_vocab", "ttt_steps",
+                     "batch_size", "top_k", "warmup", "eval_sequences"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)}")
+
