@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -89,6 +90,13 @@ class Constraint(Protocol):
     def commit(self, tokens: Iterable[int]) -> None:
         """Advance over tokens the verifier committed."""
 
+    def push(self, token: Tensor) -> bool:
+        """Drafting: advance over a draft token ([1] or 0-dim) the current mask allows; False (nothing consumed)
+        where nothing can follow it (a stop token). Undo with `pop`."""
+
+    def pop(self, n: int) -> None:
+        """Drafting: undo the last n pushes."""
+
 
 class Free:
     """No grammar: drafts pass unchanged and nothing is masked."""
@@ -104,8 +112,30 @@ class Free:
     def commit(self, tokens: Iterable[int]) -> None:
         pass
 
+    def push(self, token: Tensor) -> bool:
+        return True  # no host sync
+
+    def pop(self, n: int) -> None:
+        pass
+
 
 FREE = Free()
+
+
+@contextmanager
+def guiding(drafter: object, grammar: Constraint) -> Iterator[None]:
+    """A drafter with a `grammar` attribute (draft-model chains) drafts only what `grammar` allows while inside:
+    its draft logits are masked as the target's are, so drafts are not cut at the grammar. Lossless either way:
+    a draft token is the argmax of the masked draft logits (q = 1 rule), or sampled from the masked q it
+    reports."""
+    if drafter is None or not hasattr(drafter, "grammar"):
+        yield
+        return
+    drafter.grammar = grammar
+    try:
+        yield
+    finally:
+        drafter.grammar = FREE
 
 
 def masked(logits: Tensor, allowed: Tensor | None) -> Tensor:
@@ -178,20 +208,20 @@ class GrammarConstraint:
         self._bitmask = ll_torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32
         self._bits = torch.arange(32, dtype=torch.int32)
         self.ended = False  # a stop token was committed
-        self.seconds = 0.0  # time spent in the grammar (masks, walks, commits): the per-token overhead
+        self.seconds = 0.0  # CPU seconds of this thread in the grammar (masks, walks, commits): its work
         self.forced = 0  # forced tokens added to drafts
 
     def allowed(self) -> Tensor:
         """[vocab] bool mask of the matcher's current state. A state with no way on (an unsatisfiable branch of
         the grammar) allows the stop tokens, so the output ends there instead of sampling from nothing."""
-        start = time.perf_counter()
+        start = time.thread_time()
         if self.ended:
             mask = torch.ones(self.vocab_size, dtype=torch.bool)
         else:
             mask = self.raw_mask()
             if not bool(mask.any()):
                 mask[self._stops] = True
-        self.seconds += time.perf_counter() - start
+        self.seconds += time.thread_time() - start
         return mask
 
     def raw_mask(self) -> Tensor:
@@ -201,14 +231,23 @@ class GrammarConstraint:
         return ((words[:, None] >> self._bits) & 1).bool().reshape(-1)[: self.vocab_size]
 
     def commit(self, tokens: Iterable[int]) -> None:
-        start = time.perf_counter()
+        start = time.thread_time()
         for token in tokens:
             if self.ended or int(token) in self.stop_ids:
                 self.ended = True
                 break
             ok = self.matcher.consume_token(int(token))
             assert ok, f"the verifier committed token {token}, which the grammar forbids: {self.matcher.get_error()}"
-        self.seconds += time.perf_counter() - start
+        self.seconds += time.thread_time() - start
+
+    def push(self, token: Tensor) -> bool:
+        token = int(token)
+        if self.ended or token in self.stop_ids or self.matcher.validate_tokens([token]) != 1:
+            return False
+        return self._accept(token)
+
+    def pop(self, n: int) -> None:
+        self._rollback(n)
 
     def restrict(self, draft: Draft, budget: int) -> tuple[Draft, Tensor]:
         masks = [self.allowed()]
@@ -220,16 +259,16 @@ class GrammarConstraint:
 
     def _accept(self, token: int) -> bool:
         """Consume a token the current mask allows (a forbidden one would leave the matcher in its error state)."""
-        start = time.perf_counter()
+        start = time.thread_time()
         ok = self.matcher.consume_token(token)
-        self.seconds += time.perf_counter() - start
+        self.seconds += time.thread_time() - start
         return ok
 
     def _rollback(self, n: int) -> None:
         if n:
-            start = time.perf_counter()
+            start = time.thread_time()
             self.matcher.rollback(n)
-            self.seconds += time.perf_counter() - start
+            self.seconds += time.thread_time() - start
 
     def _walk_chain(self, draft: Draft, masks: list[Tensor], budget: int) -> Draft:
         """Cut the chain at its first forbidden token (kept as a sure reject if sampled) or stop token, extend it

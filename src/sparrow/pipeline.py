@@ -33,7 +33,7 @@ from sparrow.drafters.base import Drafter
 from sparrow.drafters.registry import REGISTRY, build_drafter, check_drafter_args
 from sparrow.engine import speculative_decode
 from sparrow.errors import UserError
-from sparrow.grammar import FREE, Constraint, Grammars, GrammarSpec
+from sparrow.grammar import FREE, Constraint, Grammars, GrammarSpec, guiding
 from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from sparrow.noise import PositionalNoise
@@ -181,8 +181,9 @@ class Pipeline:
             try:
                 if drafter is not None:
                     verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
-                    decoded = speculative_decode(self.runner, drafter, verifier, request.prompt, request.sampling,
-                                                 stopper, generator, grammar=grammar)
+                    with guiding(drafter, grammar):
+                        decoded = speculative_decode(self.runner, drafter, verifier, request.prompt,
+                                                     request.sampling, stopper, generator, grammar=grammar)
                 else:
                     decoded = plain_decode(self.runner, request.prompt, request.sampling, stopper, generator, grammar)
             except BaseException:
@@ -215,6 +216,8 @@ class Pipeline:
                 if hasattr(drafter, "lazy_prefill"):  # in a batch, a draft nobody drafts with is never prefilled
                     drafter.lazy_prefill = True
                 verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
+                if hasattr(drafter, "grammar"):  # drafts only what the grammar allows (until `release`)
+                    drafter.grammar = grammar
         generator = PositionalNoise(request.seed, self.runner.device) if request.seed is not None else None
         return Generation(runner_for(self.target.model), drafter, verifier, request.prompt, request.sampling,
                           Stopper(request.stopping, self.tokenizer, on_text), generator, grammar=grammar)
@@ -223,6 +226,8 @@ class Pipeline:
         """Take back a finished (or dropped) sequence's drafter for the next one."""
         seq.target.cache = None
         if seq.drafter is not None:
+            if hasattr(seq.drafter, "grammar"):
+                seq.drafter.grammar = FREE
             self._forks.append(seq.drafter)
             seq.drafter = None
 

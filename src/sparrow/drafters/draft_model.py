@@ -19,6 +19,7 @@ from sparrow.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.draft_vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
 from sparrow.drafters.draft_loop import DraftSteps, Forward, draft_chain, drive
+from sparrow.grammar import FREE, Constraint
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness
@@ -62,6 +63,9 @@ class DraftModelDrafter:
         """Prefill the draft at the first proposal that drafts (a batch whose policy never drafts never pays for
         it); off for single generations, whose first round's draft time would then include the prefill."""
         self._prompt: Prompt | None = None  # lazy_prefill: the prompt not prefilled yet
+        self.grammar: Constraint = FREE
+        """Structured output (`sparrow.grammar.guiding`): chains draft only what the grammar allows (not with a
+        reduced draft vocabulary, whose -inf rows could leave no allowed token)."""
 
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
@@ -123,7 +127,9 @@ class DraftModelDrafter:
                 fed.append(token)
             return Forward(self.draft, token if i else committed[valid:])
 
-        draft = yield from draft_chain(request, committed[-1:], num_tokens, sampling, generator, self.length)
+        grammar = self.grammar if self.vocab is None else FREE
+        draft = yield from draft_chain(request, committed[-1:], num_tokens, sampling, generator, self.length,
+                                       grammar=grammar)
         self._cached = torch.cat([committed, *fed])
         return draft
 
