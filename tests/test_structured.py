@@ -312,3 +312,18 @@ def test_response_format_through_the_openai_client(server):
     assert "response_format" in str(e.value.body) or "minimum" in str(e.value)
     ok = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
     assert ok.choices[0].message.content is not None  # the server keeps serving
+
+
+def test_a_draft_model_drafts_inside_the_grammar(loaded_target, plain_runs):
+    """The draft model's logits are masked like the target's: a draft equal to the target proposes exactly the
+    constrained output, so nearly every round commits k + 1 tokens. Unguided, its unconstrained argmax leaves the
+    grammar within a token or two (whitespace, quotes) and the drafts are cut there."""
+    same = LoadedModel(loaded_target.model, loaded_target.tokenizer, "same")
+    pipe = Pipeline(loaded_target, build_drafter("draft-model", loaded_target, same, 4, adaptive=False))
+    per_forward = []
+    for i in (0, 1, 4):
+        result = pipe.generate(PROMPTS[0], max_new_tokens=N, **CASES[i])
+        assert result.token_ids == plain_runs[(i, PROMPTS[0])].token_ids
+        assert result.stats.num_accepted_tokens == result.stats.num_draft_tokens > 0
+        per_forward.append(result.stats.mean_accepted_tokens)
+    assert min(per_forward) > 3.0, per_forward  # k + 1 = 5 a round (more with forced tokens); short outputs end early
