@@ -11,11 +11,13 @@ allowed only where the grammar accepts the text so far. Speculation stays lossle
   needs), and at a stop token (kept: nothing follows it). A tree loses each forbidden node with its subtree.
   The walk yields the mask of every scored row: row 0 after the committed tokens, row i + 1 after the path to
   node i, so greedy verification takes the masked argmax and rejection sampling the masked distribution.
-* Forced tokens: where the grammar allows exactly one token (the `"name": ` after a key's opening quote of a
-  fixed schema, closing brackets), the chain is extended with it up to the draft budget. The masked
+* Forced tokens: where the grammar allows exactly one token, the chain is extended with it up to the draft budget
+  (rare with byte-level BPE vocabularies: most forced text can be spelled with several tokens). The masked
   distribution there is a point mass, so the verifier accepts it with certainty (greedy: it is the argmax;
   rejection: p(x) = 1; seeded: the only token the sample can pick) and it costs one more row of the round's
   target forward, not a forward of its own. Sampled drafts get a one-hot q row for it (q(x) = 1 = p(x)).
+* Draft-model chains draft inside the grammar (`guiding`, `push` / `pop`): their draft logits are masked with the
+  state after the tokens drafted so far, so drafts are not cut at all; other drafters propose freely and are cut.
 * The grammar state advances only over committed tokens (`commit`); the walk over a draft rolls the matcher
   back to the committed state when it is done (llguidance's `rollback`), for chains and for tree branches alike.
   A token is fed to the matcher only where its mask allows it (a refused token would leave it in an error state).
