@@ -45,13 +45,13 @@ EVENT = {"type": "object", "properties": {
     "price_eur": {"type": "number", "minimum": 0}},
     "required": ["title", "date", "location", "speakers", "price_eur"], "additionalProperties": False}
 CASES = [
-    ("person", PERSON, "Maria Gonzalez is a 34-year-old software engineer who lives in Barcelona. She moved there "
-                       "from Madrid in 2015 and works for a robotics start-up."),
-    ("order", ORDER, "Order A-10293 was placed by Jonathan Smith on Monday. It contains 2 copies of The Pragmatic "
-                     "Programmer, 1 USB-C charging cable and 3 packs of printer paper. The parcel has shipped and "
-                     "should arrive on Thursday."),
-    ("event", EVENT, "The Applied Machine Learning Summit takes place on 2026-03-14 at the Berlin Congress Center. "
-                     "Talks by Dr. Aisha Khan and Prof. Lars Eriksson. Tickets cost 149.50 EUR."),
+    ("person", PERSON, ("Maria Gonzalez is a 34-year-old software engineer who lives in Barcelona. She moved there "
+                        "from Madrid in 2015 and works for a robotics start-up.")),
+    ("order", ORDER, ("Order A-10293 was placed by Jonathan Smith on Monday. It contains 2 copies of The Pragmatic "
+                      "Programmer, 1 USB-C charging cable and 3 packs of printer paper. The parcel has shipped and "
+                      "should arrive on Thursday.")),
+    ("event", EVENT, ("The Applied Machine Learning Summit takes place on 2026-03-14 at the Berlin Congress Center. "
+                      "Talks by Dr. Aisha Khan and Prof. Lars Eriksson. Tickets cost 149.50 EUR.")),
 ]
 
 
@@ -96,7 +96,7 @@ def main() -> None:
         pipe.generate("Hello", max_new_tokens=4, chat=True, json_schema=PERSON)
     summary: dict[str, list] = {name: [] for name in pipes}
     for case, schema, text in CASES:
-        options = dict(max_new_tokens=args.max_new_tokens, chat=True, json_schema=schema)
+        options = {"max_new_tokens": args.max_new_tokens, "chat": True, "json_schema": schema}
         reference = None
         for name, pipe in pipes.items():
             for _ in range(args.repeats):

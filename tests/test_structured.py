@@ -22,10 +22,10 @@ import jsonschema
 import openai
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from conftest import perturbed, tiny_model, tiny_tokenizer
 from live import serving
+from typer.testing import CliRunner
+
 from sparrow.batch import Batch, BatchPolicy
 from sparrow.cli import app as cli
 from sparrow.config import SamplingConfig

@@ -178,7 +178,7 @@ class Grammars:
 
     def start(self, spec: GrammarSpec, stop_ids: Iterable[int]) -> GrammarConstraint:
         """A fresh constraint for one generation; `stop_ids` end it (allowed where the grammar accepts)."""
-        stops = tuple(sorted(set(int(i) for i in stop_ids)))
+        stops = tuple(sorted({int(i) for i in stop_ids}))
         if not stops:
             raise UserError("structured output (json_schema / regex) needs an end-of-sequence token, and the "
                             "model has none")
