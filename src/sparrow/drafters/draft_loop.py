@@ -60,10 +60,11 @@ def drive(steps: DraftSteps, answer: Callable[[object], Tensor]) -> Draft:
 
 
 def autoregressive_draft(step: Step, first_token: Tensor, steps: int, sampling: SamplingConfig,
-                         generator: Randomness, policy: LengthPolicy, defer: bool | None = None) -> Draft:
+                         generator: Randomness, policy: LengthPolicy, defer: bool | None = None,
+                         grammar: Constraint = FREE) -> Draft:
     """Up to `steps` draft tokens after `first_token` ([1], the last committed token), `step` giving each
     position's logits; see `draft_chain`."""
-    chain = draft_chain(lambda token, i: (token, i), first_token, steps, sampling, generator, policy, defer)
+    chain = draft_chain(lambda token, i: (token, i), first_token, steps, sampling, generator, policy, defer, grammar)
     return drive(chain, lambda request: step(*request))
 
 
