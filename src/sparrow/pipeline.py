@@ -33,6 +33,7 @@ from sparrow.drafters.base import Drafter
 from sparrow.drafters.registry import REGISTRY, build_drafter, check_drafter_args
 from sparrow.decoding.engine import speculative_decode
 from sparrow.errors import UserError
+from sparrow.grammar import FREE, Constraint, Grammars, GrammarSpec, guiding
 from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from sparrow.noise import PositionalNoise
@@ -56,6 +57,7 @@ class Request:
     sampling: SamplingConfig
     stopping: StoppingConfig
     seed: int | None
+    grammar: GrammarSpec | None = None  # structured output (json_schema= / regex=); None: unconstrained
 
 
 class Pipeline:
@@ -74,6 +76,7 @@ class Pipeline:
         self.verifier = verifier
         self._found: tuple[Drafter, list[object]] | None = None  # the drafter, and what a generation with it changes
         self._forks: list[Drafter] = []  # idle copies of the drafter for batched sequences (`sequence`)
+        self._grammars: Grammars | None = None  # structured output: made on the first request that asks for it
         self._stateful(drafter)  # now, while no other thread can be changing the drafter
         if verifier not in ("auto", *VERIFIERS):
             raise UserError(f"unknown verifier {verifier!r}; expected one of: auto, {', '.join(VERIFIERS)}")
@@ -115,14 +118,19 @@ class Pipeline:
 
     def request(self, prompt: PromptInput, *, max_new_tokens: int = 128, temperature: float = 0.0,
                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Iterable[str] | None = (),
-                chat: bool = False, video=None, frames: int | None = None, image=None) -> Request:
-        """Check every option (each error names its argument), then tokenize the prompt."""
+                chat: bool = False, video=None, frames: int | None = None, image=None, json_schema: object = None,
+                regex: str | None = None) -> Request:
+        """Check every option (each error names its argument), then tokenize the prompt.
+
+        json_schema (a dict or its JSON text) / regex: structured output (`sparrow.grammar`): every output keeps
+        to it, EOS only where it is complete (finish_reason "length" when max_new_tokens cuts it short)."""
         sampling = SamplingConfig(temperature=check_temperature(temperature), top_k=check_top_k(top_k),
                                   top_p=check_top_p(top_p))
         max_new_tokens = check_max_new_tokens(max_new_tokens)
         stopping = StoppingConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids(),
                                   stop_strings=stop_strings(stop))
         seed = check_seed(seed)
+        grammar = GrammarSpec.of(json_schema, regex)
         if not isinstance(chat, bool):
             raise UserError(f"chat must be True or False, got {chat!r}")
         encoded = self.encode(prompt, chat, video=video, frames=frames, image=image)
@@ -133,7 +141,15 @@ class Pipeline:
         if context is not None and n + max_new_tokens > context:
             raise UserError(f"max_new_tokens={max_new_tokens} with a {n}-token prompt exceeds the model's "
                              f"context of {context} tokens (at most {context - n} new tokens)")
-        return Request(encoded, sampling, stopping, seed)
+        return Request(encoded, sampling, stopping, seed, grammar)
+
+    def constraint(self, request: Request) -> Constraint:
+        """The request's grammar state (compiled here: a bad schema or regex is a UserError), or FREE."""
+        if request.grammar is None:
+            return FREE
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.runner.vocab_size)
+        return self._grammars.start(request.grammar, request.stopping.eos_token_ids)
 
     def generate(self, prompt: PromptInput, *, on_text: OnText | None = None, **options) -> GenerationResult:
         """Speculative generation (plain decoding when the pipeline has no drafter).
@@ -142,7 +158,8 @@ class Pipeline:
         concatenated equal the result's text. Returning a finish reason from it ends the generation."""
         return self._run(prompt, options, self.drafter, on_text)
 
-    OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "chat", "video", "frames", "image")
+    OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "chat", "video", "frames", "image",
+               "json_schema", "regex")
 
     def generate_plain(self, prompt: PromptInput, *, on_text: OnText | None = None, **options) -> GenerationResult:
         """Plain autoregressive decoding of the same target: the oracle and the baseline."""
@@ -156,6 +173,7 @@ class Pipeline:
             raise UserError(f"unknown option {unknown[0]!r}; expected one of: {', '.join(self.OPTIONS)}")
         with holding(self._stateful(drafter)):
             request = self.request(prompt, **options)
+            grammar = self.constraint(request)
             generator = None
             if request.seed is not None:
                 generator = PositionalNoise(request.seed, self.runner.device)  # repeats however rounds are chunked
@@ -164,10 +182,11 @@ class Pipeline:
             try:
                 if drafter is not None:
                     verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
-                    decoded = speculative_decode(self.runner, drafter, verifier, request.prompt, request.sampling,
-                                                 stopper, generator)
+                    with guiding(drafter, grammar):
+                        decoded = speculative_decode(self.runner, drafter, verifier, request.prompt,
+                                                     request.sampling, stopper, generator, grammar=grammar)
                 else:
-                    decoded = plain_decode(self.runner, request.prompt, request.sampling, stopper, generator)
+                    decoded = plain_decode(self.runner, request.prompt, request.sampling, stopper, generator, grammar)
             except BaseException:
                 # An error (or Ctrl-C) mid-round leaves a half-updated cache. Every generation starts with a
                 # prefill that replaces the target's cache and the drafter's state, so the pipeline stays
@@ -191,20 +210,23 @@ class Pipeline:
                             "sequences (sparrow serve) need compile=False")
         with holding(self._stateful(self.drafter)):
             request = self.request(prompt, **options)
+            grammar = self.constraint(request)
             drafter = verifier = None
             if self.drafter is not None and not plain:
                 drafter = self._forks.pop() if self._forks else fork_drafter(self.drafter)
                 if drafter.lazy_prefill is not None:  # in a batch, a draft nobody drafts with is never prefilled
                     drafter.lazy_prefill = True
                 verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
+                drafter.grammar = grammar  # drafts only what the grammar allows (until `release`)
         generator = PositionalNoise(request.seed, self.runner.device) if request.seed is not None else None
         return Generation(runner_for(self.target.model), drafter, verifier, request.prompt, request.sampling,
-                        Stopper(request.stopping, self.tokenizer, on_text), generator)
+                          Stopper(request.stopping, self.tokenizer, on_text), generator, grammar=grammar)
 
     def release(self, seq: Generation) -> None:
         """Take back a finished (or dropped) sequence's drafter for the next one."""
         seq.target.cache = None
         if seq.drafter is not None:
+            seq.drafter.grammar = FREE
             self._forks.append(seq.drafter)
             seq.drafter = None
 

@@ -61,6 +61,8 @@ def generate(
     tree_depth: Annotated[int, typer.Option(help="Maximum draft-tree depth (with --tree-budget).")] = 8,
     head: Annotated[Optional[str], typer.Option(help="--drafter eagle: the head directory (EAGLE-3 layout as SpecForge exports it, or EAGLE-1).")] = None,
     draft_device: Annotated[Optional[str], typer.Option(help="--drafter eagle: run the head on this device (e.g. cuda:0) and the target on --device; only token ids and hidden states cross (Dovetail).")] = None,
+    json_schema: Annotated[Optional[str], typer.Option("--json-schema", help="Structured output: a JSON schema file; the output is JSON that keeps to it (EOS only where complete).")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="Structured output: the output matches this regular expression.")] = None,
     draft_vocab: Annotated[str, typer.Option(help="Drafts score only the N most frequent target tokens (FR-Spec; draft-model, quantized-self, layer-skip, auto's draft model): an integer >= 0 or 'auto' (65536 for vocabularies over 100k tokens); 0 = the full vocabulary.")] = "0",
     speculative_config: Annotated[Optional[str], typer.Option(help=SPECULATIVE_CONFIG_HELP)] = None,
 ) -> None:
@@ -82,6 +84,7 @@ def generate(
     if not prompt.strip():
         raise UserError("prompt must not be empty")
     check_drafter_args(drafter, k)
+    options.update(structured_options(json_schema, regex))
     tree = tree_options(tree_budget, tree_topk, tree_depth)
     video_options = video_drafter_options(drafter, verify, drop_rate, draft_kv, draft_kv_budget, retrieve_every)
     drafter_options = {**video_options, **tree,
@@ -153,6 +156,25 @@ def compare_record(comparison: Any) -> dict[str, Any]:
         "compare": {"order": comparison.order, "runs": len(comparison.plain), "warm_up": True,
                     "speculative": path(spec), "plain": path(plain)},
     }
+
+
+def structured_options(json_schema: str | None, regex: str | None) -> dict[str, Any]:
+    """--json-schema FILE / --regex as the pipeline's json_schema= / regex= (read and parsed before loading)."""
+    from pathlib import Path
+
+    from sparrow.grammar import GrammarSpec
+
+    schema = None
+    if json_schema is not None:
+        path = Path(json_schema)
+        if not path.is_file():
+            raise UserError(f"--json-schema: no such file {json_schema!r}")
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"--json-schema: {json_schema!r} is not valid JSON: {e}") from None
+    GrammarSpec.of(schema, regex)  # the shape (one of the two, an object); compiling needs the tokenizer
+    return {"json_schema": schema, "regex": regex}
 
 
 def finite(value: Any) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
+from sparrow.grammar import FREE, Constraint, masked
 from sparrow.noise import Randomness, at
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.stopping import Stopper
@@ -16,13 +17,15 @@ from sparrow.types import Decoded, GenerationStats, Prompt, StepStats
 
 
 def plain_decode(target: CachedModel, prompt: Prompt, sampling: SamplingConfig, stopper: Stopper,
-                 generator: Randomness) -> Decoded:
-    """Positional noise (seeded requests) samples position t with the noise of t, as the engine does."""
+                 generator: Randomness, grammar: Constraint = FREE) -> Decoded:
+    """Positional noise (seeded requests) samples position t with the noise of t, as the engine does.
+    grammar: constrained decoding: each token from the target's logits masked by the grammar's state."""
     device = target.device
     start = clock(device)
     logits = target.prefill(prompt).logits[-1]
     position = prompt.input_ids.numel()  # of the token sampled next
-    token = S.choose(logits, sampling, at(generator, position))
+    token = S.choose(masked(logits, grammar.allowed()), sampling, at(generator, position))
+    grammar.commit([int(token)])
     stopper.push([int(token)])
     prefill_seconds = clock(device) - start
     steps: list[StepStats] = []
@@ -30,7 +33,8 @@ def plain_decode(target: CachedModel, prompt: Prompt, sampling: SamplingConfig, 
         t0 = clock(device)
         logits = target.forward(token.reshape(1)).logits[-1]
         position += 1
-        token = S.choose(logits, sampling, at(generator, position))
+        token = S.choose(masked(logits, grammar.allowed()), sampling, at(generator, position))
+        grammar.commit([int(token)])
         stopper.push([int(token)])
         steps.append(StepStats(0, 0, 0.0, clock(device) - t0))
     return Decoded(list(stopper.tokens), stopper.finish_reason or "length",

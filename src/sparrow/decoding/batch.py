@@ -38,6 +38,7 @@ from sparrow import sampling as S
 from sparrow.config import SamplingConfig
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_loop import DraftSteps, Forward
+from sparrow.grammar import FREE, Constraint, masked
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness, at
 from sparrow.policy.estimates import AcceptanceEstimate, ProbeSchedule, expected_tokens
@@ -65,6 +66,7 @@ class Generation:
     prefill_seconds: float = 0.0
     started: float = 0.0  # perf_counter at add()
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # for the batch's draft budget
+    grammar: Constraint = FREE  # structured output: its own grammar state (`sparrow.grammar`)
 
     @property
     def done(self) -> bool:
@@ -348,7 +350,8 @@ class Batch:
             if seq.drafter.length is not None:  # what its drafter learnt so far: the budget's first estimate
                 seq.acceptance = copy.deepcopy(seq.drafter.length.acceptance)
         n = seq.prompt.input_ids.numel()
-        first = S.choose(out.logits[-1], seq.sampling, at(seq.generator, n))
+        first = S.choose(masked(out.logits[-1], seq.grammar.allowed()), seq.sampling, at(seq.generator, n))
+        seq.grammar.commit([int(first)])
         seq.committed = torch.cat([seq.prompt.input_ids.to(device), first.reshape(1)])
         seq.stopper.push([int(first)])
         seq.prefill_seconds = now(device) - start
@@ -385,8 +388,11 @@ class Batch:
                 proposed[b] = seq.drafter.propose(seq.committed, budget, seq.sampling, noise)
         proposed.update(draft_together(together))
         drafts = [proposed[b] for b in range(len(seqs))]
-        for seq, draft, limit in zip(seqs, drafts, limits):
+        masks = []
+        for b, (seq, draft, limit) in enumerate(zip(seqs, drafts, limits)):
             assert draft.tokens.numel() <= min(cap, limit), (seq.drafter and seq.drafter.name, len(draft), cap)
+            drafts[b], allowed = seq.grammar.restrict(draft, limit)  # cut at the grammar, forced tokens added
+            masks.append(allowed)
         drafting, phase = sum(1 for d in drafts if len(d)), now(device) - t0
         draft_seconds = [phase / max(drafting, 1) if len(d) else 0.0 for d in drafts]  # the phase, shared
         t1 = now(device)
@@ -397,15 +403,17 @@ class Batch:
         self.policy.observe(sum(len(d) + 1 for d in drafts), verify_seconds, drafting,
                             max(len(d) for d in drafts), phase)
         finished = []
-        for seq, draft, out, base, seconds in zip(seqs, drafts, outs, bases, draft_seconds):
+        for seq, draft, out, base, seconds, allowed in zip(seqs, drafts, outs, bases, draft_seconds, masks):
             noise = at(seq.generator, seq.committed.numel())
+            logits = masked(out.logits, allowed)
             if seq.verifier is not None and len(draft):  # 3. verify: this sequence's own rule and randomness
-                verdict = seq.verifier.verify(draft, out.logits, seq.sampling, noise)
+                verdict = seq.verifier.verify(draft, logits, seq.sampling, noise)
             else:
-                verdict = Verdict(S.choose(out.logits[-1], seq.sampling, noise).reshape(1), 0)
+                verdict = Verdict(S.choose(logits[-1], seq.sampling, noise).reshape(1), 0)
             nodes = verdict.accepted_nodes
             seq.target.keep(base, nodes)  # 4. commit: its own accepted length
             seq.committed = torch.cat([seq.committed, verdict.tokens.to(device)])
+            seq.grammar.commit(verdict.tokens.tolist())
             step = StepStats(len(draft), verdict.num_accepted, seconds, verify_seconds, tree=draft.is_tree,
                              first_branch=not draft.is_tree or on_first_branch(draft.parents, nodes))
             seq.steps.append(step)

@@ -7,6 +7,7 @@ import torch
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
 from sparrow.drafters.base import Drafter
+from sparrow.grammar import FREE, Constraint, masked
 from sparrow.noise import Randomness, at
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.stopping import Stopper
@@ -30,7 +31,7 @@ def score(target: CachedModel, last: torch.Tensor, draft: Draft, hidden_layers: 
 
 def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier, prompt: Prompt,
                        sampling: SamplingConfig, stopper: Stopper, generator: Randomness,
-                       sync_timing: bool = True) -> Decoded:
+                       sync_timing: bool = True, grammar: Constraint = FREE) -> Decoded:
     """Generate with `stopper`'s rules (a fresh Stopper: EOS, stop strings, max_new_tokens); the target's
     output distribution is unchanged (lossless).
 
@@ -38,13 +39,16 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
     to seeded plain decoding (`sparrow.noise`); a sequential generator (or None) gives rejection sampling.
     sync_timing: on CUDA, synchronise before each clock read so draft and verify seconds are exact
     (the adaptive policies compare them); False measures only what the host waited for.
+    grammar: structured output (`sparrow.grammar`): lossless relative to plain decoding of the masked target.
     """
     device, layers = target.device, drafter.hidden_layers
     start = now(device, sync_timing)
     with drafter.watch_prefill(target):  # e.g. the sparse drafter records this forward's queries
         out = target.prefill(prompt, layers)  # cache: prompt; invariant from here on: cache == committed[:-1]
     drafter.prefill(prompt, target, out)
-    first = S.choose(out.logits[-1], sampling, at(generator, prompt.input_ids.numel()))  # position: the prompt length
+    first = S.choose(masked(out.logits[-1], grammar.allowed()), sampling,
+                     at(generator, prompt.input_ids.numel()))  # position: the prompt length
+    grammar.commit(first.reshape(1).tolist())
     committed = torch.cat([prompt.input_ids.to(device), first.reshape(1)])
     stopper.push(committed[-1:].tolist())
     prefill_seconds = now(device, sync_timing) - start
@@ -56,16 +60,19 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
         max_tokens = stopper.remaining - 1
         draft = drafter.propose(committed, max_tokens, sampling, noise)
         assert draft.tokens.numel() <= max_tokens, (drafter.name, draft.tokens.numel(), max_tokens)
+        # 1b. Grammar: cut the draft where it breaks the grammar, add forced tokens; the masks of its rows.
+        draft, allowed = grammar.restrict(draft, max_tokens)
         t1 = now(device, sync_timing)
         # 2. Score: one target forward over [last committed token, *draft] -> [n + 1] rows.
         base = target.length
         out = score(target, committed[-1:], draft, layers)
         # 3. Verify: the accepted path plus one bonus or recovered token.
-        verdict = verifier.verify(draft, out.logits, sampling, noise)
+        verdict = verifier.verify(draft, masked(out.logits, allowed), sampling, noise)
         # 4. Commit: the target keeps the accepted path's KV (compaction; a crop for chains).
         nodes = verdict.accepted_nodes
         target.keep(base, nodes)
         committed = torch.cat([committed, verdict.tokens.to(device)])
+        grammar.commit(verdict.tokens.tolist())
         step = StepStats(len(draft), verdict.num_accepted, t1 - t0, now(device, sync_timing) - t1,
                          tree=draft.is_tree, first_branch=not draft.is_tree or on_first_branch(draft.parents, nodes))
         steps.append(step)

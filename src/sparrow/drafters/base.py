@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
+from sparrow.grammar import FREE, Constraint
 from sparrow.noise import Randomness
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
@@ -69,6 +70,9 @@ class Drafter(Protocol):
     """`propose` as a generator of draft forwards, which the batch runs together with other requests' forwards
     (`sparrow.drafters.draft_loop`); None: proposals run one drafter at a time."""
 
+    grammar: Constraint
+    """Structured output: the grammar its drafts should stay inside (the pipeline sets it per request); drafters
+    that ignore it are cut at the grammar by the engine, which is still lossless, only slower."""
     free_to_ask: bool
     """Proposing costs next to nothing (n-gram lookup in the text), so auto asks it every round."""
 
@@ -95,6 +99,7 @@ class DrafterBase:
     lazy_prefill: bool | None = None
     propose_steps: Callable[[Tensor, int, SamplingConfig, Randomness], DraftSteps] | None = None
     free_to_ask: bool = False
+    grammar: Constraint = FREE
 
     def catch_up(self, committed: Tensor) -> None:
         pass

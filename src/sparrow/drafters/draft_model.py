@@ -19,6 +19,7 @@ from sparrow.config import SamplingConfig
 from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.draft_loop import DraftSteps, Forward, draft_chain, drive
 from sparrow.drafters.kv.draft_kv import draft_kv_config, with_draft_kv
+from sparrow.grammar import FREE, Constraint
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
 from sparrow.errors import UserError
@@ -65,6 +66,9 @@ class DraftModelDrafter(DrafterBase):
         """Prefill the draft at the first proposal that drafts (a batch whose policy never drafts never pays for
         it); off for single generations, whose first round's draft time would then include the prefill."""
         self._prompt: Prompt | None = None  # lazy_prefill: the prompt not prefilled yet
+        self.grammar: Constraint = FREE
+        """Structured output (`sparrow.grammar.guiding`): chains draft only what the grammar allows (not with a
+        reduced draft vocabulary, whose -inf rows could leave no allowed token)."""
 
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
@@ -126,7 +130,9 @@ class DraftModelDrafter(DrafterBase):
                 fed.append(token)
             return Forward(self.draft, token if i else committed[valid:])
 
-        draft = yield from draft_chain(request, committed[-1:], num_tokens, sampling, generator, self.length)
+        grammar = self.grammar if self.vocab is None else FREE
+        draft = yield from draft_chain(request, committed[-1:], num_tokens, sampling, generator, self.length,
+                                       grammar=grammar)
         self._cached = torch.cat([committed, *fed])
         return draft
 

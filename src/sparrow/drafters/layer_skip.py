@@ -47,6 +47,7 @@ from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
+from sparrow.grammar import FREE, Constraint
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness
@@ -352,6 +353,7 @@ class LayerSkipDrafter(DrafterBase):
         if vocab is not None:  # its LM head scores only vocab.ids
             self.view = reduced_head_view(self.view, vocab)
         self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive if backoff is None else backoff)
+        self.grammar: Constraint = FREE  # structured output (`sparrow.grammar.guiding`): chains draft inside it
         self.enabled = enabled  # False: every draft is empty (plain decoding)
         self.sample_drafts = sample_drafts  # False: argmax drafts also at temperature > 0 (q = 1 rule)
         self.target: CachedModel | None = None
@@ -388,7 +390,8 @@ class LayerSkipDrafter(DrafterBase):
         steps = self.length.cap(max_tokens if self.enabled else 0)
         try:
             return autoregressive_draft(lambda token, i: self.step(token, start + i), committed[-1:], steps,
-                                        sampling if self.sample_drafts else GREEDY, generator, self.length)
+                                        sampling if self.sample_drafts else GREEDY, generator, self.length,
+                                        grammar=self.grammar if self.vocab is None else FREE)
         finally:
             crop_layers(self.target.cache, start)  # drafted KV is never kept
 

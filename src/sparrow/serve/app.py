@@ -351,6 +351,8 @@ PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "prompt
 def param_named(message: str) -> str | None:
     """The request field a pipeline UserError is about (its message starts with the argument's name)."""
     word = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
+    if word in ("json_schema", "the"):  # a schema that does not compile, or that allows no output at all
+        return "response_format" if "json_schema" in message else None
     return word if word in PARAMS else None
 
 

@@ -45,6 +45,31 @@ class Message(Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(Strict):
+    """OpenAI's `response_format.json_schema`: the schema under `schema` (`strict` is accepted; the output always
+    keeps to the schema)."""
+
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_dict(self) -> dict[str, Any] | None:
+        """The JSON schema the output keeps to (any object for json_object), None for text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self.json_schema.schema_
+
+
 class Sampling(Strict):
     """The fields both endpoints share."""
 
@@ -65,6 +90,14 @@ class Sampling(Strict):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: ResponseFormat | None) -> ResponseFormat | None:
+        if value is not None:
+            value.schema_dict()  # json_schema given where it is needed
+        return value
 
     @field_validator("max_tokens")
     @classmethod
@@ -121,7 +154,8 @@ class Sampling(Strict):
              max_tokens: int | None) -> Work:
         return Work(prompt=prompt, messages=messages, max_tokens=max_tokens, temperature=self.temperature,
                     top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop_strings(self.stop),
-                    spans=self.spans)
+                    spans=self.spans,
+                    json_schema=self.response_format.schema_dict() if self.response_format is not None else None)
 
 
 class ChatCompletionRequest(Sampling):

@@ -57,6 +57,7 @@ class Work:
     seed: int | None
     stop: tuple[str, ...]
     spans: bool = False  # stream which characters came from accepted draft tokens (the playground's colours)
+    json_schema: dict | None = None  # response_format: the output keeps to this JSON schema (`sparrow.grammar`)
 
 
 @dataclass(frozen=True)
@@ -399,7 +400,7 @@ def options(pipe: Pipeline, work: Work, prompt_tokens: int) -> dict:
     if max_tokens is None:  # the rest of the context (Pipeline.request refuses a prompt that fills it)
         max_tokens = max(1, context - prompt_tokens) if context is not None else DEFAULT_MAX_TOKENS
     return dict(max_new_tokens=max_tokens, temperature=work.temperature, top_k=work.top_k, top_p=work.top_p,
-                seed=work.seed, stop=work.stop)
+                seed=work.seed, stop=work.stop, json_schema=work.json_schema)
 
 
 DEFAULT_MAX_TOKENS = 1024  # max_tokens of a chat request to a model whose context length is unknown
