@@ -9,7 +9,6 @@ from pathlib import Path
 
 from sparrow.bench.peers import hf_generate  # noqa: F401  (re-exported for the benchmark scripts)
 
-
 SPEC_BENCH_QUICK = "spec-bench-quick"
 """`load_prompts`' name for the first turns of `sparrow bench --quick`'s questions (the shortest of each task)."""
 

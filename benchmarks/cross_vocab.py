@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import hf_generate, load_prompts, render_speedup_table
+
 from sparrow.models import load_model
 from sparrow.pipeline import Pipeline, build_drafter
 

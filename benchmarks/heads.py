@@ -122,8 +122,16 @@ def main() -> None:
     args = parser.parse_args()
     from sparrow.runtime.cpu import cpu_info
 
-    meta = {"target": args.target, "draft": args.draft, "cpu": cpu_info().model, "threads": args.threads, "dtype": args.dtype,
-            "max_new_tokens": args.max_new_tokens, "torch": torch.__version__, "python": platform.python_version()}
+    meta = {
+        "target": args.target,
+        "draft": args.draft,
+        "cpu": cpu_info().model,
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     rows = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out.with_name(args.out.name + ".jsonl"), "w") as f:

@@ -324,18 +324,28 @@ def sparrow_row(config: str, pipe: Any, plain: bool, prompt: dict, max_new_token
     result = run(prompt["prompt"], max_new_tokens=max_new_tokens, chat=True)
     stats, n = result.stats, len(result.token_ids)
     decode_seconds = result.seconds - stats.prefill_seconds
-    return {"engine": "sparrow", "config": config, "draft_max": None if plain else "adaptive",
-            "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
-            "draft_quant": None if plain else draft_quant_used(pipe, SPARROW_CONFIGS[config][0].get("draft_quant")),
-            "float32_onednn": any(map(routed, pipe.target.model.modules())),
-            "prompt_tokens": prompt["tokens"], "prompt_tokens_hf": prompt["tokens"], "prompt_tokens_match": True,
-            "new_tokens": n, "seconds": result.seconds, "prefill_seconds": stats.prefill_seconds,
-            "tokens_per_second": result.tokens_per_second,
-            "decode_tokens_per_second": (n - 1) / decode_seconds if n > 1 and decode_seconds > 0 else None,
-            "acceptance_rate": None if plain else stats.acceptance_rate,
-            "drafted": None if plain else stats.num_draft_tokens, "accepted": None if plain else stats.num_accepted_tokens,
-            "mean_accepted_tokens": 1.0 if plain else stats.mean_accepted_tokens, "text": result.text,
-            "token_ids": result.token_ids}
+    return {
+        "engine": "sparrow",
+        "config": config,
+        "draft_max": None if plain else "adaptive",
+        "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
+        "draft_quant": None if plain else draft_quant_used(pipe, SPARROW_CONFIGS[config][0].get("draft_quant")),
+        "float32_onednn": any(map(routed, pipe.target.model.modules())),
+        "prompt_tokens": prompt["tokens"],
+        "prompt_tokens_hf": prompt["tokens"],
+        "prompt_tokens_match": True,
+        "new_tokens": n,
+        "seconds": result.seconds,
+        "prefill_seconds": stats.prefill_seconds,
+        "tokens_per_second": result.tokens_per_second,
+        "decode_tokens_per_second": (n - 1) / decode_seconds if n > 1 and decode_seconds > 0 else None,
+        "acceptance_rate": None if plain else stats.acceptance_rate,
+        "drafted": None if plain else stats.num_draft_tokens,
+        "accepted": None if plain else stats.num_accepted_tokens,
+        "mean_accepted_tokens": 1.0 if plain else stats.mean_accepted_tokens,
+        "text": result.text,
+        "token_ids": result.token_ids,
+    }
 
 
 def sparrow_pipeline(config: str, target: str, draft: str) -> Any:
@@ -498,6 +508,7 @@ def machine_info(threads: int, bins: Path | None, version: str) -> dict:
     import importlib.metadata as md
 
     import torch
+
     from sparrow.runtime.cpu import cpu_info
 
     cpu = cpu_info()
@@ -575,7 +586,10 @@ def check_configs(names: list[str], known: Iterable[str]) -> None:
 
 
 def openvino_ready(args: argparse.Namespace) -> bool:
-    return openvino_python(args.openvino_venv).exists() and (openvino_model_dir(args.target) / "openvino_model.xml").exists()
+    return (
+        openvino_python(args.openvino_venv).exists()
+        and (openvino_model_dir(args.target) / "openvino_model.xml").exists()
+    )
 
 
 def all_configs(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -598,6 +612,7 @@ def wanted_configs(args: argparse.Namespace) -> dict[str, list[str]]:
 
 def run(args: argparse.Namespace) -> None:
     from common import load_prompts
+
     from sparrow.models import load_model
     from sparrow.models.presets import gguf_path
 
@@ -616,14 +631,26 @@ def run(args: argparse.Namespace) -> None:
     args.prompt_list = prompts
     args.prompt_token_ids = {p["id"]: p["ids"] for p in prompts}
     args.eos_ids = {*([eos] if isinstance(eos, int) else eos or []), tokenizer.eos_token_id}
-    meta = {**machine_info(args.threads, args.bins if wanted["llama.cpp"] else None, args.version),
-            "target": args.target, "draft": args.draft, "target_gguf": args.target_gguf.name,
-            "draft_gguf": args.draft_gguf.name, "max_new_tokens": args.max_new_tokens, "ctx": args.ctx,
-            "prompts_file": str(args.prompts.relative_to(REPO)) if args.prompts.is_relative_to(REPO) else str(args.prompts)}
+    meta = {
+        **machine_info(args.threads, args.bins if wanted["llama.cpp"] else None, args.version),
+        "target": args.target,
+        "draft": args.draft,
+        "target_gguf": args.target_gguf.name,
+        "draft_gguf": args.draft_gguf.name,
+        "max_new_tokens": args.max_new_tokens,
+        "ctx": args.ctx,
+        "prompts_file": str(args.prompts.relative_to(REPO)) if args.prompts.is_relative_to(REPO) else str(args.prompts),
+    }
     if wanted["openvino"]:
         meta["openvino_genai"] = subprocess.run(
-            [str(openvino_python(args.openvino_venv)), "-c", "import openvino_genai; print(openvino_genai.__version__)"],
-            capture_output=True, text=True).stdout.strip()
+            [
+                str(openvino_python(args.openvino_venv)),
+                "-c",
+                "import openvino_genai; print(openvino_genai.__version__)",
+            ],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     out = RESULTS / f"{args.name}.jsonl" if args.out is None else args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     makers = {"llama.cpp": llama_maker, "openvino": openvino_maker, "sparrow": sparrow_maker}

@@ -703,8 +703,11 @@ def run_config(name: str, args: argparse.Namespace, meta: dict, prompts: list[st
             if not any(w["ok"] for w in warm):
                 print(f"[{name}] warm-up failed: {warm[0]['error']}", flush=True)
         for c in args.concurrency:
-            records, measured = asyncio.run(run_level(server, config, prompts, c, max(args.requests, c), args.max_tokens,
-                                                      args.timeout, args.api_key))
+            records, measured = asyncio.run(
+                run_level(
+                    server, config, prompts, c, max(args.requests, c), args.max_tokens, args.timeout, args.api_key
+                )
+            )
             for r in records:
                 append_jsonl(out / REQUESTS_JSONL, {"run": meta["run"], "config": name, "concurrency": c, **r})
             row = {**base, "concurrency": c, **summarize(records, measured["wall_seconds"]), **measured}

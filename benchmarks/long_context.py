@@ -36,11 +36,9 @@ from pathlib import Path
 
 import psutil
 import torch
+from long_prompts import build_prompt, documentation
 from transformers import DynamicCache
 
-from long_prompts import build_prompt, documentation
-from sparrow.runtime.attention.capture import QueryCapture
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.drafters import REGISTRY, build_drafter
 from sparrow.drafters.kv.draft_kv import kv_bytes
 from sparrow.drafters.longspec import LongSpecDrafter, WindowCache
@@ -48,6 +46,8 @@ from sparrow.drafters.sparse import DEFAULT_BUDGET, SparseDrafter
 from sparrow.heads.factory import new_head
 from sparrow.models import load_model
 from sparrow.pipeline import Pipeline
+from sparrow.runtime.attention.capture import QueryCapture
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.timing import now
 from sparrow.types import Prompt, TargetOutput
 

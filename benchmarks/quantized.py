@@ -28,21 +28,22 @@ import platform
 import resource
 import statistics
 import time
-from typing import Any
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from sparrow.models import LoadedModel, load_model
+from sparrow.models.quantization import quantized_copy
 from sparrow.pipeline import Pipeline, build_drafter
 from sparrow.policy.measure import follow_cost_curve
-from sparrow.models.quantization import quantized_copy
 
 HERE = Path(__file__).parent
 ONE_PER_KIND = ("code-prime", "edit-garden", "summary-harbour")
 LOSSLESS = {"quantized-self-int4", "quantized-self-int8", "draft-model-bf16", "draft-model-int4", "draft-model-w8a8"}
-REFERENCE = {"int4-target+draft-int4": "plain-int4", "w8a8-target+draft-w8a8": "plain-w8a8"}  # speculative on a quantized target: its own plain decoding
+# speculative on a quantized target: its own plain decoding
+REFERENCE = {"int4-target+draft-int4": "plain-int4", "w8a8-target+draft-w8a8": "plain-w8a8"}
 
 
 def load_prompts(path: Path, ids: tuple[str, ...] | None) -> list[dict]:
@@ -72,8 +73,12 @@ def _makers(target: LoadedModel, draft: LoadedModel, k: int) -> dict[str, Any]:
 
     return {
         "plain-bf16": lambda: Pipeline(target, None),
-        "quantized-self-int4": lambda: Pipeline(target, build_drafter("quantized-self", target, None, k, adaptive=True, bits="int4")),
-        "quantized-self-int8": lambda: Pipeline(target, build_drafter("quantized-self", target, None, k, adaptive=True, bits="int8")),
+        "quantized-self-int4": lambda: Pipeline(
+            target, build_drafter("quantized-self", target, None, k, adaptive=True, bits="int4")
+        ),
+        "quantized-self-int8": lambda: Pipeline(
+            target, build_drafter("quantized-self", target, None, k, adaptive=True, bits="int8")
+        ),
         "draft-model-bf16": lambda: Pipeline(target, build_drafter("draft-model", target, draft, k)),
         "draft-model-int4": lambda: lossless(quantized_copy(draft, "int4", keep_dense=True)),
         "draft-model-w8a8": lambda: lossless(quantized_copy(draft, "w8a8")),
@@ -201,12 +206,22 @@ def main() -> None:
     for method, pipe in pipes.items():  # warm-up: one-time kernel and allocator costs stay out of the timings
         run_method(method, pipe, prompts[0]["prompt"], 8)
 
-    config = {"target": args.target, "draft": args.draft, "k_max": args.k, "max_new_tokens": args.max_new_tokens,
-              "device": str(target.model.device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "machine": platform.processor() or platform.machine(), "setup_seconds": setup_seconds,
-              "cost_curves": {m: {"draft_ms": 1e3 * curve.draft_seconds, "verify_ms": [1e3 * s for s in curve.verify_seconds]}
-                              for m, p in pipes.items()
-                              if (curve := getattr(getattr(p.drafter, "length", None), "curve", None)) is not None}}
+    config = {
+        "target": args.target,
+        "draft": args.draft,
+        "k_max": args.k,
+        "max_new_tokens": args.max_new_tokens,
+        "device": str(target.model.device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "setup_seconds": setup_seconds,
+        "cost_curves": {
+            m: {"draft_ms": 1e3 * curve.draft_seconds, "verify_ms": [1e3 * s for s in curve.verify_seconds]}
+            for m, p in pipes.items()
+            if (curve := getattr(getattr(p.drafter, "length", None), "curve", None)) is not None
+        },
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     with open(args.out.with_suffix(".jsonl"), "w") as sink:
@@ -224,18 +239,30 @@ def main() -> None:
                     outputs[method] = out["token_ids"]
                     reference = REFERENCE.get(method, "plain-bf16")
                     quantized_target = method.startswith("plain-int") or method in REFERENCE or method == "llama.cpp"
-                    row = {**config, "method": method, "prompt_id": p["id"], "kind": p["kind"], "repeat": repeat,
-                           "new_tokens": len(out["token_ids"]),
-                           "tokens_per_second": len(out["token_ids"]) / out["seconds"],
-                           "reference": reference,
-                           "identical_to_reference": out["token_ids"] == outputs.get(reference),
-                           "identical_to_bf16": out["token_ids"] == outputs["plain-bf16"],
-                           "top1_agreement_bf16": top1_agreement(target, prompt_ids, out["token_ids"])
-                           if quantized_target else None,
-                           "lossless_relative_to": "int4 target" if method in REFERENCE else "bf16 target"
-                           if method in LOSSLESS else None,
-                           "load_average_1min": os.getloadavg()[0], "weights_bytes": weights, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF)
-                           .ru_maxrss * 1024, **out}
+                    row = {
+                        **config,
+                        "method": method,
+                        "prompt_id": p["id"],
+                        "kind": p["kind"],
+                        "repeat": repeat,
+                        "new_tokens": len(out["token_ids"]),
+                        "tokens_per_second": len(out["token_ids"]) / out["seconds"],
+                        "reference": reference,
+                        "identical_to_reference": out["token_ids"] == outputs.get(reference),
+                        "identical_to_bf16": out["token_ids"] == outputs["plain-bf16"],
+                        "top1_agreement_bf16": top1_agreement(target, prompt_ids, out["token_ids"])
+                        if quantized_target
+                        else None,
+                        "lossless_relative_to": "int4 target"
+                        if method in REFERENCE
+                        else "bf16 target"
+                        if method in LOSSLESS
+                        else None,
+                        "load_average_1min": os.getloadavg()[0],
+                        "weights_bytes": weights,
+                        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                        **out,
+                    }
                     rows.append(row)
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()

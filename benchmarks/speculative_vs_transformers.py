@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import hf_generate, load_prompts, render_speedup_table
-from sparrow.models import load_model
+
 from sparrow.drafters import build_drafter
+from sparrow.models import load_model
 from sparrow.pipeline import Pipeline
 
 HERE = Path(__file__).parent

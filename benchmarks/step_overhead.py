@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sparrow.errors import UserError
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.compiled import StaticCachedModel
-from sparrow.errors import UserError
 from sparrow.types import Prompt
 
 PLAN = (("smollm2-135m", "bfloat16"), ("smollm2-135m", "float32"), ("qwen2.5-coder-0.5b", "bfloat16"),

@@ -112,7 +112,9 @@ def main() -> None:
     from sparrow.bench.data import DEFAULT_DATA
 
     # (beside, not inside, the output directory: the report reads every *.jsonl there as rows)
-    data = DEFAULT_DATA if args.what == "quick" else foundation_questions(args.out.parent / "foundation-questions.jsonl")
+    data = (
+        DEFAULT_DATA if args.what == "quick" else foundation_questions(args.out.parent / "foundation-questions.jsonl")
+    )
     report = run(data=data, methods=args.methods, per_task=1 if args.what == "quick" else None,
                  quick=args.what == "quick", max_new_tokens=args.max_new_tokens, target=args.target, draft=args.draft,
                  dtype=args.dtype, draft_quant=args.draft_quant, out=args.out, progress=False, chat=True,

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from sparrow.models import load_model
+from sparrow.policy.measure import measure_cost_curve, measured_lengths
 from sparrow.runtime import cpu
 from sparrow.runtime.cached_model import CachedModel
-from sparrow.models import load_model
 from sparrow.runtime.onednn import routed
-from sparrow.policy.measure import measure_cost_curve, measured_lengths
 
 
 def measure(target: str, dtype: str, max_tokens: int, context: int, repeats: int) -> list[dict]:
@@ -49,9 +49,11 @@ def render(rows: list[dict]) -> str:
     lines = [f"{first['target']}, {first['dtype']}{' (oneDNN linears)' if first['float32_onednn'] else ''}, "
              f"{first['cpu']} ({', '.join(first['flags']) or 'no listed flags'}), {first['threads']} threads, torch "
              f"{first['torch']}, after a {first['context']}-token context, median of {first['repeats']}:", "",
-             "| tokens in the forward (n) | verify seconds | cost vs one token | ceiling tok/s (free, always-right drafts) |",
+             "| tokens in the forward (n) | verify seconds | cost vs one token | ceiling tok/s (free, always-right "
+                 "drafts) |",
              "|---:|---:|---:|---:|"]
-    lines += [f"| {r['n']} | {r['verify_seconds']:.3f} | {r['cost_vs_one_token']:.2f}x | {r['ceiling_tokens_per_second']:.2f} |"
+    lines += [f"| {r['n']} | {r['verify_seconds']:.3f} | {r['cost_vs_one_token']:.2f}x | "
+              f"{r['ceiling_tokens_per_second']:.2f} |"
               for r in rows]
     best = max(rows, key=lambda r: r["ceiling_tokens_per_second"])
     lines += ["", f"Ceiling: {best['ceiling_tokens_per_second']:.2f} tok/s at n = {best['n']} (plain decoding: "
@@ -63,7 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-tokens", type=int, default=32, help="drafted tokens at most (forwards up to n = this + 1)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="drafted tokens at most (forwards up to n = this + "
+                        "1)")
     parser.add_argument("--context", type=int, default=256, help="cached tokens before each timed forward")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this JSONL file")

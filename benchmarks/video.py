@@ -54,9 +54,9 @@ from sparrow.drafters import build_drafter
 from sparrow.drafters.kv.compress import build_selector
 from sparrow.drafters.sparrow import SparrowDrafter
 from sparrow.drafters.visual_prune import visual_span
-from sparrow.runtime.cpu import cpu_info
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline
+from sparrow.runtime.cpu import cpu_info
 from sparrow.verifiers.loose import fidelity
 from sparrow.vision.video import IMAGE_SUFFIXES, Video, read_video
 

@@ -10,7 +10,8 @@ tower has Qwen2.5-VL's widths (1280 hidden, 16 heads, patch 14, 2x2 merge, windo
 token's embedding has `--visual-scale` times the RMS of a text token's: inputs that carry no learned meaning.
 At 1.0 the language model answered vtest.avi with degenerate repetition ("IPIOPIO...", 8 frames) or unrelated
 Chinese prose (32 frames); at 0.1 it wrote English about "the video" at 8 frames (default; 0.03 gave repetition
-again), so the decoded text, and what drafters can predict of it, is closer to a VLM's. Decoding cost (what speculative decoding changes) depends on the language model and
+again), so the decoded text, and what drafters can predict of it, is closer to a VLM's. Decoding cost (what speculative
+decoding changes) depends on the language model and
 on the number of visual tokens, not on what the tower learned.
 
     python benchmarks/vlm_proxy.py --out ~/.cache/sparrow/proxy/qwen2.5-vl-coder-1.5b
@@ -79,8 +80,12 @@ def randomise_vision(visual: torch.nn.Module, generator: torch.Generator, target
 
 
 def build(out: Path, base: str, vision_depth: int, seed: int, visual_scale: float) -> Path:
-    from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor,
-                              Qwen2VLVideoProcessor)
+    from transformers import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     lm = load_model(base, dtype="float32", progress=False)
     tok = lm.tokenizer
@@ -123,7 +128,9 @@ def check_text(out: Path, base: str, tokens: int = 16) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path.home() / ".cache" / "sparrow" / "proxy" / "qwen2.5-vl-coder-1.5b")
+    parser.add_argument(
+        "--out", type=Path, default=Path.home() / ".cache" / "sparrow" / "proxy" / "qwen2.5-vl-coder-1.5b"
+    )
     parser.add_argument("--base", default="qwen2.5-coder-1.5b", help="preset or directory of the language model")
     parser.add_argument("--vision-depth", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from sparrow.decoding.batch import Batch, BatchPolicy, Generation
 from sparrow.pipeline import Pipeline
 
-
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is", "a",
            "def add(a, b):\n    return a + b\n\ndef"]
 

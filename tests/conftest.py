@@ -9,8 +9,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from sparrow.runtime import hardware
 from sparrow.models import LoadedModel
+from sparrow.runtime import hardware
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import tiny_model
 from typer.testing import CliRunner
 
-from conftest import tiny_model
 from sparrow.cli import app
-from sparrow.models import LoadedModel
 from sparrow.drafters import build_drafter
+from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline, load
 
 

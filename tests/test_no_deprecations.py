@@ -16,8 +16,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 import transformers
-
 from conftest import perturbed, tiny_gemma3, tiny_model, tiny_tokenizer
+
 from sparrow.decoding.batch import Batch, BatchPolicy
 from sparrow.drafters import build_drafter
 from sparrow.heads.factory import new_head

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparrow.models import load_model
 from sparrow.drafters import build_drafter
+from sparrow.models import load_model
 from sparrow.pipeline import Pipeline
 
 pytestmark = pytest.mark.real_model

@@ -31,7 +31,9 @@ def test_layout_helpers():
     assert depths(PARENTS).tolist() == [1, 1, 2, 2, 3, 2, 3, 3]
     assert path_to(4, PARENTS).tolist() == [0, 2, 4]
     assert path_to(-1, PARENTS).tolist() == []
-    assert on_first_branch(PARENTS, torch.tensor([0, 2, 4])) and on_first_branch(PARENTS, torch.tensor([], dtype=torch.long))
+    assert on_first_branch(PARENTS, torch.tensor([0, 2, 4])) and on_first_branch(
+        PARENTS, torch.tensor([], dtype=torch.long)
+    )
     assert not on_first_branch(PARENTS, torch.tensor([1, 5])) and not on_first_branch(PARENTS, torch.tensor([0, 3]))
     mask = ancestor_mask(PARENTS)
     assert mask[4].nonzero().flatten().tolist() == [0, 2, 4]

@@ -58,8 +58,14 @@ def _text(tok, init: float, num_layers: int) -> dict:
 
 def tiny_vlm(kind: str, tok, seed: int, init: float | None = None, num_layers: int = 2) -> torch.nn.Module:
     """A random float32 model of `kind` whose special token ids match `tok`."""
-    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2_5_VLConfig,
-                              Qwen2_5_VLForConditionalGeneration, Qwen2Config, SiglipVisionConfig)
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2Config,
+        SiglipVisionConfig,
+    )
 
     ids = tok.convert_tokens_to_ids
     init = INIT.get(kind, 0.1) if init is None else init

@@ -16,7 +16,8 @@ allowed only where the grammar accepts the text so far. Speculation stays lossle
   distribution there is a point mass, so the verifier accepts it with certainty (greedy: it is the argmax;
   rejection: p(x) = 1; seeded: the only token the sample can pick) and it costs one more row of the round's
   target forward, not a forward of its own. Sampled drafts get a one-hot q row for it (q(x) = 1 = p(x)).
-* Draft-model and layer-skip chains draft inside the grammar (`guiding`, `push` / `pop`): their draft logits are masked with the
+* Draft-model and layer-skip chains draft inside the grammar (`guiding`, `push` / `pop`): their draft logits are masked
+with the
   state after the tokens drafted so far, so drafts are not cut at all; other drafters propose freely and are cut.
 * The grammar state advances only over committed tokens (`commit`); the walk over a draft rolls the matcher
   back to the committed state when it is done (llguidance's `rollback`), for chains and for tree branches alike.

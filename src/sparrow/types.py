@@ -51,7 +51,8 @@ class Draft:
         if self.parents is not None:
             assert self.parents.shape == (n,), f"Draft.parents must be [{n}], got {tuple(self.parents.shape)}"
             assert bool((self.parents < torch.arange(n, device=self.parents.device)).all()) and (
-                n == 0 or int(self.parents.min()) >= -1), f"Draft.parents must satisfy -1 <= parents[i] < i: {self.parents}"
+                n == 0 or int(self.parents.min()) >= -1
+            ), f"Draft.parents must satisfy -1 <= parents[i] < i: {self.parents}"
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -80,7 +81,8 @@ class Verdict:
 
     def __post_init__(self) -> None:
         assert self.tokens.ndim == 1 and self.tokens.numel() == self.num_accepted + 1, (
-            f"Verdict.tokens must hold num_accepted + 1 = {self.num_accepted + 1} tokens, got {tuple(self.tokens.shape)}"
+            f"Verdict.tokens must hold num_accepted + 1 = {self.num_accepted + 1} tokens, got "
+                f"{tuple(self.tokens.shape)}"
         )
         if self.path is not None:
             assert self.path.shape == (self.num_accepted,), (tuple(self.path.shape), self.num_accepted)

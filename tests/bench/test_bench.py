@@ -6,16 +6,31 @@ import json
 import re
 
 import pytest
+from conftest import perturbed, tiny_model, tiny_tokenizer
 from typer.testing import CliRunner
 
 import sparrow.bench.command
-from conftest import perturbed, tiny_model, tiny_tokenizer
 from sparrow.bench.command import run_to_dir
-from sparrow.bench.data import (DEFAULT_DATA, TASKS, Question, load_questions, read_questions, select,
-                                shortest_per_task, task_of)
+from sparrow.bench.data import (
+    DEFAULT_DATA,
+    TASKS,
+    Question,
+    load_questions,
+    read_questions,
+    select,
+    shortest_per_task,
+    task_of,
+)
 from sparrow.bench.methods import parse_methods
-from sparrow.bench.metrics import (acceptance_per_position, dedupe, exact_matches, mean_accepted_tokens, mean_std,
-                                   speedups, summarize)
+from sparrow.bench.metrics import (
+    acceptance_per_position,
+    dedupe,
+    exact_matches,
+    mean_accepted_tokens,
+    mean_std,
+    speedups,
+    summarize,
+)
 from sparrow.bench.report import read_rows, render_markdown
 from sparrow.bench.runner import BenchConfig, Models, Runner, conversation_ids
 from sparrow.cli import app

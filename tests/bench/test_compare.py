@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import tiny_model, tiny_tokenizer
 from typer.testing import CliRunner
 
-from conftest import tiny_model, tiny_tokenizer
-from sparrow.cli import app
 from sparrow.bench.compare import abba, compare
+from sparrow.cli import app
 from sparrow.pipeline import Pipeline
 from sparrow.types import GenerationResult, GenerationStats
 

@@ -22,17 +22,21 @@ COMPLETION_STDERR = """\
 1.13.118.369 I common_perf_print:    sampling time =      27.00 ms
 1.13.118.411 I common_perf_print:    samplers time =      20.80 ms /    88 tokens
 1.13.118.446 I common_perf_print:        load time =    8369.37 ms
-1.13.118.482 I common_perf_print: prompt eval time =    8971.38 ms /    56 tokens (  160.20 ms per token,     6.24 tokens per second)
-1.13.118.519 I common_perf_print:        eval time =   53995.97 ms /    31 runs   ( 1741.81 ms per token,     0.57 tokens per second)
+1.13.118.482 I common_perf_print: prompt eval time =    8971.38 ms /    56 tokens (  160.20 ms per token,     6.24
+tokens per second)
+1.13.118.519 I common_perf_print:        eval time =   53995.97 ms /    31 runs   ( 1741.81 ms per token,     0.57
+tokens per second)
 1.13.118.609 I common_perf_print:       total time =   63102.31 ms /    87 tokens
-1.13.118.645 I common_perf_print: unaccounted time =     107.97 ms /   0.2 %      (total - sampling - prompt eval - eval) / (total)
+1.13.118.645 I common_perf_print: unaccounted time =     107.97 ms /   0.2 %      (total - sampling - prompt eval -
+eval) / (total)
 1.13.118.679 I common_perf_print:    graphs reused =         30
 """
 
 # captured likewise: llama-speculative-simple, 1.5B target + 0.5B draft, --spec-draft-n-max 8, -n 32 (stderr tail)
 SPECULATIVE_STDERR = """\
 0.07.078.223 I common_speculative_init_result: loading draft model '/root/.cache/sparrow/gguf/qwen2.5-coder-0.5b.gguf'
-0.07.714.551 W load: control-looking token: 128247 '</s>' was not control-type; this is probably a bug in the model. its type will be overridden
+0.07.714.551 W load: control-looking token: 128247 '</s>' was not control-type; this is probably a bug in the model. its
+type will be overridden
 1.37.462.047 I encoded   56 tokens in   12.760 seconds, speed:    4.389 t/s
 1.37.462.105 I decoded   41 tokens in   65.956 seconds, speed:    0.622 t/s
 1.37.462.152 I 
@@ -48,10 +52,13 @@ SPECULATIVE_STDERR = """\
 1.37.462.660 I common_perf_print:    sampling time =      24.90 ms
 1.37.462.709 I common_perf_print:    samplers time =      17.94 ms /    41 tokens
 1.37.462.756 I common_perf_print:        load time =    5219.34 ms
-1.37.462.801 I common_perf_print: prompt eval time =   49111.23 ms /    99 tokens (  496.07 ms per token,     2.02 tokens per second)
-1.37.462.843 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
+1.37.462.801 I common_perf_print: prompt eval time =   49111.23 ms /    99 tokens (  496.07 ms per token,     2.02
+tokens per second)
+1.37.462.843 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf
+tokens per second)
 1.37.462.883 I common_perf_print:       total time =   90384.58 ms /   100 tokens
-1.37.462.926 I common_perf_print: unaccounted time =   41248.45 ms /  45.6 %      (total - sampling - prompt eval - eval) / (total)
+1.37.462.926 I common_perf_print: unaccounted time =   41248.45 ms /  45.6 %      (total - sampling - prompt eval -
+eval) / (total)
 1.37.462.970 I common_perf_print:    graphs reused =          3
 """
 
@@ -146,16 +153,22 @@ def row(engine: str, config: str, kind: str, tps: float, decode: float | None = 
 
 
 def test_report_means_per_kind_and_ratio_to_llama_cpp_plain() -> None:
-    rows = [row("llama.cpp", "llama.cpp-plain", "code", 10.0, 11.0), row("llama.cpp", "llama.cpp-plain", "repeat", 12.0),
-            row("llama.cpp", "llama.cpp-spec-draft-max-8", "code", 15.0, 16.0, 0.8),
-            row("llama.cpp", "llama.cpp-spec-draft-max-8", "repeat", 18.0, 19.0, 0.6, match=False, text="other"),
-            row("sparrow", "sparrow-plain-bf16", "code", 5.0), row("sparrow", "sparrow-plain-bf16", "repeat", 6.0)]
+    rows = [
+        row("llama.cpp", "llama.cpp-plain", "code", 10.0, 11.0),
+        row("llama.cpp", "llama.cpp-plain", "repeat", 12.0),
+        row("llama.cpp", "llama.cpp-spec-draft-max-8", "code", 15.0, 16.0, 0.8),
+        row("llama.cpp", "llama.cpp-spec-draft-max-8", "repeat", 18.0, 19.0, 0.6, match=False, text="other"),
+        row("sparrow", "sparrow-plain-bf16", "code", 5.0),
+        row("sparrow", "sparrow-plain-bf16", "repeat", 6.0),
+    ]
     table = lc.render_report(rows)
     lines = table.splitlines()
     assert "AMD EPYC (avx512f, avx512_bf16), 2 threads" in lines[0] and "llama.cpp 1 (0c1e570)" in lines[0]
     assert lines[2].startswith("| engine | config | code | repeat | mean tok/s | decode tok/s | vs llama.cpp-plain |")
     plain, spec, sparrow = lines[4:7]
-    assert plain == "| llama.cpp | llama.cpp-plain | 10.00 | 12.00 | **11.00** | 11.00 | 1.00x | n/a | 128.0 | 2/2 | - |"
+    assert (
+        plain == "| llama.cpp | llama.cpp-plain | 10.00 | 12.00 | **11.00** | 11.00 | 1.00x | n/a | 128.0 | 2/2 | - |"
+    )
     assert spec == ("| llama.cpp | llama.cpp-spec-draft-max-8 | 15.00 | 18.00 | **16.50** | 17.50 | 1.50x | 70% | "
                     "128.0 | 1/2 | 1/2 vs llama.cpp-plain |")
     assert sparrow == "| sparrow | sparrow-plain-bf16 | 5.00 | 6.00 | **5.50** | n/a | 0.50x | n/a | 128.0 | 2/2 | - |"

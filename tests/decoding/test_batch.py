@@ -16,17 +16,17 @@ from collections import Counter
 
 import pytest
 import torch
-
+from batching import BUDGETS, PROMPTS, run_batch
 from conftest import perturbed, tiny_model, tiny_tokenizer
+from test_degenerate import SPECS
+
 from sparrow import sampling as S
-from sparrow.decoding.batch import Batch, BatchPolicy, fork_drafter, score_batch, supports_batching
 from sparrow.config import SamplingConfig
+from sparrow.decoding.batch import Batch, BatchPolicy, fork_drafter, score_batch, supports_batching
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 from sparrow.types import Verdict
-from batching import BUDGETS, PROMPTS, run_batch
-from test_degenerate import SPECS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,7 +53,8 @@ CASES = [(label, tree) for label, spec in SPECS.items() for tree in ([False, Tru
 @pytest.mark.parametrize("verifier", ["auto", "rejection"])
 @pytest.mark.parametrize("label,tree", CASES, ids=[f"{label}{'-tree' if tree else ''}" for label, tree in CASES])
 def test_batched_greedy_equals_plain_for_every_drafter(pair, plain_outputs, label, tree, verifier):
-    drafter = SPECS[label].build(pair, 4, label != "cross-vocab", TREE if tree else {})  # adaptive cross-vocab: few drafts here
+    # adaptive cross-vocab: few drafts here
+    drafter = SPECS[label].build(pair, 4, label != "cross-vocab", TREE if tree else {})
     pipe = Pipeline(pair[0], drafter, verifier)
     results = run_batch(pipe)
     for prompt, result, expected in zip(PROMPTS, results, plain_outputs):

@@ -12,20 +12,20 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import CORPUS, VOCAB, perturbed, tiny_gemma3, tiny_model, tiny_tokenizer
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
-from conftest import CORPUS, VOCAB, perturbed, tiny_gemma3, tiny_model, tiny_tokenizer
-from sparrow.runtime.attention import capture as attention_capture
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.cli import app
 from sparrow.config import SamplingConfig, StoppingConfig
-from sparrow.drafters import build_drafter
 from sparrow.decoding.engine import speculative_decode
+from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.runtime.attention import capture as attention_capture
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.stopping import Stopper
 from sparrow.types import Prompt
 from sparrow.verifiers import GreedyVerifier

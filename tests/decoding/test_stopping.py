@@ -4,10 +4,10 @@ draft block: the output equals plain decoding under the same rule and never over
 from __future__ import annotations
 
 import pytest
+from conftest import VOCAB
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB
 from sparrow.config import StoppingConfig
 from sparrow.drafters import build_drafter
 from sparrow.pipeline import Pipeline

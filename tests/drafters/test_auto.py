@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import perturbed, tiny_model
-from sparrow.decoding import engine
+
 from sparrow import sampling as S
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
+from sparrow.decoding import engine
 from sparrow.drafters import REGISTRY, build_drafter
 from sparrow.drafters import auto as auto_module
 from sparrow.drafters.auto import PLAIN, AutoConfig, AutoDrafter
@@ -22,8 +21,9 @@ from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.prompt_lookup import PromptLookupDrafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
-from sparrow.policy.measure import follow_cost_curve
 from sparrow.policy.estimates import DecayedLine
+from sparrow.policy.measure import follow_cost_curve
+from sparrow.runtime.cached_model import CachedModel
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "for i in range(10):"]
 REPETITIVE = "Paris is the capital of France. Berlin is the capital of Germany. Paris is the capital of"

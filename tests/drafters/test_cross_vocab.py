@@ -14,19 +14,19 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import tiny_model
 from sparrow import sampling as S
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters import build_drafter
 from sparrow.drafters.cross_vocab import CrossVocabDrafter
 from sparrow.drafters.token_bytes import TokenBytes, valid_utf8_prefix
 from sparrow.models import LoadedModel
-from sparrow.policy.length import LengthPolicy
 from sparrow.pipeline import Pipeline
+from sparrow.policy.length import LengthPolicy
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import Draft, Prompt, StepStats, Verdict
 
 TEXTS = [

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CORPUS, perturbed, tiny_gemma3, tiny_model, tiny_tokenizer
 from torch import nn
 
-from conftest import CORPUS, perturbed, tiny_gemma3, tiny_model, tiny_tokenizer
-from sparrow.drafters import vocab as dv
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
-from sparrow.drafters.vocab import DraftVocab, reduced_head, reduced_head_view, top_tokens
 from sparrow.drafters import build_drafter
+from sparrow.drafters import vocab as dv
+from sparrow.drafters.vocab import DraftVocab, reduced_head, reduced_head_view, top_tokens
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
@@ -175,7 +175,8 @@ def test_a_token_outside_the_set_is_still_produced_by_the_target(pair, plain):
 
 
 def test_batched_reduced_vocabulary_drafts_equal_plain(pair, vocab):
-    from batching import BUDGETS, PROMPTS as BATCH_PROMPTS, run_batch
+    from batching import BUDGETS, run_batch
+    from batching import PROMPTS as BATCH_PROMPTS
 
     target = pair[0]
     expected = [Pipeline(target, None).generate_plain(p, max_new_tokens=n).token_ids

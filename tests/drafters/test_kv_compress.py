@@ -8,15 +8,22 @@ import torch
 from vlm_models import KINDS, byte_tokenizer, moving_squares, tiny_processor, tiny_vlm
 
 from sparrow.drafters import build_drafter
-from sparrow.drafters.kv.compress import (SELECTORS, HybridKV, MMShiftKV, build_selector, covering_set,
-                                          find_inv_freq, head_stability, rope_shift)
+from sparrow.drafters.kv.compress import (
+    SELECTORS,
+    HybridKV,
+    MMShiftKV,
+    build_selector,
+    covering_set,
+    find_inv_freq,
+    head_stability,
+    rope_shift,
+)
 from sparrow.drafters.visual_prune import visual_span
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 from sparrow.runtime.runner import runner_for
 from sparrow.vision.prompt import visual_token_positions
 from sparrow.vision.video import Video
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,14 +8,14 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import tiny_gemma3, tiny_model
-from sparrow.runtime.cached_model import CachedModel
+
 from sparrow.config import SamplingConfig
 from sparrow.drafters import build_drafter
 from sparrow.drafters.layer_skip import LayerSkipDrafter, SkipRecord, SkipSet, skipping_view
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.training.layer_skip import AgreementProxy, CostModel, calibration_sequences, tune_layer_skip
 from sparrow.types import Prompt
 

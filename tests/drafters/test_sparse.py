@@ -8,17 +8,17 @@ import copy
 
 import pytest
 import torch
-
 from conftest import tiny_model
-from sparrow.runtime.attention import capture as attention_capture
+
 from sparrow import sampling as S
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.config import SamplingConfig
 from sparrow.drafters import REGISTRY, build_drafter
 from sparrow.drafters.kv.selection import TopKAttention, attention_scores, kept_positions
 from sparrow.drafters.sparse import SparseDrafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.runtime.attention import capture as attention_capture
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import Prompt
 from sparrow.verifiers import RejectionVerifier
 

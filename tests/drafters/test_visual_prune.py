@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from sparrow.drafters.visual_prune import plan_pruning, prune_visual_tokens, visual_budget
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -14,20 +14,20 @@ import json
 
 import pytest
 import torch
+from conftest import CORPUS, continuations, tiny_model, tiny_tokenizer
 from safetensors.torch import load_file, save_file
 
-from conftest import continuations, CORPUS, tiny_model, tiny_tokenizer
+from sparrow.decoding.engine import speculative_decode
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
 from sparrow.heads.eagle import EagleHead, causal_mask
 from sparrow.heads.factory import new_head
-from sparrow.training.heads import evaluate, extract_features, frequent_tokens, train_head
-from sparrow.training.loop import TrainReport
 from sparrow.models import LoadedModel
-from sparrow.decoding.engine import speculative_decode
 from sparrow.pipeline import Pipeline
 from sparrow.stopping import Stopper
+from sparrow.training.heads import evaluate, extract_features, frequent_tokens, train_head
+from sparrow.training.loop import TrainReport
 from sparrow.verifiers import build_verifier
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -21,9 +21,9 @@ from sparrow.heads.eagle import EagleHead
 from sparrow.heads.factory import new_head
 from sparrow.heads.int8 import MANIFEST, dequantize_rows, quantize_rows, read_int8, write_int8
 from sparrow.heads.layout import config_record, export_int8
-from sparrow.training.heads import frequent_tokens, train_head
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.training.heads import frequent_tokens, train_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,17 +18,17 @@ import json
 
 import pytest
 import torch
+from conftest import CORPUS, continuations, tiny_model, tiny_tokenizer
 from safetensors.torch import load_file
 
-from conftest import continuations, CORPUS, tiny_model, tiny_tokenizer
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
 from sparrow.heads.eagle import EagleHead
 from sparrow.heads.factory import new_head
-from sparrow.training.heads import frequent_tokens, train_head
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.training.heads import frequent_tokens, train_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

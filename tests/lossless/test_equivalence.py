@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import perturbed, tiny_gemma3, tiny_model
-from sparrow.models import LoadedModel
+
 from sparrow.drafters import build_drafter
+from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is"]
@@ -104,7 +104,9 @@ def test_sliding_window_model_rolls_back_exactly(tokenizer):
     draft = LoadedModel(perturbed(model, 0.05, seed=2), tokenizer, "close")
     plain = Pipeline(target, None).generate_plain(PROMPTS[0], max_new_tokens=60).token_ids
     for k in (2, 8):
-        result = Pipeline(target, build_drafter("draft-model", target, draft, k)).generate(PROMPTS[0], max_new_tokens=60)
+        result = Pipeline(target, build_drafter("draft-model", target, draft, k)).generate(
+            PROMPTS[0], max_new_tokens=60
+        )
         assert result.token_ids == plain and result.stats.num_accepted_tokens > 0
     # Rejections once the window is full: the target must crop sliding layers past their window.
     far = LoadedModel(tiny_gemma3(num_layers=4, seed=1, sharpen=False), tokenizer, "unrelated")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import perturbed
+
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
 from sparrow.drafters import build_drafter

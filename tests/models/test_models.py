@@ -14,8 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparrow.models import PRESETS, LoadedModel, list_presets, load_model, resolve_device, resolve_dtype
-from sparrow.models import loading, presets
+from sparrow.models import (
+    PRESETS,
+    LoadedModel,
+    list_presets,
+    load_model,
+    loading,
+    presets,
+    resolve_device,
+    resolve_dtype,
+)
 from sparrow.models.presets import Preset, gguf_path
 from sparrow.paths import default_cache_dir
 

@@ -14,8 +14,8 @@ import torch
 
 from sparrow.config import SamplingConfig
 from sparrow.drafters.draft_loop import autoregressive_draft
-from sparrow.policy.length import LengthPolicy
 from sparrow.policy.estimates import DecayedLine, ProbeSchedule, best_length, expected_tokens
+from sparrow.policy.length import LengthPolicy
 from sparrow.types import StepStats
 
 

@@ -12,15 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import perturbed, tiny_gemma3, tiny_model
-from sparrow.runtime.cached_model import CachedModel
-from sparrow.runtime.compiled import HEADROOM, StaticCachedModel, check_compilable
+
 from sparrow.drafters import build_drafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.runtime.cached_model import CachedModel
+from sparrow.runtime.compiled import HEADROOM, StaticCachedModel, check_compilable
 from sparrow.tree import TreeLayout
 from sparrow.types import Prompt
 
@@ -140,8 +140,8 @@ def test_refuses_sliding_window_and_vision_models():
 
 
 def test_w8a8_target_is_refused_and_a_w8a8_draft_runs_eagerly(target, draft):
-    from sparrow.runtime.cached_model import CachedModel
     from sparrow.models.quantization import quantized_copy
+    from sparrow.runtime.cached_model import CachedModel
 
     w8a8_target = quantized_copy(target, "w8a8")
     with pytest.raises(UserError, match="w8a8 models .* cannot be compiled"):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import perturbed, tiny_model
+
 from sparrow import sampling as S
 from sparrow.config import GREEDY, SamplingConfig
 from sparrow.drafters import build_drafter

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import perturbed, tiny_gemma3, tiny_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from conftest import perturbed, tiny_gemma3, tiny_model
-from sparrow.runtime.attention import decode as decode_attention
-from sparrow.runtime.attention import capture as attention_capture
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.runtime.attention import capture as attention_capture
+from sparrow.runtime.attention import decode as decode_attention
 from sparrow.runtime.attention.rowwise import use_rowwise
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import Prompt
 
 
@@ -29,8 +29,11 @@ class Attention(torch.nn.Module):
 
 def qkv(q: int, n: int, dtype: torch.dtype, heads: int = 12, kv_heads: int = 2, dim: int = 32):
     g = torch.Generator().manual_seed(q * 1000 + n)
-    return (torch.randn(1, heads, q, dim, generator=g).to(dtype), torch.randn(1, kv_heads, n, dim, generator=g).to(dtype),
-            torch.randn(1, kv_heads, n, dim, generator=g).to(dtype))
+    return (
+        torch.randn(1, heads, q, dim, generator=g).to(dtype),
+        torch.randn(1, kv_heads, n, dim, generator=g).to(dtype),
+        torch.randn(1, kv_heads, n, dim, generator=g).to(dtype),
+    )
 
 
 @pytest.fixture

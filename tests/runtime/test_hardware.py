@@ -9,13 +9,13 @@ import statistics
 
 import pytest
 import torch
+from conftest import tiny_model, tiny_tokenizer
 from typer.testing import CliRunner
 
-from conftest import tiny_model, tiny_tokenizer
-from sparrow.runtime import cpu, hardware, microbench
 from sparrow.cli import app
 from sparrow.errors import UserError
 from sparrow.models import resolve_dtype
+from sparrow.runtime import cpu, hardware, microbench
 
 
 def cpuinfo(model: str, flags: str, cpus: int = 2) -> str:
@@ -502,7 +502,7 @@ def test_a_slower_check_keeps_the_cache(monkeypatch, tmp_path):
 
 
 def test_an_old_or_unstable_cache_record_is_not_trusted(monkeypatch, tmp_path):
-    bench = machine(monkeypatch, BF16_CPU, FAST_BF16)
+    machine(monkeypatch, BF16_CPU, FAST_BF16)
     hardware.cpu_costs()
     [path] = cached_files(tmp_path)
     record = json.loads(path.read_text())

@@ -8,15 +8,14 @@ import json
 
 import pytest
 import torch
+from conftest import perturbed, tiny_model, tiny_tokenizer
 from typer.testing import CliRunner
 
-from conftest import perturbed, tiny_model, tiny_tokenizer
-from sparrow.runtime import onednn
-from sparrow.runtime import hardware
 from sparrow.cli import app
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline
+from sparrow.runtime import hardware, onednn
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN linear")
 
@@ -89,7 +88,8 @@ def test_subprocesses_never_read_this_machines_measurement():
     import subprocess
     import sys
 
-    code = ("from sparrow.runtime import cpu, hardware; print(hardware.cache_path(hardware.cache_key(cpu.cpu_info()))); "
+    code = ("from sparrow.runtime import cpu, hardware; "
+            "print(hardware.cache_path(hardware.cache_key(cpu.cpu_info()))); "
             "print(hardware.choose_onednn('cpu')[1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].startswith(os.environ["SPARROW_HARDWARE_CACHE"]) and "no CPU measurement" in out[1]

@@ -8,9 +8,9 @@ import sys
 import time
 
 import torch
+from conftest import perturbed, tiny_model, tiny_tokenizer
 
 import sparrow
-from conftest import perturbed, tiny_model, tiny_tokenizer
 from sparrow.cli import app
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel

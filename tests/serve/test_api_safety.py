@@ -19,9 +19,9 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from conftest import perturbed, tiny_model, tiny_tokenizer
 
 import sparrow
-from conftest import perturbed, tiny_model, tiny_tokenizer
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model, tiny_tokenizer
 from typer.testing import CliRunner
 
-from conftest import tiny_model, tiny_tokenizer
 from sparrow.cli import app
 from sparrow.errors import UserError
 

@@ -2,7 +2,8 @@
 
 A live uvicorn server on 127.0.0.1 (a tiny float32 model slowed like a big one, a draft-model drafter on a
 perturbed copy, an API key) serves the page; chromium talks the DevTools protocol over a pipe
-(`--remote-debugging-pipe`: no port, no websocket library). The test types the key and a message, presses Enter, waits for the stream to end, and checks
+(`--remote-debugging-pipe`: no port, no websocket library). The test types the key and a message, presses Enter, waits
+for the stream to end, and checks
 the rendered text: the reply equals the server's non-streamed greedy reply, spans show both drafted and target
 text, the stats line shows tokens/s and the acceptance; a second turn (sent with the Send button) carries the
 whole history; a bad setting shows the server's error. It saves a screenshot (a valid PNG).
@@ -29,10 +30,10 @@ from typing import Any
 
 import httpx
 import pytest
-from PIL import Image
-
 from conftest import perturbed, tiny_model, tiny_tokenizer
 from live import serving
+from PIL import Image
+
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline

@@ -28,13 +28,16 @@ import pytest
 from typer.testing import CliRunner
 
 ray = pytest.importorskip("ray")
+from live import serving  # noqa: E402
 from ray import serve  # noqa: E402
 
-from live import serving
 from sparrow.cli import app as cli  # noqa: E402
 from sparrow.errors import UserError  # noqa: E402
-from sparrow.serve import Scheduler, create_app  # noqa: E402
-from sparrow.serve import ray_deploy  # noqa: E402
+from sparrow.serve import (  # noqa: E402
+    Scheduler,
+    create_app,
+    ray_deploy,  # noqa: E402
+)
 
 TESTS = os.pathsep.join(str(Path(__file__).resolve().parents[i]) for i in (0, 1))  # this file's and conftest's
 PROMPT = "def add(a, b):"
@@ -51,8 +54,8 @@ def load_tiny():
     import time
 
     import torch
-
     from conftest import perturbed, tiny_model, tiny_tokenizer
+
     from sparrow.drafters import build_drafter
     from sparrow.models import LoadedModel
     from sparrow.pipeline import Pipeline

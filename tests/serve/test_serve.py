@@ -32,11 +32,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import perturbed, tiny_model, tiny_tokenizer
 from fastapi.testclient import TestClient
+from live import serving
 from typer.testing import CliRunner
 
-from conftest import perturbed, tiny_model, tiny_tokenizer
-from live import serving
 from sparrow.cli import app as cli
 from sparrow.config import StoppingConfig
 from sparrow.drafters import build_drafter
@@ -357,15 +357,23 @@ def test_bad_bodies_are_400_naming_the_field(pipe):
     with TestClient(create_app(Scheduler(lambda: pipe), model_name="tiny")) as http:
         while http.get("/health").status_code != 200:
             time.sleep(0.02)
-        cases = [({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"), ({"prompt": PROMPT, "max_tokens": "5"}, "max_tokens"),
-                 ({"prompt": PROMPT, "top_p": 0}, "top_p"), ({"prompt": PROMPT, "seed": -1}, "seed"),
-                 ({"prompt": PROMPT, "stop": [""]}, "stop"), ({"prompt": PROMPT, "bogus": 1}, "bogus"),
-                 ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"), ({"max_tokens": 3}, "prompt"),
-                 ({"prompt": ""}, "prompt"), ({"prompt": [1, 99999]}, "prompt"),
-                 ({"prompt": 5}, "prompt"), ({"prompt": PROMPT, "temperature": True}, "temperature"),
-                 ({"prompt": PROMPT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-                 ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
-                 ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role")]
+        cases = [
+            ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+            ({"prompt": PROMPT, "max_tokens": "5"}, "max_tokens"),
+            ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+            ({"prompt": PROMPT, "seed": -1}, "seed"),
+            ({"prompt": PROMPT, "stop": [""]}, "stop"),
+            ({"prompt": PROMPT, "bogus": 1}, "bogus"),
+            ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+            ({"max_tokens": 3}, "prompt"),
+            ({"prompt": ""}, "prompt"),
+            ({"prompt": [1, 99999]}, "prompt"),
+            ({"prompt": 5}, "prompt"),
+            ({"prompt": PROMPT, "temperature": True}, "temperature"),
+            ({"prompt": PROMPT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+            ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+            ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+        ]
         for body, param in cases:
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
             answer = http.post(path, json=body)
@@ -442,9 +450,13 @@ def test_invalid_utf8_in_prompts_and_messages_is_replaced_as_in_the_cli():
         while http.get("/health").status_code != 200:
             time.sleep(0.02)
         raw = b'"x\\udcffy"'  # a JSON string holding a lone surrogate (what argv gives for the byte 0xff)
-        for path, body in [("/v1/completions", b'{"prompt": %s, "max_tokens": 3, "temperature": 0}' % raw),
-                           ("/v1/chat/completions",
-                            b'{"messages": [{"role": "user", "content": %s}], "max_tokens": 3, "temperature": 0}' % raw)]:
+        for path, body in [
+            ("/v1/completions", b'{"prompt": %s, "max_tokens": 3, "temperature": 0}' % raw),
+            (
+                "/v1/chat/completions",
+                b'{"messages": [{"role": "user", "content": %s}], "max_tokens": 3, "temperature": 0}' % raw,
+            ),
+        ]:
             answer = http.post(path, content=body, headers={"content-type": "application/json"})
             assert answer.status_code == 200, answer.text
 

@@ -26,10 +26,10 @@ from conftest import CORPUS, tiny_model, tiny_tokenizer
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head
-from sparrow.training.chunks import SUMS, join_chunks, split_file
-from sparrow.training.recipe import RecipeSettings, run
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.training.chunks import SUMS, join_chunks, split_file
+from sparrow.training.recipe import RecipeSettings, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,10 +130,10 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_runs_without_sparrows_othe
 
 
 def test_the_batched_training_time_test_equals_the_per_sequence_one(target):
-    from sparrow.training.batched import batched_ttt_loss
     from sparrow.heads.factory import new_head
-    from sparrow.training.recipe_data import padded, target_features
+    from sparrow.training.batched import batched_ttt_loss
     from sparrow.training.heads import extract_features, ttt_loss
+    from sparrow.training.recipe_data import padded, target_features
 
     head = new_head(target.model, "eagle3", torch.Generator().manual_seed(0), draft_vocab=torch.arange(0, 320, 2))
     generator = torch.Generator().manual_seed(1)

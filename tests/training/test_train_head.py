@@ -25,20 +25,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CORPUS, VOCAB, tiny_model, tiny_tokenizer
 from typer.testing import CliRunner
 
-from conftest import CORPUS, VOCAB, tiny_model, tiny_tokenizer
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.heads import load_head, save_head
-from sparrow.training.data import CorpusSpec, build_corpus, is_held_out, load_corpus, save_corpus
 from sparrow.heads.factory import new_head
-from sparrow.training.features import SHARD_SIZE, CacheIdentity, FeatureCache, target_identity
-from sparrow.training.heads import (Features, evaluate_head, extract_features, frequent_tokens, soft_cross_entropy,
-                                 target_to_draft, train_head)
-from sparrow.training.trainer import TrainSettings, read_log, read_state, resumed_head, run_training
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.training.data import CorpusSpec, build_corpus, is_held_out, load_corpus, save_corpus
+from sparrow.training.features import SHARD_SIZE, CacheIdentity, FeatureCache, target_identity
+from sparrow.training.heads import (
+    Features,
+    evaluate_head,
+    extract_features,
+    frequent_tokens,
+    soft_cross_entropy,
+    target_to_draft,
+    train_head,
+)
+from sparrow.training.trainer import TrainSettings, read_log, read_state, resumed_head, run_training
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -233,13 +240,43 @@ def test_cli_trains_resumes_and_the_head_decodes_losslessly(target, corpus_dir, 
     target.tokenizer.save_pretrained(model_dir)
     common = ["train", "head", "--out", str(out), "--target", str(model_dir), "--dtype", "float32", "--device", "cpu",
               "--no-progress"]
-    args = [*common, "--data", str(corpus_dir), "--tokens", "1200", "--held-out-tokens", "300", "--seq-len", "48",
-            "--held-out-percent", "25", "--distill", "2", "--distill-tokens", "16", "--draft-vocab", str(DRAFT_VOCAB), "--steps", "40",
-            "--batch-size", "2", "--lr", "3e-3", "--checkpoint-every", "20", "--eval-every", "20"]
+    args = [
+        *common,
+        "--data",
+        str(corpus_dir),
+        "--tokens",
+        "1200",
+        "--held-out-tokens",
+        "300",
+        "--seq-len",
+        "48",
+        "--held-out-percent",
+        "25",
+        "--distill",
+        "2",
+        "--distill-tokens",
+        "16",
+        "--draft-vocab",
+        str(DRAFT_VOCAB),
+        "--steps",
+        "40",
+        "--batch-size",
+        "2",
+        "--lr",
+        "3e-3",
+        "--checkpoint-every",
+        "20",
+        "--eval-every",
+        "20",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["steps"] == 40 and report["draft_vocab_size"] == DRAFT_VOCAB and report["held_out"]["agreement_per_depth"]
+    assert (
+        report["steps"] == 40
+        and report["draft_vocab_size"] == DRAFT_VOCAB
+        and report["held_out"]["agreement_per_depth"]
+    )
     for name in ("config.json", "model.safetensors", "trainer_state.pt", "train_log.jsonl", "training.png",
                  "eval.json", "corpus.json", "features/train/manifest.json"):
         assert (out / name).is_file(), name
@@ -252,7 +289,9 @@ def test_cli_trains_resumes_and_the_head_decodes_losslessly(target, corpus_dir, 
     again = CliRunner().invoke(app, args)  # a finished run is not overwritten by accident
     assert again.exit_code == 2 and "--resume" in again.output
     # --resume takes the target, dtype and cache of the run (run.json)
-    resumed = CliRunner().invoke(app, ["train", "head", "--out", str(out), "--no-progress", "--resume", "--steps", "50"])
+    resumed = CliRunner().invoke(
+        app, ["train", "head", "--out", str(out), "--no-progress", "--resume", "--steps", "50"]
+    )
     assert resumed.exit_code == 0, resumed.output
     report = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert report["steps"] == 50 and "feature_seconds" not in report and "corpus_seconds" not in report  # reused

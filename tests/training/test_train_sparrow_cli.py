@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model, tiny_tokenizer
 from safetensors.torch import load_file
 from typer.testing import CliRunner
-
-from conftest import tiny_model, tiny_tokenizer
 from vlm_models import moving_squares, save_tiny_vlm, write_frame_dir, write_mp4
+
 from sparrow.cli import app
 from sparrow.training.trainer import read_log
 

@@ -9,12 +9,12 @@ import re
 
 import numpy as np
 import pytest
+from conftest import tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
-
-from conftest import tiny_model
 from vlm_models import moving_squares, save_tiny_vlm, write_frame_dir, write_mp4
+
 from sparrow.cli import app
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline

@@ -9,12 +9,12 @@ from collections import defaultdict
 
 import pytest
 import torch
-
 from vlm_models import KINDS, moving_squares, perturbed, save_tiny_vlm, write_frame_dir, write_mp4
-from sparrow.runtime.cached_model import CachedModel
+
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel, load_model
 from sparrow.pipeline import Pipeline
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.runner import runner_for
 from sparrow.vision import MRopeCachedModel, VisionCachedModel, read_video, visual_token_positions
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
 from sparrow.errors import UserError
 
 DEFAULT_DATA = Path(str(resources.files("sparrow.bench") / "spec_bench" / "question.jsonl"))
@@ -38,7 +39,8 @@ def read_questions(path: str | Path) -> list[Question]:
     """All questions of a Spec-Bench style JSONL file (`question_id`, `category`, `turns`)."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"data file {str(path)!r} does not exist (expected Spec-Bench's question.jsonl; pass --data FILE)")
+        raise UserError(f"data file {str(path)!r} does not exist (expected Spec-Bench's question.jsonl; pass --data "
+                        "FILE)")
     questions = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():

@@ -117,13 +117,24 @@ def cell(task: str, method: str, rows: Sequence[dict], base_rows: Sequence[dict]
     ratios = speedups(rows, base_rows) if method != baseline else []
     speedup, std = mean_std(ratios) if ratios else (None, None)
     exact, compared = exact_matches(rows, base_rows) if method != baseline else (0, 0)
-    return Cell(task=task, method=method, baseline=baseline, questions=len({r["question_id"] for r in rows}),
-                repeats=len(by_repeat), tokens_per_second=statistics.mean(statistics.mean(v) for v in by_repeat.values()),
-                speedup=speedup, speedup_std=std, mean_accepted_tokens=mean_accepted_tokens(rows),
-                acceptance_per_position=acceptance_per_position(rows), exact=exact, compared=compared,
-                seconds=sum(r.get("seconds", 0.0) for r in rows),
-                **dict(zip(("same_as_plain", "compared_to_plain"),
-                           exact_matches(rows, plain_rows) if method != PLAIN else (0, 0))))
+    return Cell(
+        task=task,
+        method=method,
+        baseline=baseline,
+        questions=len({r["question_id"] for r in rows}),
+        repeats=len(by_repeat),
+        tokens_per_second=statistics.mean(statistics.mean(v) for v in by_repeat.values()),
+        speedup=speedup,
+        speedup_std=std,
+        mean_accepted_tokens=mean_accepted_tokens(rows),
+        acceptance_per_position=acceptance_per_position(rows),
+        exact=exact,
+        compared=compared,
+        seconds=sum(r.get("seconds", 0.0) for r in rows),
+        **dict(
+            zip(("same_as_plain", "compared_to_plain"), exact_matches(rows, plain_rows) if method != PLAIN else (0, 0))
+        ),
+    )
 
 
 def summarize(rows: Sequence[dict]) -> list[Cell]:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sparrow.errors import UserError
 from sparrow.models import LoadedModel
 from sparrow.timing import now
-from sparrow.errors import UserError
 
 
 def hf_generate(target: LoadedModel, ids: Tensor, max_new_tokens: int, **peer_options) -> list[int]:

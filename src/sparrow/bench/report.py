@@ -102,7 +102,9 @@ def render_markdown(rows: Sequence[dict]) -> str:
         lines += ["### Acceptance rate per draft position (overall)", "",
                   "| method | " + " | ".join(str(i + 1) for i in range(width)) + " |", "|---|" + "---:|" * width]
         for c in overall:
-            rates = ["-" if math.isnan(r) else f"{r:.2f}" for r in c.acceptance_per_position] + [""] * (width - len(c.acceptance_per_position))
+            rates = ["-" if math.isnan(r) else f"{r:.2f}" for r in c.acceptance_per_position] + [""] * (
+                width - len(c.acceptance_per_position)
+            )
             lines.append(f"| {c.method} | " + " | ".join(rates) + " |")
         lines.append("")
     lines += _choices(rows)

@@ -171,12 +171,22 @@ class Runner:
         result = run(ids, max_new_tokens=max_new_tokens)
         s = result.stats
         counts = pipe.drafter.counts  # "auto": rounds per option of this request
-        return {"drafter_choices": counts() if counts is not None else None, "token_ids": result.token_ids, "seconds": result.seconds, "decoding_steps": s.steps,
-                "step_tokens": s.steps + s.num_accepted_tokens, "target_forwards": s.steps + 1,
-                "finish_reason": result.finish_reason, "num_draft_tokens": s.num_draft_tokens,
-                "num_accepted_tokens": s.num_accepted_tokens, "accepted_per_position": list(s.accepted_per_position),
-                "drafted_per_position": list(s.drafted_per_position), "prefill_seconds": s.prefill_seconds,
-                "draft_seconds": s.draft_seconds, "verify_seconds": s.verify_seconds}
+        return {
+            "drafter_choices": counts() if counts is not None else None,
+            "token_ids": result.token_ids,
+            "seconds": result.seconds,
+            "decoding_steps": s.steps,
+            "step_tokens": s.steps + s.num_accepted_tokens,
+            "target_forwards": s.steps + 1,
+            "finish_reason": result.finish_reason,
+            "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "accepted_per_position": list(s.accepted_per_position),
+            "drafted_per_position": list(s.drafted_per_position),
+            "prefill_seconds": s.prefill_seconds,
+            "draft_seconds": s.draft_seconds,
+            "verify_seconds": s.verify_seconds,
+        }
 
     def run_question(self, method: str, question: Question, max_new_tokens: int | None = None) -> dict[str, Any]:
         """All generated turns of one question, summed as Spec-Bench does (tokens / seconds over turns)."""

@@ -19,7 +19,8 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_mar
 
 
 @app.callback()
-def main(debug: Annotated[bool, typer.Option("--debug", help="Also print the traceback of user errors (exit code 2); internal errors (exit 1) always print theirs.")] = False) -> None:
+def main(debug: Annotated[bool, typer.Option("--debug", help="Also print the traceback of user errors (exit code 2); "
+                                             "internal errors (exit 1) always print theirs.")] = False) -> None:
     """Lossless speculative decoding for LLMs and Video-LLMs."""
 
 

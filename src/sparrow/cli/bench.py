@@ -9,39 +9,121 @@ import typer
 
 from sparrow.bench.command import DEFAULT_METHODS, QUICK_MAX_NEW_TOKENS, QUICK_METHODS, run
 from sparrow.bench.data import DEFAULT_DATA
-from sparrow.cli._common import (DTYPE_HELP, SPECULATIVE_CONFIG_HELP, DType, check_int, cli_errors, dtype_name,
-                                 with_speculative_config)
+from sparrow.cli._common import (
+    DTYPE_HELP,
+    SPECULATIVE_CONFIG_HELP,
+    DType,
+    check_int,
+    cli_errors,
+    dtype_name,
+    with_speculative_config,
+)
 
 
 @cli_errors
 def bench(
-    data: Annotated[Path, typer.Option(help="Spec-Bench question.jsonl (question_id, category, turns).")] = DEFAULT_DATA,
-    methods: Annotated[Optional[str], typer.Option("--methods", "--drafter", help="Comma-separated: plain or any drafter (sparrow), hf-plain, hf-assisted, hf-prompt-lookup, hf-uad (transformers). Baselines are added. Default: " + DEFAULT_METHODS + " (+auto when registered).")] = None,
-    categories: Annotated[Optional[str], typer.Option(help="Comma-separated categories or tasks (mt_bench, translation, summarization, qa, math_reasoning, rag). Default: all.")] = None,
+    data: Annotated[
+        Path, typer.Option(help="Spec-Bench question.jsonl (question_id, category, turns).")
+    ] = DEFAULT_DATA,
+    methods: Annotated[
+        Optional[str],
+        typer.Option(
+            "--methods",
+            "--drafter",
+            help="Comma-separated: plain or any drafter (sparrow), hf-plain, hf-assisted, hf-prompt-lookup, hf-uad (transformers). Baselines are added. Default: "
+            + DEFAULT_METHODS
+            + " "
+            "(+auto when registered).",
+        ),
+    ] = None,
+    categories: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Comma-separated categories or tasks (mt_bench, "
+            "translation, summarization, qa, math_reasoning, rag). Default: "
+            "all."
+        ),
+    ] = None,
     limit: Annotated[Optional[int], typer.Option(help="At most N questions per category.")] = None,
     per_task: Annotated[Optional[int], typer.Option(help="At most N questions per task.")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(help=f"New tokens per turn (default 128; {QUICK_MAX_NEW_TOKENS} with --quick).")] = None,
+    max_new_tokens: Annotated[
+        Optional[int], typer.Option(help=f"New tokens per turn (default 128; {QUICK_MAX_NEW_TOKENS} with --quick).")
+    ] = None,
     repeats: Annotated[int, typer.Option(help="Timed repeats (mean ± std).")] = 1,
-    first_repeat: Annotated[int, typer.Option(help="Index of the first repeat (to add repeats to an earlier run's directory).")] = 0,
+    first_repeat: Annotated[
+        int, typer.Option(help="Index of the first repeat (to add repeats to an earlier run's directory).")
+    ] = 0,
     warmup: Annotated[int, typer.Option(help="Warm-up runs of every method on the first question.")] = 1,
-    all_turns: Annotated[bool, typer.Option("--all-turns/--first-turn", help="Generate every turn of multi-turn questions (Spec-Bench) or only the first.")] = False,
-    target: Annotated[str, typer.Option(help="Target model: preset, GGUF file, local dir or hub id.")] = "qwen2.5-coder-1.5b",
-    draft: Annotated[str, typer.Option(help="Draft model with the target's vocabulary (draft-model, hf-assisted).")] = "qwen2.5-coder-0.5b",
-    cross_draft: Annotated[str, typer.Option(help="Draft model with another tokenizer (cross-vocab, hf-uad).")] = "smollm2-135m",
-    k: Annotated[Optional[int], typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (default: each drafter's own).")] = None,
-    adaptive: Annotated[bool, typer.Option("--adaptive/--fixed", help="Adaptive draft length (at most k) or exactly k.")] = True,
+    all_turns: Annotated[
+        bool,
+        typer.Option(
+            "--all-turns/--first-turn",
+            help="Generate every turn of multi-turn questions (Spec-Bench) or only the first.",
+        ),
+    ] = False,
+    target: Annotated[
+        str, typer.Option(help="Target model: preset, GGUF file, local dir or hub id.")
+    ] = "qwen2.5-coder-1.5b",
+    draft: Annotated[
+        str, typer.Option(help="Draft model with the target's vocabulary (draft-model, hf-assisted).")
+    ] = "qwen2.5-coder-0.5b",
+    cross_draft: Annotated[
+        str, typer.Option(help="Draft model with another tokenizer (cross-vocab, hf-uad).")
+    ] = "smollm2-135m",
+    k: Annotated[
+        Optional[int],
+        typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (default: each drafter's own)."),
+    ] = None,
+    adaptive: Annotated[
+        bool, typer.Option("--adaptive/--fixed", help="Adaptive draft length (at most k) or exactly k.")
+    ] = True,
     dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
-    quant: Annotated[Optional[str], typer.Option(help="int8|int4 weight-only or w8a8 (CPU: int8 weights and activations) target, all methods; lossless relative to the quantized target.")] = None,
-    draft_quant: Annotated[Optional[str], typer.Option(help="int8|int4|w8a8 draft model for sparrow's drafters, or auto (the format this machine runs a one-token draft step fastest; recorded resolved). Default: dense, so every method drafts with the same weights.")] = None,
-    head: Annotated[Optional[str], typer.Option(help="The eagle method's head directory (EAGLE-3 layout, e.g. from `sparrow train head`).")] = None,
-    lookup_tokens: Annotated[int, typer.Option(help="transformers' prompt_lookup_num_tokens for hf-prompt-lookup.")] = 10,
-    chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap questions in the target's chat template.")] = True,
-    out: Annotated[Path, typer.Option(help="Output directory: rows-<run>.jsonl, report.md, *.png.")] = Path("sparrow-bench"),
-    report_only: Annotated[Optional[Path], typer.Option(help="Only render DIR's report from its JSONL files (combines runs).")] = None,
-    quick: Annotated[bool, typer.Option(help=f"Smoke run: the shortest question of each task, {QUICK_MAX_NEW_TOKENS} new tokens, methods {QUICK_METHODS}.")] = False,
+    quant: Annotated[
+        Optional[str],
+        typer.Option(
+            help="int8|int4 weight-only or w8a8 (CPU: int8 weights and "
+            "activations) target, all methods; lossless relative to the quantized "
+            "target."
+        ),
+    ] = None,
+    draft_quant: Annotated[
+        Optional[str],
+        typer.Option(
+            help="int8|int4|w8a8 draft model for sparrow's drafters, or "
+            "auto (the format this machine runs a one-token draft step "
+            "fastest; recorded resolved). Default: dense, so every method "
+            "drafts with the same weights."
+        ),
+    ] = None,
+    head: Annotated[
+        Optional[str],
+        typer.Option(help="The eagle method's head directory (EAGLE-3 layout, e.g. from `sparrow train head`)."),
+    ] = None,
+    lookup_tokens: Annotated[
+        int, typer.Option(help="transformers' prompt_lookup_num_tokens for hf-prompt-lookup.")
+    ] = 10,
+    chat: Annotated[
+        bool, typer.Option("--chat/--no-chat", help="Wrap questions in the target's chat template.")
+    ] = True,
+    out: Annotated[Path, typer.Option(help="Output directory: rows-<run>.jsonl, report.md, *.png.")] = Path(
+        "sparrow-bench"
+    ),
+    report_only: Annotated[
+        Optional[Path], typer.Option(help="Only render DIR's report from its JSONL files (combines runs).")
+    ] = None,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            help=f"Smoke run: the shortest question of each task, {QUICK_MAX_NEW_TOKENS} "
+            f"new tokens, methods {QUICK_METHODS}."
+        ),
+    ] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Rich progress bar on stderr.")] = True,
-    speculative_config: Annotated[Optional[str], typer.Option(help=SPECULATIVE_CONFIG_HELP + " Its method joins --methods; its options apply to that method.")] = None,
+    speculative_config: Annotated[
+        Optional[str],
+        typer.Option(help=SPECULATIVE_CONFIG_HELP + " Its method joins --methods; its options apply to that method."),
+    ] = None,
 ) -> None:
     """Spec-Bench speed benchmark: sparrow's drafters and transformers' peers, same prompts, same process."""
     if report_only is not None:
@@ -49,9 +131,16 @@ def bench(
 
         typer.echo(write_report(report_only).read_text())
         return
-    for flag, value, low in (("--limit", limit, 1), ("--per-task", per_task, 1), ("--max-new-tokens", max_new_tokens, 1),
-                             ("--repeats", repeats, 1), ("--first-repeat", first_repeat, 0), ("--warmup", warmup, 0),
-                             ("-k/--num-draft-tokens", k, 1), ("--lookup-tokens", lookup_tokens, 1)):
+    for flag, value, low in (
+        ("--limit", limit, 1),
+        ("--per-task", per_task, 1),
+        ("--max-new-tokens", max_new_tokens, 1),
+        ("--repeats", repeats, 1),
+        ("--first-repeat", first_repeat, 0),
+        ("--warmup", warmup, 0),
+        ("-k/--num-draft-tokens", k, 1),
+        ("--lookup-tokens", lookup_tokens, 1),
+    ):
         check_int(flag, value, low)  # before any model is loaded
     drafter_options: dict[str, dict] = {}
     if speculative_config is not None:

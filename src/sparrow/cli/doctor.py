@@ -19,13 +19,15 @@ from sparrow.cli._common import cli_errors
 @cli_errors
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
-    benchmark: Annotated[bool, typer.Option("--benchmark/--no-benchmark", help="Measure the per-token costs (rounds until they agree, a few seconds; cached per machine once stable, then checked by a quick round) or only read a cached measurement.")] = True,
+    benchmark: Annotated[bool, typer.Option("--benchmark/--no-benchmark", help="Measure the per-token costs (rounds "
+                                            "until they agree, a few seconds; cached per machine once stable, then "
+                                            "checked by a quick round) or only read a cached measurement.")] = True,
     refresh: Annotated[bool, typer.Option("--refresh", help="Measure again even if a measurement is cached.")] = False,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
 ) -> None:
     """Show the device, CPU features, versions and measured costs, and what --dtype auto picks and why."""
-    from sparrow.runtime import cpu, hardware
     from sparrow.models import resolve_device
+    from sparrow.runtime import cpu, hardware
 
     dev = resolve_device(device)
     info = cpu.cpu_info()
@@ -115,7 +117,8 @@ def table(record: dict[str, Any]) -> Table:
             out.add_row(f"  {label}", f"{cost} ms  ({rows[-1]} rows = {row[rows[-1]] / row[rows[0]]:.1f}x "
                                       f"{rows[0]} row; {ratio:.2f}x the fastest)")
     out.add_row("--dtype auto", f"{record['auto']['dtype']}: {record['auto']['reason']}")
-    out.add_row("--draft-quant auto", f"{record['auto']['draft_quant'] or 'dense'}: {record['auto']['draft_quant_reason']}")
+    out.add_row("--draft-quant auto", f"{record['auto']['draft_quant'] or 'dense'}: "
+                f"{record['auto']['draft_quant_reason']}")
     out.add_row("float32 linears", record["auto"]["float32_onednn_reason"])
     return out
 

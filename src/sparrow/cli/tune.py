@@ -18,12 +18,23 @@ tune_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, ric
 @cli_errors
 def layer_skip(
     target: Annotated[str, typer.Option(help="Target model: preset, local dir or hub id.")] = "qwen2.5-coder-1.5b",
-    out: Annotated[Optional[Path], typer.Option(help="Record file (default: <cache>/skip_sets/<target>.json, which --drafter layer-skip loads by name).")] = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Record file (default: <cache>/skip_sets/<target>.json, which --drafter layer-skip loads by name)."
+        ),
+    ] = None,
     k: Annotated[int, typer.Option("-k", "--num-draft-tokens", help="Largest draft length considered.")] = 8,
     new_tokens: Annotated[int, typer.Option(help="Calibration tokens generated per prompt.")] = 24,
-    time_budget: Annotated[float, typer.Option(help="Seconds for the search (the confirmation run comes on top).")] = 300.0,
-    confirm_tokens: Annotated[int, typer.Option(help="Tokens per prompt of the confirming timed run (0 = skip it).")] = 48,
-    prompt: Annotated[Optional[list[str]], typer.Option(help="Calibration prompt (repeatable; default: built-in code and prose).")] = None,
+    time_budget: Annotated[
+        float, typer.Option(help="Seconds for the search (the confirmation run comes on top).")
+    ] = 300.0,
+    confirm_tokens: Annotated[
+        int, typer.Option(help="Tokens per prompt of the confirming timed run (0 = skip it).")
+    ] = 48,
+    prompt: Annotated[
+        Optional[list[str]], typer.Option(help="Calibration prompt (repeatable; default: built-in code and prose).")
+    ] = None,
     dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
 ) -> None:

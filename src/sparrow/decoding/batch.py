@@ -420,7 +420,11 @@ class Batch:
             if len(draft):
                 seq.acceptance.observe(len(draft), verdict.num_accepted)
             if seq.drafter is not None:  # 5. feedback, as in the engine
-                layers_out = out if not layers or layers == seq.drafter.hidden_layers else _select(out, layers, seq.drafter.hidden_layers)
+                layers_out = (
+                    out
+                    if not layers or layers == seq.drafter.hidden_layers
+                    else _select(out, layers, seq.drafter.hidden_layers)
+                )
                 seq.drafter.observe(draft, verdict, layers_out.rows(torch.cat([nodes.new_zeros(1), nodes + 1])), step)
             seq.stopper.push(verdict.tokens.tolist(), verdict.num_accepted)
             if seq.done:

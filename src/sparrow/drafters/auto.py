@@ -254,7 +254,9 @@ class AutoDrafter(DrafterBase):
         self.candidates[name].observe(draft, verdict, out, step)
         self.stats[name].add(verdict.num_accepted + 1, step.draft_seconds, len(draft), self.config.forgetting)
         if name in self._probes:
-            wins = self._rate(name) >= max(self._rate(n) or 0.0 for n in self._options() if n != name) if probe else None
+            wins = (
+                self._rate(name) >= max(self._rate(n) or 0.0 for n in self._options() if n != name) if probe else None
+            )
             self._probes[name].wait(len(self.choices), wins)
 
     # --- policy --------------------------------------------------------------------------------

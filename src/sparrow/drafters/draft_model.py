@@ -19,10 +19,10 @@ from sparrow.config import SamplingConfig
 from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.draft_loop import DraftSteps, Forward, draft_chain, drive
 from sparrow.drafters.kv.draft_kv import draft_kv_config, with_draft_kv
-from sparrow.grammar import FREE, Constraint
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
 from sparrow.errors import UserError
+from sparrow.grammar import FREE, Constraint
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness
 from sparrow.policy.length import LengthPolicy

@@ -47,8 +47,8 @@ from sparrow.drafters.base import DrafterBase
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
-from sparrow.grammar import FREE, Constraint
 from sparrow.errors import UserError
+from sparrow.grammar import FREE, Constraint
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness
 from sparrow.paths import default_cache_dir
@@ -166,12 +166,19 @@ class SkipRecord:
     @staticmethod
     def from_dict(d: dict[str, Any]) -> SkipRecord:
         try:
-            return SkipRecord(model=str(d["model"]), skip=SkipSet.from_dict(d), num_draft_tokens=int(d["num_draft_tokens"]),
-                              agreement=float(d["agreement"]), draft_cost=float(d["draft_cost"]),
-                              expected_speedup=float(d["expected_speedup"]),
-                              measured_speedup=None if d.get("measured_speedup") is None else float(d["measured_speedup"]),
-                              recommended=bool(d["recommended"]), date=str(d["date"]), note=str(d.get("note", "")),
-                              details=dict(d.get("details", {})))
+            return SkipRecord(
+                model=str(d["model"]),
+                skip=SkipSet.from_dict(d),
+                num_draft_tokens=int(d["num_draft_tokens"]),
+                agreement=float(d["agreement"]),
+                draft_cost=float(d["draft_cost"]),
+                expected_speedup=float(d["expected_speedup"]),
+                measured_speedup=None if d.get("measured_speedup") is None else float(d["measured_speedup"]),
+                recommended=bool(d["recommended"]),
+                date=str(d["date"]),
+                note=str(d.get("note", "")),
+                details=dict(d.get("details", {})),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"skip_file: not a layer-skip record ({e})") from e
 
@@ -352,7 +359,9 @@ class LayerSkipDrafter(DrafterBase):
         self.view = skipping_view(model, skip)
         if vocab is not None:  # its LM head scores only vocab.ids
             self.view = reduced_head_view(self.view, vocab)
-        self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive if backoff is None else backoff)
+        self.length = LengthPolicy(
+            num_draft_tokens, adaptive=adaptive, backoff=adaptive if backoff is None else backoff
+        )
         self.grammar: Constraint = FREE  # structured output (`sparrow.grammar.guiding`): chains draft inside it
         self.enabled = enabled  # False: every draft is empty (plain decoding)
         self.sample_drafts = sample_drafts  # False: argmax drafts also at temperature > 0 (q = 1 rule)
@@ -419,7 +428,8 @@ def resolve_record(target: LoadedModel, skip_set: SkipSet | str | dict | None,
     record = find_record(target.name)
     if record is None:
         raise UserError(f"layer-skip: no tuned skip set ships for model {target.name!r}; run "
-                         f"`sparrow tune layer-skip --target {target.name}` and pass skip_file=..., or pass skip_set=...")
+                         f"`sparrow tune layer-skip --target {target.name}` and pass skip_file=..., or pass "
+                             "skip_set=...")
     return record
 
 

@@ -61,14 +61,17 @@ class PromptLookupDrafter(DrafterBase):
         long copies get long drafts while spurious matches (code, free text) stop costing verify width.
         backoff (default: adaptive): draft nothing while the measured rounds say drafting does not pay. A lookup
         costs next to nothing, but every drafted token widens the target's forward, and where that is not free
-        (float32 on an AVX2 CPU: a 2-token forward of a 1.5B cost 1.7x a 1-token one) spurious one-token matches that the
+        (float32 on an AVX2 CPU: a 2-token forward of a 1.5B cost 1.7x a 1-token one) spurious one-token matches that
+        the
         target rejects made decoding slower than plain (0.76x on a code prompt); see `LengthPolicy`.
         tree: merge the continuations of up to `tree.topk` different matches into one trie: the best match
         keeps the chain's length (the round cap), the others at most `tree.depth` tokens; at most
         `tree.budget` nodes beyond the best match's, and never more than `propose`'s `max_tokens`."""
         if min_n < 1 or max_n < min_n:
             raise UserError(f"prompt lookup needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.length = LengthPolicy(num_draft_tokens, adaptive=adaptive, backoff=adaptive if backoff is None else backoff)
+        self.length = LengthPolicy(
+            num_draft_tokens, adaptive=adaptive, backoff=adaptive if backoff is None else backoff
+        )
         self.min_n, self.max_n = min_n, max_n
         self.tree = tree
         self._first = 0  # length of the best match's continuation in the last draft
@@ -97,7 +100,9 @@ class PromptLookupDrafter(DrafterBase):
         if draft.parents is None:
             self.length.observe(step)
         else:  # the cap rule follows the best match's continuation
-            self.length.observe(replace(step, num_draft_tokens=self._first, num_accepted=min(verdict.num_accepted, self._first)))
+            self.length.observe(
+                replace(step, num_draft_tokens=self._first, num_accepted=min(verdict.num_accepted, self._first))
+            )
 
 
 def build(target, draft: None, num_draft_tokens: int, adaptive: bool, tree_budget: int | str = 0, tree_topk: int = 4,

@@ -149,7 +149,9 @@ def auto_shape(verify_seconds: tuple[float, ...], topk: int, depth: int) -> Tree
     return TreeShape(max([topk, *fits]), topk, depth)
 
 
-def resolve_shape(budget: int | str | None, topk: int, depth: int, target: CachedModel | None = None) -> TreeShape | None:
+def resolve_shape(
+    budget: int | str | None, topk: int, depth: int, target: CachedModel | None = None
+) -> TreeShape | None:
     """TreeShape from user options; None (a chain) for budget 0/None; "auto" measures `target`'s verify cost
     curve (n = 1 .. MAX_AUTO_BUDGET + 1 tokens) once."""
     if budget in (None, 0):

@@ -265,7 +265,7 @@ def parameter_count(head: EagleHead) -> int:
 
 
 __all__ = ["ARCHS", "FUSIONS", "EagleHead", "HeadCache", "HeadConfig", "TargetParts", "causal_mask", "default_layers",
-           "new_head", "parameter_count"]
+           "new_eagle_head", "parameter_count"]
 
 
 def new_eagle_head(model: nn.Module, arch: str = "eagle3", generator: torch.Generator | None = None,

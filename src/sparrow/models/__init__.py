@@ -4,8 +4,8 @@ The on-disk cache of dequantized presets and quantized copies: ``sparrow.models.
 """
 
 from sparrow.models.loading import LoadedModel, list_presets, load_model, resolve_dtype
-from sparrow.runtime.devices import resolve_device
 from sparrow.models.presets import PRESETS, install, is_installed
+from sparrow.runtime.devices import resolve_device
 
 __all__ = ["PRESETS", "LoadedModel", "install", "is_installed", "list_presets", "load_model", "resolve_device",
            "resolve_dtype"]

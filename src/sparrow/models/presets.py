@@ -26,9 +26,10 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
 from sparrow.errors import UserError
-from sparrow.paths import atomic_file, default_cache_dir
 from sparrow.models import cache
+from sparrow.paths import atomic_file, default_cache_dir
 
 Reporter = Callable[[str], None]
 

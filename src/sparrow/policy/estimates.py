@@ -16,7 +16,9 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 
-def tokens_per_second(acceptance: float, k: int, draft: Callable[[int], float], verify: Callable[[int], float]) -> float:
+def tokens_per_second(
+    acceptance: float, k: int, draft: Callable[[int], float], verify: Callable[[int], float]
+) -> float:
     """E[tokens](k) / (draft(k) + verify(k + 1)); k = 0 is a plain decoding step (no draft cost)."""
     seconds = (draft(k) if k else 0.0) + verify(k + 1)
     return expected_tokens(acceptance, k) / max(seconds, 1e-12)

@@ -21,7 +21,8 @@ rounds the engine measured (`StepStats`), never from a drafter's own clock:
 `LengthPolicy` modes: fixed (exactly k: `--fixed`); adaptive (the default: the cap grows by 2 after a
 fully accepted draft and shrinks by 1 otherwise, and drafting stops early under a confidence threshold
 that follows the acceptance rate, Draft & Verify's rule; once rounds have been measured the cap is never
-above the best length on the measured lines, so a CPU where verification is expensive drafts less); cost-aware (`follow`: the cap is the best
+above the best length on the measured lines, so a CPU where verification is expensive drafts less); cost-aware
+(`follow`: the cap is the best
 length on the measured cost curve, for quantized kernels whose verify cost grows with n).
 """
 
@@ -146,7 +147,9 @@ class LengthPolicy:
             return
         self.acceptance.observe(drafted, accepted, self.probe_weight if self._probing else 1.0)
         if self.adaptive and self.curve is None:
-            self._cap = min(self.max_tokens, self._cap + self.grow) if accepted == drafted else max(1, self._cap - self.shrink)
+            self._cap = (
+                min(self.max_tokens, self._cap + self.grow) if accepted == drafted else max(1, self._cap - self.shrink)
+            )
             self._ema = self.smoothing * self._ema + (1 - self.smoothing) * accepted / drafted
             delta = self.threshold_step if self._ema < self.target_acceptance else -self.threshold_step
             self.confidence_threshold = min(self.max_threshold, max(0.0, self.confidence_threshold + delta))

@@ -59,14 +59,29 @@ import torch
 from sparrow.paths import atomic_file, default_cache_dir
 from sparrow.runtime.cpu import BF16_FLAGS, CpuInfo, cpu_info
 from sparrow.runtime.devices import resolve_device
-from sparrow.runtime.microbench import (BENCH_ROWS, BENCH_SHAPE, MIN_BF16_SPEEDUP, MIN_ONEDNN_SPEEDUP, OFF, ONEDNN,
-                                        dense_costs, dtype_name, faster_dense, inconsistencies, measure,
-                                        measure_stable, onednn_enabled, onednn_speedup, recheck)
+from sparrow.runtime.microbench import (
+    BENCH_ROWS,
+    BENCH_SHAPE,
+    MIN_BF16_SPEEDUP,
+    MIN_ONEDNN_SPEEDUP,
+    OFF,
+    ONEDNN,
+    dense_costs,
+    dtype_name,
+    faster_dense,
+    inconsistencies,
+    measure,
+    measure_stable,
+    onednn_enabled,
+    onednn_speedup,
+    recheck,
+)
 
 FORMAT = 5  # bump when the cached record's layout or the benchmark changes (5: stable rounds; older caches remeasure)
 MIN_DRAFT_QUANT_SPEEDUP = 1.1  # --draft-quant auto quantizes a draft only when one row runs at least this much faster
 MIN_TARGET_QUANT_SPEEDUP = 1.1  # --quant auto quantizes the target only when 8 rows run at least this much faster
-DRAFT_QUANTS = ("int8", "int4", "w8a8")  # the weight formats --draft-quant auto chooses among (sparrow.models.quantization)
+# the weight formats --draft-quant auto chooses among (sparrow.models.quantization)
+DRAFT_QUANTS = ("int8", "int4", "w8a8")
 
 
 # --- detection ------------------------------------------------------------------------------------------

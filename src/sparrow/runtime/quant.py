@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from sparrow.errors import UserError
 from sparrow.runtime.cpu import cpu_info
 
-
 W8A8 = "w8a8"
 
 
@@ -183,7 +182,9 @@ def _prepack(qweight: Tensor, scales: Tensor) -> object:
     """fbgemm's packing of an int8 [N, K] weight with one scale per output channel."""
     with warnings.catch_warnings():  # torch marks its quantized tensor types deprecated; fbgemm is the x86 kernel
         warnings.simplefilter("ignore")
-        qw = torch._make_per_channel_quantized_tensor(qweight, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0)
+        qw = torch._make_per_channel_quantized_tensor(
+            qweight, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0
+        )
         return torch.ops.quantized.linear_prepack(qw, None)
 
 

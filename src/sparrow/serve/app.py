@@ -376,8 +376,11 @@ def validation_error(e: RequestValidationError) -> APIError:
 
 def field_path(error: dict[str, Any]) -> list[str]:
     """The error's location as field names and list indices: no "body", no union member tags ("str", "list[int]")."""
-    return [str(part) for part in error.get("loc", ())
-            if part != "body" and not (isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part))]
+    return [
+        str(part)
+        for part in error.get("loc", ())
+        if part != "body" and not (isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part))
+    ]
 
 
 class CountRequests:

@@ -111,7 +111,11 @@ def init_from_target(head: EagleHead, model: nn.Module) -> None:
         if head.config.arch == "eagle3":  # a LongSpec head drafts through the target's own LM head: its norm only
             weight = model.get_output_embeddings().weight
             head.lm_head.weight.copy_(weight[head.draft_to_target].to(head.lm_head.weight))
-        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == head.norm.weight.shape:
+        if (
+            norm is not None
+            and getattr(norm, "weight", None) is not None
+            and norm.weight.shape == head.norm.weight.shape
+        ):
             head.norm.weight.copy_(norm.weight.to(head.norm.weight))
 
 

@@ -56,7 +56,8 @@ from sparrow.runtime.cached_model import _text_config
 from sparrow.runtime.runner import runner_for
 
 CALIBRATION_PROMPTS = (
-    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists into one sorted "
+        "list.\"\"\"\n",
     "Write a Python class `Queue` with enqueue, dequeue and is_empty methods.",
     "The history of the printing press begins in the fifteenth century, when",
 )
@@ -192,7 +193,9 @@ class AgreementProxy:
         return Score(agree / count, log_prob / count)
 
 
-def calibration_sequences(target: LoadedModel, prompts: Sequence[str], new_tokens: int) -> tuple[list[Tensor], list[int]]:
+def calibration_sequences(
+    target: LoadedModel, prompts: Sequence[str], new_tokens: int
+) -> tuple[list[Tensor], list[int]]:
     """Prompt + the target's own greedy continuation, and where each continuation starts."""
     pipe = Pipeline(target, None)
     sequences, starts = [], []
@@ -341,7 +344,8 @@ def tune_layer_skip(target: LoadedModel, *, max_k: int = 8, prompts: Sequence[st
     if best.skip.num_skipped and confirm_tokens > 0:
         say("confirming with a timed run")
         if measure is None:
-            measure = lambda skip, k: measure_speedup(target, skip, k, confirm_prompts or prompts[:2], confirm_tokens)
+            def measure(skip: SkipSet, k: int) -> float:
+                return measure_speedup(target, skip, k, confirm_prompts or prompts[:2], confirm_tokens)
         measured = float(measure(best.skip, best.num_draft_tokens))
     wins = best.skip.num_skipped > 0 and best.expected_speedup > 1.0 and (measured is None or measured > 1.0)
     if wins:
@@ -352,14 +356,29 @@ def tune_layer_skip(target: LoadedModel, *, max_k: int = 8, prompts: Sequence[st
         note = (f"refused: expected {best.expected_speedup:.2f}x, measured "
                 f"{'-' if measured is None else f'{measured:.2f}x'} (not above 1)")
     top = sorted(search.evaluated.values(), key=lambda c: -c.expected_speedup)[:8]
-    details = {"device": str(proxy.device), "calibration_tokens": proxy.num_tokens, "sets_evaluated": len(search.evaluated),
-               "seconds": round(time.monotonic() - started, 1), "cost_model": {
-                   "verify_ms": [round(s * 1e3, 2) for s in costs.verify_seconds],
-                   "full_draft_ms": round(costs.full_draft_seconds * 1e3, 2),
-                   "attention_ms": round(costs.attention_seconds * 1e3, 3), "mlp_ms": round(costs.mlp_seconds * 1e3, 3)},
-               "top_candidates": [{"skip_set": str(c.skip), "agreement": round(c.agreement, 4),
-                                   "draft_cost": round(c.draft_cost, 4), "k": c.num_draft_tokens,
-                                   "expected_speedup": round(c.expected_speedup, 4), "stage": c.stage} for c in top]}
+    details = {
+        "device": str(proxy.device),
+        "calibration_tokens": proxy.num_tokens,
+        "sets_evaluated": len(search.evaluated),
+        "seconds": round(time.monotonic() - started, 1),
+        "cost_model": {
+            "verify_ms": [round(s * 1e3, 2) for s in costs.verify_seconds],
+            "full_draft_ms": round(costs.full_draft_seconds * 1e3, 2),
+            "attention_ms": round(costs.attention_seconds * 1e3, 3),
+            "mlp_ms": round(costs.mlp_seconds * 1e3, 3),
+        },
+        "top_candidates": [
+            {
+                "skip_set": str(c.skip),
+                "agreement": round(c.agreement, 4),
+                "draft_cost": round(c.draft_cost, 4),
+                "k": c.num_draft_tokens,
+                "expected_speedup": round(c.expected_speedup, 4),
+                "stage": c.stage,
+            }
+            for c in top
+        ],
+    }
     return SkipRecord(model=target.name, skip=best.skip, num_draft_tokens=best.num_draft_tokens,
                       agreement=round(best.agreement, 4), draft_cost=round(best.draft_cost, 4),
                       expected_speedup=round(best.expected_speedup, 4),

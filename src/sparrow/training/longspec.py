@@ -11,7 +11,14 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from sparrow.heads.longspec import LongSpecHead, target_layer_kv, window_mask
-from sparrow.training.loop import Evaluation, StepResult, TrainReport, anchor_offset_positions, draw_batch, new_optimiser
+from sparrow.training.loop import (
+    Evaluation,
+    StepResult,
+    TrainReport,
+    anchor_offset_positions,
+    draw_batch,
+    new_optimiser,
+)
 
 
 def longspec_loss(head: LongSpecHead, tokens: Tensor, positions: Tensor, target_kv: tuple[Tensor, Tensor],

@@ -25,7 +25,9 @@ def plot_training(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
             right.plot([r["step"] for r in held], [r["held_out_agreement"][j] for r in held], "o-",
                        label=f"agreement, depth {j + 1}")
         tau = right.twinx()
-        tau.plot([r["step"] for r in held], [r["expected_accepted"] for r in held], "k--", label="expected tokens/round")
+        tau.plot(
+            [r["step"] for r in held], [r["expected_accepted"] for r in held], "k--", label="expected tokens/round"
+        )
         tau.set_ylabel("expected tokens per round (chain)")
         tau.legend(loc="lower right")
     left.set(xlabel="step", ylabel="TTT loss", title="loss")

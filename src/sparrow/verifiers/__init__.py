@@ -7,12 +7,12 @@ from typing import Protocol
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
+from sparrow.errors import UserError
 from sparrow.noise import Randomness
 from sparrow.types import Draft, Verdict
 from sparrow.verifiers.greedy import GreedyVerifier
 from sparrow.verifiers.loose import LooseVerifier
 from sparrow.verifiers.rejection import RejectionVerifier
-from sparrow.errors import UserError
 
 
 class Verifier(Protocol):

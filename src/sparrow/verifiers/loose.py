@@ -29,9 +29,9 @@ from torch import Tensor
 
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
+from sparrow.errors import UserError
 from sparrow.noise import Randomness, at
 from sparrow.types import Draft, Verdict
-from sparrow.errors import UserError
 
 FUNCTION_WORDS = frozenset("""
 a an the and or but nor so yet of in on at to for from by with without into onto over under about above below

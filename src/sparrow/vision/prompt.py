@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from sparrow.errors import UserError
 from sparrow.types import Prompt
 from sparrow.vision.video import Video, check_num_frames, read_image, read_video
-from sparrow.errors import UserError
 
 _DROPPED = ("input_ids", "attention_mask")  # batch 1, no padding: the model derives both
 
