@@ -114,7 +114,8 @@ def build(out: Path, base: str, vision_depth: int, seed: int, visual_scale: floa
 
 @torch.no_grad()
 def check_text(out: Path, base: str, tokens: int = 16) -> None:
-    """The proxy's greedy continuation of a text prompt equals the base model's (both bfloat16, the proxy's stored dtype)."""
+    """The proxy's greedy continuation of a text prompt equals the base model's (both bfloat16, the proxy's
+    stored dtype)."""
     from sparrow.pipeline import Pipeline
 
     prompt = "def fibonacci(n):"

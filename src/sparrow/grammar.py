@@ -127,7 +127,8 @@ FREE = Free()
 
 @contextmanager
 def guiding(drafter: object, grammar: Constraint) -> Iterator[None]:
-    """A drafter with a `grammar` attribute (draft-model and layer-skip chains) drafts only what `grammar` allows while inside:
+    """A drafter that follows its `grammar` (draft-model and layer-skip chains) drafts only what `grammar` allows
+    while inside:
     its draft logits are masked as the target's are, so drafts are not cut at the grammar. Lossless either way:
     a draft token is the argmax of the masked draft logits (q = 1 rule), or sampled from the masked q it
     reports."""

@@ -30,7 +30,8 @@ def bench(
         typer.Option(
             "--methods",
             "--drafter",
-            help="Comma-separated: plain or any drafter (sparrow), hf-plain, hf-assisted, hf-prompt-lookup, hf-uad (transformers). Baselines are added. Default: "
+            help="Comma-separated: plain or any drafter (sparrow), hf-plain, hf-assisted, hf-prompt-lookup, hf-uad "
+                "(transformers). Baselines are added. Default: "
             + DEFAULT_METHODS
             + " "
             "(+auto when registered).",

@@ -77,7 +77,9 @@ def serve(
     shutdown_timeout: Annotated[
         Optional[float],
         typer.Option(
-            help="On SIGTERM/Ctrl-C: new and waiting requests get HTTP 503 at once; running ones may go on this many seconds, then end with finish_reason 'length'; the server exits within about a second more (default 10)."
+            help="On SIGTERM/Ctrl-C: new and waiting requests get HTTP 503 at once; running ones may go on this many "
+                "seconds, then end with finish_reason 'length'; the server exits within about a second more (default "
+                "10)."
         ),
     ] = None,
     model_name: Annotated[Optional[str], typer.Option(help="The model name clients send (default: --target).")] = None,
@@ -91,7 +93,8 @@ def serve(
     ray_address: Annotated[
         Optional[str],
         typer.Option(
-            help="With --ray: the Ray cluster to join ('auto', or HEAD_IP:6379); default: a local Ray instance on 127.0.0.1."
+            help="With --ray: the Ray cluster to join ('auto', or HEAD_IP:6379); default: a local Ray instance on "
+                "127.0.0.1."
         ),
     ] = None,
     openapi: Annotated[

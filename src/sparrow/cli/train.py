@@ -64,7 +64,9 @@ def head(
     out: Annotated[
         Optional[Path],
         typer.Option(
-            help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with --drafter eagle --head OUT), checkpoints, features, log, plot. Default for a preset target: <sparrow cache>/heads/<preset>, where --drafter eagle finds it without --head."
+            help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with --drafter eagle "
+                "--head OUT), checkpoints, features, log, plot. Default for a preset target: <sparrow "
+                "cache>/heads/<preset>, where --drafter eagle finds it without --head."
         ),
     ] = None,
     target: Annotated[
@@ -90,13 +92,15 @@ def head(
     fusion: Annotated[
         Optional[str],
         typer.Option(
-            help="How eagle3/eagle1/sparrow heads mix feature and token embedding: concat (EAGLE; vLLM/SGLang read it) or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). Default concat."
+            help="How eagle3/eagle1/sparrow heads mix feature and token embedding: concat (EAGLE; vLLM/SGLang read it) "
+                "or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). Default concat."
         ),
     ] = None,
     layers: Annotated[
         Optional[int],
         typer.Option(
-            help="Decoder layers of an eagle3/eagle1/sparrow head (Dovetail: deeper heads; > 1 is sparrow-only: layers.1.* tensors). Default 1."
+            help="Decoder layers of an eagle3/eagle1/sparrow head (Dovetail: deeper heads; > 1 is sparrow-only: "
+                "layers.1.* tensors). Default 1."
         ),
     ] = None,
     intermediate_size: Annotated[
@@ -128,7 +132,9 @@ def head(
     videos: Annotated[
         Optional[list[Path]],
         typer.Option(
-            help="sparrow: a video file (any the video reader takes, e.g. .mp4/.avi), a directory of video files, or a directory of frame images (repeatable; default: opencv-doc's sample videos under /usr/share/doc/opencv-doc/examples/data)."
+            help="sparrow: a video file (any the video reader takes, e.g. .mp4/.avi), a directory of video files, or a "
+                "directory of frame images (repeatable; default: opencv-doc's sample videos under "
+                "/usr/share/doc/opencv-doc/examples/data)."
         ),
     ] = None,
     frames: Annotated[
@@ -138,13 +144,15 @@ def head(
     text_window: Annotated[
         Optional[int],
         typer.Option(
-            help=f"sparrow: text rows each head row attends to (Sparrow's text-anchored window; default {DEFAULT_TEXT_WINDOW})."
+            help="sparrow: text rows each head row attends to (Sparrow's text-anchored window; default "
+                f"{DEFAULT_TEXT_WINDOW})."
         ),
     ] = None,
     data: Annotated[
         Optional[list[Path]],
         typer.Option(
-            help="Directory or file of .py/.md/.rst text (repeatable; default: the standard library and installed packages)."
+            help="Directory or file of .py/.md/.rst text (repeatable; default: the standard library and installed "
+                "packages)."
         ),
     ] = None,
     tokens: Annotated[
@@ -160,7 +168,8 @@ def head(
     held_out_percent: Annotated[
         int,
         typer.Option(
-            help="Share of files (by a hash of their path) held out for evaluation; sparrow: of the (video, question) pairs (at least one)."
+            help="Share of files (by a hash of their path) held out for evaluation; sparrow: of the (video, question) "
+                "pairs (at least one)."
         ),
     ] = 5,
     seq_len: Annotated[
@@ -191,7 +200,8 @@ def head(
     steps: Annotated[
         Optional[int],
         typer.Option(
-            help=f"Optimiser steps in total (default: 2 epochs of the training sequences; sparrow: {SPARROW_EPOCHS} epochs of its training pairs)."
+            help=f"Optimiser steps in total (default: 2 epochs of the training sequences; sparrow: {SPARROW_EPOCHS} "
+                "epochs of its training pairs)."
         ),
     ] = None,
     time_budget: Annotated[

@@ -111,7 +111,8 @@ class ProbeSchedule:
         return round_ >= self.next
 
     def wait(self, round_: int, won: bool | None = None) -> None:
-        """Schedule the next probe after round `round_`; a losing probe doubles the interval, a winning one resets it."""
+        """Schedule the next probe after round `round_`; a losing probe doubles the interval, a winning one resets
+        it."""
         if won is not None:
             self.interval = self.start if won else min(2 * self.interval, self.limit)
         self.next = round_ + self.interval

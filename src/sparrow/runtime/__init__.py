@@ -1,1 +1,2 @@
-"""How a model runs: the cached-model runner, compiled steps, attention kernels, CPU paths and the hardware measurement. Imports nothing above it."""
+"""How a model runs: the cached-model runner, compiled steps, attention kernels, CPU paths and the hardware
+measurement. Imports nothing above it."""
