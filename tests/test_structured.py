@@ -26,7 +26,7 @@ from conftest import perturbed, tiny_model, tiny_tokenizer
 from live import serving
 from typer.testing import CliRunner
 
-from sparrow.batch import Batch, BatchPolicy
+from sparrow.decoding.batch import Batch, BatchPolicy
 from sparrow.cli import app as cli
 from sparrow.config import SamplingConfig
 from sparrow.drafters import build_drafter
