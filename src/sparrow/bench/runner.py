@@ -170,7 +170,7 @@ class Runner:
         run = pipe.generate_plain if method == PLAIN else pipe.generate
         result = run(ids, max_new_tokens=max_new_tokens)
         s = result.stats
-        counts = pipe.drafter.counts  # "auto": rounds per option of this request
+        counts = pipe.drafter.counts if pipe.drafter is not None else None  # "auto": rounds per option of this request
         return {
             "drafter_choices": counts() if counts is not None else None,
             "token_ids": result.token_ids,
