@@ -10,7 +10,7 @@ RUN_PRESETS ?= qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 TEST_PRESETS ?= smollm2-135m qwen2.5-coder-0.5b gemma3-270m
 PROMPT ?= Write a Python function `is_prime(n)` that checks whether n is a prime number, with a docstring and a short example.
 
-.PHONY: setup run test bench browser
+.PHONY: setup run test bench browser lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -25,9 +25,14 @@ run: setup
 	$(BIN)/sparrow doctor
 	$(BIN)/sparrow generate '$(PROMPT)' --chat --compare
 
-test: setup browser
+test: setup browser lint
 	$(BIN)/sparrow models install $(TEST_PRESETS) --yes
 	$(BIN)/python -m pytest -q
+
+# Style (ruff: line length 120, sorted imports) and the layers contract (import-linter, pyproject.toml).
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports
 
 # The playground page is tested in a real headless browser: Debian's chromium (as root, with apt).
 browser:
