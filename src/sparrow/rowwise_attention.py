@@ -61,9 +61,11 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
 def use_rowwise(model: nn.Module) -> bool:
-    """Switch `model` (a transformers model whose config says sdpa) to row-wise attention; False if it is not sdpa."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) not in SDPA:
-        return False
-    config._attn_implementation = NAME
-    return True
+    """Switch the decoder attention of `model` (a transformers model) from sdpa to row-wise attention, in place;
+    False if it is not sdpa. A VLM's vision tower is left alone (as `sparrow.decode_attention.use` does)."""
+    from sparrow.attention_capture import attention_configs
+
+    configs = [c for c in attention_configs(model) if getattr(c, "_attn_implementation", None) in (*SDPA, NAME)]
+    for config in configs:
+        config._attn_implementation_internal = NAME  # this config only, not its sub-configs
+    return bool(configs)
