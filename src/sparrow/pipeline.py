@@ -304,7 +304,7 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
          draft: str | LoadedModel | None = "default", num_draft_tokens: int | None = None,
          adaptive: bool = True, verifier: str = "auto", dtype: str = "auto", device: str | None = None,
          progress: bool = True, quant: str | None = None, draft_quant: str | None = None, compile: bool = False,
-         **drafter_options) -> Pipeline:
+         exact: bool | None = None, **drafter_options) -> Pipeline:
     """Load a target (and a draft model when the drafter needs or uses one) and build a Pipeline.
 
     draft: preset, path or hub id, a LoadedModel, None (no draft), or "default" (qwen2.5-coder-0.5b for
@@ -316,9 +316,13 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     a dense draft where none pays, and for drafters without a draft model).
     compile: static KV cache and torch.compile'd decode / verify steps for the target and the draft of
     draft-model / quantized-self (`sparrow.compiled`; text LMs without sliding-window layers).
+    exact: batch-invariant verification (`sparrow.batch_invariant`): each verify row computed as plain decoding
+    computes it, so greedy output equals plain decoding token for token in any dtype; None (default): on, except
+    with compile (torch.compile traces its own kernels); see `resolve_exact`.
     """
     if not isinstance(compile, bool):
         raise UserError(f"compile must be True or False, got {compile!r}")
+    exact = resolve_exact(exact, compile)
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
                                      device, dtype)
     if isinstance(target, str):
@@ -328,7 +332,18 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     target = _quantized(target, quant)
     draft = _quantized(draft, draft_quant, keep_dense=True) if draft is not None else None
     return _build(target, drafter, draft, num_draft_tokens, adaptive, verifier,
-                  _quantized_run(quant, draft_quant, draft), drafter_options, compile)
+                  _quantized_run(quant, draft_quant, draft), drafter_options, compile, exact)
+
+
+def resolve_exact(exact: bool | None, compiled: bool = False) -> bool:
+    """Whether the target runs batch-invariant forwards: `exact`, or by default (None) unless compiled. Refuses
+    exact=True with compile=True before any model loads."""
+    if exact is not None and not isinstance(exact, bool):
+        raise UserError(f"exact must be True, False or None, got {exact!r}")
+    if exact and compiled:
+        raise UserError("exact=True (--exact) and compile=True (--compile) do not combine: torch.compile generates "
+                         "its own kernels, which are not row-invariant; drop one")
+    return not compiled if exact is None else exact
 
 
 def _quantized(loaded: LoadedModel, quant: str | None, keep_dense: bool = False) -> LoadedModel:
@@ -347,8 +362,12 @@ def _quantized_run(quant: str | None, draft_quant: str | None, draft: LoadedMode
 
 def _build(target: LoadedModel, drafter: str, draft: LoadedModel | None, num_draft_tokens: int | None,
            adaptive: bool, verifier: str, quantized: bool, drafter_options: dict[str, Any],
-           compiled: bool = False) -> Pipeline:
-    """A Pipeline from loaded (and already quantized) models."""
+           compiled: bool = False, exact: bool = False) -> Pipeline:
+    """A Pipeline from loaded (and already quantized) models; exact: over the target's batch-invariant copy."""
+    if exact:
+        from sparrow.batch_invariant import exact_copy
+
+        target = exact_copy(target)
     built = build_drafter(drafter, target, draft, num_draft_tokens, adaptive, **drafter_options)
     if quantized:  # quantized kernels: k follows the measured cost curve
         follow_cost_curve(built, runner_for(target.model))
@@ -402,12 +421,14 @@ class PipelineCache:
 
     def get(self, target: str | LoadedModel, *, drafter: str = "draft-model", draft: str | LoadedModel | None = "default",
             num_draft_tokens: int | None = None, adaptive: bool = True, dtype: str = "auto",
-            device: str | None = None, quant: str | None = None, draft_quant: str | None = None) -> Pipeline:
+            device: str | None = None, quant: str | None = None, draft_quant: str | None = None,
+            exact: bool | None = None) -> Pipeline:
         options: dict[str, Any] = {}
+        exact = resolve_exact(exact)
         draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
                                          device, dtype)  # before loading
         key = (_key(target), drafter, _key(draft), num_draft_tokens, adaptive, resolve_dtype(dtype, device),
-               resolve_device(device), quant, draft_quant)
+               resolve_device(device), quant, draft_quant, exact)
         with self._lock:
             pipe = self._pipelines.get(key)
             if pipe is not None:
@@ -418,7 +439,7 @@ class PipelineCache:
                 draft_model = (self._model(draft, dtype, device, draft_quant, keep_dense=True)
                                if draft is not None else None)
                 pipe = _build(target_model, drafter, draft_model, num_draft_tokens, adaptive, "auto",
-                              _quantized_run(quant, draft_quant, draft_model), options)
+                              _quantized_run(quant, draft_quant, draft_model), options, exact=exact)
                 self._pipelines[key] = pipe
                 evicted = len(self._pipelines) > self.size
                 if evicted:
@@ -443,7 +464,9 @@ class PipelineCache:
         return self._models[key]
 
     def _drop_unused_models(self) -> None:
-        used = {id(m) for pipe in self._pipelines.values() for m in pipe.models()}
+        from sparrow.batch_invariant import source
+
+        used = {id(n) for pipe in self._pipelines.values() for m in pipe.models() for n in (m, source(m))}
         for key in [k for k, m in self._models.items() if id(m.model) not in used]:
             del self._models[key]
 
