@@ -119,8 +119,10 @@ def is_exact(model: nn.Module) -> bool:
 
 
 def source(model: nn.Module) -> nn.Module:
-    """The model an exact copy was made from (the model itself otherwise)."""
-    return model.__dict__.get("sparrow_exact_source", model)
+    """The model an exact copy was made from, while it lives (the model itself otherwise)."""
+    ref = model.__dict__.get("sparrow_exact_source")
+    made_from = ref() if ref is not None else None
+    return model if made_from is None else made_from
 
 
 _COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
@@ -142,6 +144,6 @@ def exact_copy(loaded: LoadedModel) -> LoadedModel:
         model = copy.deepcopy(loaded.model, memo)
         make_exact(model)
         model.sparrow_exact = True
-        model.__dict__["sparrow_exact_source"] = loaded.model  # not a submodule: what the copy was made from
+        model.__dict__["sparrow_exact_source"] = weakref.ref(loaded.model)  # weak: _COPIES' key must stay freeable
         _COPIES[loaded.model] = model
     return LoadedModel(model=model, tokenizer=loaded.tokenizer, name=loaded.name, processor=loaded.processor)
