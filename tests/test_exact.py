@@ -160,3 +160,15 @@ def test_exact_and_compile_are_refused_before_loading():
         sparrow.load("no-such-model-is-loaded", drafter="prompt-lookup", exact=True, compile=True)
     with pytest.raises(UserError, match="exact must be"):
         sparrow.load("no-such-model-is-loaded", drafter="prompt-lookup", exact="yes")
+
+
+def test_cli_refuses_exact_with_compile_in_one_line_before_loading():
+    from typer.testing import CliRunner
+
+    from sparrow.cli import app
+
+    result = CliRunner().invoke(app, ["generate", "hi", "--target", "no-such-model-is-loaded", "--drafter",
+                                      "prompt-lookup", "--exact", "--compile"])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--compile" in errors[0] and "Traceback" not in result.output

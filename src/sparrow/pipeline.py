@@ -30,7 +30,7 @@ from sparrow.batch import Generation, fork_drafter
 from sparrow.config import (SamplingConfig, StoppingConfig, check_max_new_tokens, check_seed, check_temperature,
                             check_top_k, check_top_p)
 from sparrow.drafters.base import Drafter
-from sparrow.drafters.registry import REGISTRY, build_drafter, check_drafter_args
+from sparrow.drafters.registry import REGISTRY, build_drafter, check_compile, check_drafter_args
 from sparrow.engine import speculative_decode
 from sparrow.errors import UserError
 from sparrow.locks import holding, stateful_objects
@@ -323,6 +323,7 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     if not isinstance(compile, bool):
         raise UserError(f"compile must be True or False, got {compile!r}")
     exact = resolve_exact(exact, compile)
+    check_compile(drafter, compile)
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
                                      device, dtype)
     if isinstance(target, str):
