@@ -135,8 +135,9 @@ def test_bfloat16_speculative_equals_plain(tokenizer, arch, drafter):
     model = tiny_model(arch, seed=0).to(torch.bfloat16)
     target = LoadedModel(model, tokenizer, "tiny")
     draft = LoadedModel(perturbed(model, 0.05, seed=1), tokenizer, "close") if drafter != "prompt-lookup" else None
-    pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=4, adaptive=False, draft_quant="none")
-    assert is_exact(pipe.target.model)  # on by default
+    pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=4, adaptive=False, draft_quant="none",
+                        exact=True)
+    assert is_exact(pipe.target.model)
     drafted, accepted = generate_all(pipe)
     assert 0 < accepted <= drafted
 
@@ -153,6 +154,12 @@ def test_quantized_target_speculative_equals_its_plain_decoding(tokenizer, quant
     assert pipe.target.model.sparrow_quantization.name == quant and is_exact(pipe.target.model)
     drafted, accepted = generate_all(pipe)
     assert 0 < accepted <= drafted
+
+
+def test_exact_is_on_by_default_for_quantized_targets_only(tokenizer):
+    target = LoadedModel(tiny_128(), tokenizer, "tiny-128")
+    assert not is_exact(sparrow.load(target, drafter="prompt-lookup").target.model)
+    assert is_exact(sparrow.load(target, drafter="prompt-lookup", quant="int8").target.model)
 
 
 def test_exact_and_compile_are_refused_before_loading():

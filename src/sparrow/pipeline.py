@@ -317,12 +317,12 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     compile: static KV cache and torch.compile'd decode / verify steps for the target and the draft of
     draft-model / quantized-self (`sparrow.compiled`; text LMs without sliding-window layers).
     exact: batch-invariant verification (`sparrow.batch_invariant`): each verify row computed as plain decoding
-    computes it, so greedy output equals plain decoding token for token in any dtype; None (default): on, except
-    with compile (torch.compile traces its own kernels); see `resolve_exact`.
+    computes it, so greedy output equals plain decoding token for token in any dtype; None (default): on for a
+    quantized target (quant=), off otherwise and with compile (torch.compile traces its own kernels).
     """
     if not isinstance(compile, bool):
         raise UserError(f"compile must be True or False, got {compile!r}")
-    exact = resolve_exact(exact, compile)
+    exact = resolve_exact(exact, compile, quant)
     check_compile(drafter, compile)
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
                                      device, dtype)
@@ -336,15 +336,16 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
                   _quantized_run(quant, draft_quant, draft), drafter_options, compile, exact)
 
 
-def resolve_exact(exact: bool | None, compiled: bool = False) -> bool:
-    """Whether the target runs batch-invariant forwards: `exact`, or by default (None) unless compiled. Refuses
-    exact=True with compile=True before any model loads."""
+def resolve_exact(exact: bool | None, compiled: bool = False, quant: str | None = None) -> bool:
+    """Whether the target runs batch-invariant forwards: `exact`, or by default (None) for a quantized target
+    unless compiled (a dense target opts in: its cost was not measured <= 10 % yet, see docs/lossless.md).
+    Refuses exact=True with compile=True before any model loads."""
     if exact is not None and not isinstance(exact, bool):
         raise UserError(f"exact must be True, False or None, got {exact!r}")
     if exact and compiled:
         raise UserError("exact=True (--exact) and compile=True (--compile) do not combine: torch.compile generates "
                          "its own kernels, which are not row-invariant; drop one")
-    return not compiled if exact is None else exact
+    return (quant is not None and not compiled) if exact is None else exact
 
 
 def _quantized(loaded: LoadedModel, quant: str | None, keep_dense: bool = False) -> LoadedModel:
@@ -425,7 +426,7 @@ class PipelineCache:
             device: str | None = None, quant: str | None = None, draft_quant: str | None = None,
             exact: bool | None = None) -> Pipeline:
         options: dict[str, Any] = {}
-        exact = resolve_exact(exact)
+        exact = resolve_exact(exact, quant=quant)
         draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
                                          device, dtype)  # before loading
         key = (_key(target), drafter, _key(draft), num_draft_tokens, adaptive, resolve_dtype(dtype, device),

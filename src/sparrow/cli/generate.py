@@ -37,7 +37,7 @@ def generate(
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the tokenizer's chat template.")] = False,
     compare: Annotated[bool, typer.Option(help="Also run plain decoding; report identical and speedup.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
-    exact: Annotated[Optional[bool], typer.Option("--exact/--no-exact", help="Batch-invariant verification: each verify row computed exactly as plain decoding computes it, so greedy output equals plain decoding token for token in bfloat16 and on quantized targets too. Default: on, except with --compile.")] = None,
+    exact: Annotated[Optional[bool], typer.Option("--exact/--no-exact", help="Batch-invariant verification: each verify row computed exactly as plain decoding computes it, so greedy output equals plain decoding token for token in bfloat16 too (costs verify speed: attention row by row). Default: on with --quant (except with --compile), off otherwise.")] = None,
     compile_steps: Annotated[bool, typer.Option("--compile/--no-compile", help="Static KV cache and torch.compile'd decode/verify steps for the target and a draft-model/quantized-self draft (text LMs without sliding-window layers; the first steps of each shape compile).")] = False,
     video: Annotated[Optional[str], typer.Option(help="Video file or directory of frames (needs a VLM target).")] = None,
     frames: Annotated[Optional[int], typer.Option(help="Frames sampled uniformly from --video (default 8).")] = None,
