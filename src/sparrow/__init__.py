@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
     if name == "PIPELINES":
         # What `generate` keeps: the 4 most recently used pipelines and the models they run (shared between them).
         # `sparrow.PIPELINES.clear()` frees them.
-        from sparrow.pipeline import PipelineCache
+        from sparrow.pipeline import PipelineCache  # lazily, as every name here (see the module docstring)
 
         return globals().setdefault("PIPELINES", PipelineCache(size=4))
     if name in _LAZY:

@@ -19,32 +19,51 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from sparrow.config import (
+    SamplingConfig,
+    StoppingConfig,
+    check_max_new_tokens,
+    check_seed,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+)
 from sparrow.decoding.baseline import plain_decode
 from sparrow.decoding.batch import Generation, fork_drafter
-from sparrow.config import (SamplingConfig, StoppingConfig, check_max_new_tokens, check_seed, check_temperature,
-                            check_top_k, check_top_p)
-from sparrow.drafters.base import Drafter
-from sparrow.drafters.registry import REGISTRY, build_drafter, check_drafter_args
 from sparrow.decoding.engine import speculative_decode
+from sparrow.drafters.base import Drafter
+from sparrow.drafters.draft_model import DraftModelDrafter
+from sparrow.drafters.registry import REGISTRY, build_drafter, check_compile, check_drafter_args
 from sparrow.errors import UserError
 from sparrow.grammar import FREE, Constraint, Grammars, GrammarSpec, guiding
 from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
+from sparrow.models.quantization import (
+    AUTO,
+    check_quant_args,
+    draft_format,
+    parse_quant,
+    quantized_copy,
+    resolve_draft_quant,
+    target_format,
+)
 from sparrow.noise import PositionalNoise
 from sparrow.policy.measure import follow_cost_curve
-from sparrow.models.quantization import (AUTO, check_quant_args, draft_format, parse_quant, quantized_copy,
-                                         resolve_draft_quant, target_format)
+from sparrow.runtime.batch_invariant import exact_copy, source
+from sparrow.runtime.compiled import traceable
 from sparrow.runtime.runner import runner_for
+from sparrow.speculative_config import given_arguments, merged
 from sparrow.stopping import OnText, Stopper
 from sparrow.text import clean_text
 from sparrow.types import GenerationResult, GenerationStats, Prompt
 from sparrow.verifiers import VERIFIERS, build_verifier
+from sparrow.vision.prompt import encode_media
 
 PromptInput = str | bytes | Sequence[int] | torch.Tensor  # text, UTF-8 bytes, or token ids
 
@@ -99,8 +118,6 @@ class Pipeline:
         if isinstance(prompt, (str, bytes, bytearray)):
             prompt = clean_text(prompt, "prompt")
         if video is not None or image is not None or frames is not None:
-            from sparrow.vision.prompt import encode_media
-
             return encode_media(self.target.processor, prompt, video=video, frames=frames, image=image,
                                 model_name=f"target {self.target.name!r}")
         if isinstance(prompt, str):
@@ -327,7 +344,8 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
          draft: str | LoadedModel | None = "default", num_draft_tokens: int | None = None,
          adaptive: bool = True, verifier: str = "auto", dtype: str = "auto", device: str | None = None,
          progress: bool = True, quant: str | None = None, draft_quant: str | None = None, compile: bool = False,
-         speculative_config: Mapping[str, Any] | str | None = None, **drafter_options) -> Pipeline:
+         speculative_config: Mapping[str, Any] | str | None = None, exact: bool | None = None,
+         **drafter_options) -> Pipeline:
     """Load a target (and a draft model when the drafter needs or uses one) and build a Pipeline.
 
     draft: preset, path or hub id, a LoadedModel, None (no draft), or "default" (qwen2.5-coder-0.5b for
@@ -343,11 +361,16 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     draft-model / quantized-self (`sparrow.runtime.compiled`; text LMs without sliding-window layers).
     speculative_config: vLLM's speculative config (a dict or its JSON text: method, model,
     num_speculative_tokens, ...; `sparrow.speculative_config`), applied over drafter / draft / num_draft_tokens.
+    exact: batch-invariant verification (`sparrow.runtime.batch_invariant`): each verify row computed as plain decoding
+    computes it, so greedy output equals plain decoding token for token in any dtype; None (default): on for a
+    quantized target (quant=), off otherwise and with compile (torch.compile traces its own kernels).
     """
     drafter, draft, num_draft_tokens, drafter_options = with_speculative_config(
         speculative_config, drafter, draft, num_draft_tokens, drafter_options)
     if not isinstance(compile, bool):
         raise UserError(f"compile must be True or False, got {compile!r}")
+    resolve_exact(exact, compile)  # refuses exact with compile before any model loads
+    check_compile(drafter, compile)
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
                                      device, dtype)
     quant = _target_quant(quant, drafter)
@@ -356,17 +379,28 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     if isinstance(draft, str):
         draft = load_model(draft, dtype=dtype, device=device, progress=progress)
     quant = target_format(target.model, quant, compile)
+    exact = resolve_exact(exact, compile, quant)
     target = _quantized(target, quant)
     draft = _quantized(draft, draft_quant, keep_dense=True) if draft is not None else None
     return _build(target, drafter, draft, num_draft_tokens, adaptive, verifier,
-                  _quantized_run(quant, draft_quant, draft), drafter_options, compile)
+                  _quantized_run(quant, draft_quant, draft), drafter_options, compile, exact)
+
+
+def resolve_exact(exact: bool | None, compiled: bool = False, quant: str | None = None) -> bool:
+    """Whether the target runs batch-invariant forwards: `exact`, or by default (None) for a quantized target
+    unless compiled (a dense target opts in: its cost was not measured <= 10 % yet, see docs/lossless.md).
+    Refuses exact=True with compile=True before any model loads."""
+    if exact is not None and not isinstance(exact, bool):
+        raise UserError(f"exact must be True, False or None, got {exact!r}")
+    if exact and compiled:
+        raise UserError("exact=True (--exact) and compile=True (--compile) do not combine: torch.compile generates "
+                         "its own kernels, which are not row-invariant; drop one")
+    return (quant is not None and not compiled) if exact is None else exact
 
 
 def with_speculative_config(config: Mapping[str, Any] | str | None, drafter: str, draft: Any,
                             num_draft_tokens: int | None, options: dict[str, Any]):
     """The Python API's drafter arguments with a speculative config applied (see sparrow.speculative_config)."""
-    from sparrow.speculative_config import given_arguments, merged
-
     given = given_arguments(drafter, draft, num_draft_tokens, options)
     return merged(config, drafter=drafter, draft=draft, num_draft_tokens=num_draft_tokens, options=options,
                   given=given, python=True)
@@ -395,8 +429,10 @@ def _quantized_run(quant: str | None, draft_quant: str | None, draft: LoadedMode
 
 def _build(target: LoadedModel, drafter: str, draft: LoadedModel | None, num_draft_tokens: int | None,
            adaptive: bool, verifier: str, quantized: bool, drafter_options: dict[str, Any],
-           compiled: bool = False) -> Pipeline:
-    """A Pipeline from loaded (and already quantized) models."""
+           compiled: bool = False, exact: bool = False) -> Pipeline:
+    """A Pipeline from loaded (and already quantized) models; exact: over the target's batch-invariant copy."""
+    if exact:
+        target = replace(target, model=exact_copy(target.model))
     built = build_drafter(drafter, target, draft, num_draft_tokens, adaptive, **drafter_options)
     if quantized:  # quantized kernels: k follows the measured cost curve
         follow_cost_curve(built, runner_for(target.model))
@@ -406,9 +442,6 @@ def _build(target: LoadedModel, drafter: str, draft: LoadedModel | None, num_dra
 def _compile_draft_runner(drafter: Drafter | None) -> None:
     """Give a draft-model / quantized-self drafter a compiled runner over its draft (its reduced-head view,
     if any) unless the draft is w8a8; other drafters keep running their forwards eagerly."""
-    from sparrow.runtime.compiled import traceable
-    from sparrow.drafters.draft_model import DraftModelDrafter
-
     if isinstance(drafter, DraftModelDrafter) and traceable(drafter.draft.model):
         drafter.draft = runner_for(drafter.draft.model, compiled=True)
     elif isinstance(drafter, DraftModelDrafter):  # e.g. `--draft-quant auto` chose w8a8 on this CPU
@@ -451,7 +484,7 @@ class PipelineCache:
     def get(self, target: str | LoadedModel, *, drafter: str = "draft-model", draft: str | LoadedModel | None = "default",
             num_draft_tokens: int | None = None, adaptive: bool = True, dtype: str = "auto",
             device: str | None = None, quant: str | None = None, draft_quant: str | None = None,
-            speculative_config: Mapping[str, Any] | str | None = None) -> Pipeline:
+            speculative_config: Mapping[str, Any] | str | None = None, exact: bool | None = None) -> Pipeline:
         drafter, draft, num_draft_tokens, options = with_speculative_config(speculative_config, drafter, draft,
                                                                             num_draft_tokens, {})
         draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
@@ -460,8 +493,10 @@ class PipelineCache:
         if quant == AUTO:  # the format this machine runs the target fastest in (its dense model loaded once)
             with self._lock:
                 quant = target_format(self._model(target, dtype, device, None).model, AUTO)
+        exact = resolve_exact(exact, quant=quant)
         key = (_key(target), drafter, _key(draft), num_draft_tokens, adaptive, resolve_dtype(dtype, device),
-               resolve_device(device), quant, draft_quant, tuple(sorted((k, repr(v)) for k, v in options.items())))
+               resolve_device(device), quant, draft_quant, tuple(sorted((k, repr(v)) for k, v in options.items())),
+               exact)
         with self._lock:
             pipe = self._pipelines.get(key)
             if pipe is not None:
@@ -472,7 +507,7 @@ class PipelineCache:
                 draft_model = (self._model(draft, dtype, device, draft_quant, keep_dense=True)
                                if draft is not None else None)
                 pipe = _build(target_model, drafter, draft_model, num_draft_tokens, adaptive, "auto",
-                              _quantized_run(quant, draft_quant, draft_model), options)
+                              _quantized_run(quant, draft_quant, draft_model), options, exact=exact)
                 self._pipelines[key] = pipe
                 evicted = len(self._pipelines) > self.size
                 if evicted:
@@ -497,7 +532,7 @@ class PipelineCache:
         return self._models[key]
 
     def _drop_unused_models(self) -> None:
-        used = {id(m) for pipe in self._pipelines.values() for m in pipe.models()}
+        used = {id(n) for pipe in self._pipelines.values() for m in pipe.models() for n in (m, source(m))}
         for key in [k for k, m in self._models.items() if id(m.model) not in used]:
             del self._models[key]
 

@@ -270,3 +270,40 @@ def test_cli_visual_prune_with_retrieval_is_lossless(tmp_path):
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     assert record["identical"] is True and record["drafter"] == "visual-prune"
+
+
+@pytest.fixture(scope="module")
+def saved_vlms(tmp_path_factory):
+    """Both tiny VLM kinds saved as checkpoints, and a 16-frame clip: what the CLI loads."""
+    from vlm_models import save_tiny_vlm, write_mp4
+
+    root = tmp_path_factory.mktemp("saved-vlms")
+    dirs = {kind: str(save_tiny_vlm(kind, root / kind, seed=0)) for kind in KINDS}
+    return dirs, str(write_mp4(root / "clip.mp4", moving_squares(16)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("args", [
+    ["--drafter", "draft-model", "--draft-kv", "mm-shiftkv", "--draft-quant", "w8a8"],
+    ["--drafter", "visual-prune", "--drop-rate", "0.5", "--draft-kv", "hybridkv", "--draft-quant", "w8a8"],
+    ["--drafter", "visual-prune", "--drop-rate", "0.5", "--draft-kv", "hybridkv", "--quant", "w8a8"],
+], ids=["draft-model-w8a8-draft", "visual-prune-w8a8-draft", "visual-prune-w8a8-target"])
+def test_cli_draft_kv_policies_run_on_row_wise_attention(saved_vlms, kind, args):
+    """Regression (#31): a w8a8 copy attends row by row ("sparrow_rowwise"), which query capture refused, so
+    `sparrow generate --draft-kv ...` exited 2 whenever the draft (or the target) ran w8a8 -- e.g. when
+    --draft-quant auto picked w8a8 on the user's CPU. The CLI, as the user runs it, must now be lossless."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from sparrow.cli import app
+
+    dirs, clip = saved_vlms
+    result = CliRunner().invoke(app, [
+        "generate", "What moves in this video?", "--target", dirs[kind], "--draft", dirs[kind], *args,
+        "--video", clip, "--frames", "16", "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "16",
+        "-k", "4", "--fixed", "--compare", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["identical"] is True, record
+    assert record["stats"]["num_accepted_tokens"] > 0, record["stats"]

@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import sparrow
+from sparrow.runtime.batch_invariant import source
 from conftest import perturbed
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.models import LoadedModel
@@ -125,7 +126,8 @@ def test_quantized_draft_model_greedy_equals_plain(target, plain, bits):
     pipe = sparrow.load(target, drafter="draft-model", draft=draft, num_draft_tokens=4, draft_quant=bits)
     assert pipe.drafter.draft.model.sparrow_quantization.name == Q.parse_quant(bits)
     assert pipe.drafter.length.curve is not None  # load() is adaptive by default: the cost curve
-    assert pipe.runner.model is target.model  # the target stays unquantized
+    # the target stays unquantized: its exact copy (sparrow.runtime.batch_invariant), sharing its weights
+    assert source(pipe.runner.model) is target.model and not hasattr(pipe.runner.model, "sparrow_quantization")
     drafted, accepted = run_all(pipe, plain)
     assert accepted > 0
 

@@ -47,6 +47,7 @@ def generate(
     compare: Annotated[bool, typer.Option(help="Also run plain decoding; report identical and speedup (both paths warmed up untimed, then timed alternately in ABBA order; medians of --compare-runs runs each).")] = False,
     compare_runs: Annotated[int, typer.Option(help="With --compare: timed runs of each path (ABBA order; the medians are reported).")] = 2,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
+    exact: Annotated[Optional[bool], typer.Option("--exact/--no-exact", help="Batch-invariant verification: each verify row computed exactly as plain decoding computes it, so greedy output equals plain decoding token for token in bfloat16 too (costs verify speed: attention row by row). Default: on with --quant (except with --compile), off otherwise.")] = None,
     compile_steps: Annotated[bool, typer.Option("--compile/--no-compile", help="Static KV cache and torch.compile'd decode/verify steps for the target and a draft-model/quantized-self draft (text LMs without sliding-window layers; the first steps of each shape compile).")] = False,
     video: Annotated[Optional[str], typer.Option(help="Video file or directory of frames (needs a VLM target).")] = None,
     frames: Annotated[Optional[int], typer.Option(help="Frames sampled uniformly from --video (default 8).")] = None,
@@ -68,6 +69,7 @@ def generate(
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow
+    from sparrow.runtime.batch_invariant import is_exact
     from sparrow.vision.video import check_media_args
 
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -95,7 +97,7 @@ def generate(
     # sparrow.load checks the drafter options (e.g. the tree flags) before loading any model.
     pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
                         dtype=dtype.value, device=device, progress=not as_json, quant=quant, draft_quant=draft_quant,
-                        verifier=verify, compile=compile_steps, **drafter_options)
+                        verifier=verify, compile=compile_steps, exact=exact, **drafter_options)
     pipe.request(prompt, **options)  # context-length checks need the tokenizer
     comparison = run_compare(pipe, prompt, options, compare_runs) if compare else None
     result = comparison.speculative[0] if comparison is not None else pipe.generate(prompt, **options)
@@ -107,6 +109,7 @@ def generate(
         "draft": draft_name(drafter, draft), "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
         "temperature": temperature, "stats": result.stats.to_dict(), "quant": target_quant_used(pipe),
         "draft_quant": draft_quant_used(pipe, draft_quant), "compiled": pipe.compiled,
+        "exact": is_exact(pipe.target.model),
         "lossless_relative_to": f"the {target_quant_used(pipe)}-quantized target" if target_quant_used(pipe)
                                 else "the target",
         "tree": tree_record(pipe.drafter, tree),

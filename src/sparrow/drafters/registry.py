@@ -45,6 +45,7 @@ class DrafterEntry:
     uses_draft_model: bool = False  # optional: used when one is given ("auto")
     default_draft: str | None = None  # the draft model `sparrow.load(draft="default")` picks
     config: type | str | None = None  # for a builder taking **options: the dataclass whose fields they are
+    compiles: bool = True  # runs on a compiled target (static KV cache); False: compile=True is refused up front
 
     @property
     def takes_draft_model(self) -> bool:
@@ -79,14 +80,64 @@ REGISTRY: dict[str, DrafterEntry] = {
     "sparse": DrafterEntry("sparrow.drafters.sparse:build", default_num_draft_tokens=8),
     "visual-prune": DrafterEntry("sparrow.drafters.visual_prune:build", default_num_draft_tokens=8,
                                  uses_draft_model=True),
-    "layer-skip": DrafterEntry("sparrow.drafters.layer_skip:build_layer_skip", default_num_draft_tokens=None),
+    "layer-skip": DrafterEntry("sparrow.drafters.layer_skip:build_layer_skip", default_num_draft_tokens=None,
+                               compiles=False),  # drafts in the target's own cache, which it crops per layer
     "eagle": DrafterEntry("sparrow.drafters.eagle:build", default_num_draft_tokens=6),  # option head=PATH
 }
+
+
+@dataclass(frozen=True)
+class OptionRule:
+    """A generation option beside the drafter's name, declared once: what `sparrow.load` receives for it (a
+    small example value, used by tests/test_matrix.py to run every drafter x option) and which drafters it
+    applies to. A drafter whose builder accepts `drafter_option` takes it; `needs_draft`: drafters running a
+    draft model (or quantized-self's copy); `refused_with`: drafters that refuse it whatever their builder
+    says. Anything else is refused before a model loads."""
+
+    name: str
+    load_options: Mapping[str, Any]  # keyword arguments of sparrow.load
+    drafter_option: str | None = None
+    needs_draft: bool = False
+    refused_with: tuple[str, ...] = ()
+    lossy: bool = False  # the output may differ from the target's (checked to run, not to be exact)
+
+    def applies(self, drafter: str) -> bool:
+        if drafter == NONE or drafter in self.refused_with:
+            return False
+        entry = REGISTRY[drafter]
+        if self.load_options.get("compile") and not entry.compiles:
+            return False
+        if self.needs_draft and not (entry.takes_draft_model or drafter == "quantized-self"):
+            return False
+        if self.drafter_option is not None:
+            accepted = entry.options()
+            return accepted is None or self.drafter_option in accepted
+        return True
+
+
+OPTION_RULES: tuple[OptionRule, ...] = (
+    OptionRule("tree", {"tree_budget": 4, "tree_topk": 2, "tree_depth": 3}, drafter_option="tree_budget"),
+    OptionRule("draft-vocab", {"draft_vocab": 64}, drafter_option="draft_vocab"),
+    OptionRule("draft-kv", {"draft_kv": "topk", "draft_kv_budget": 8}, drafter_option="draft_kv"),
+    OptionRule("quantized-draft", {"draft_quant": "int8"}, needs_draft=True),
+    OptionRule("quantized-target", {"quant": "int8"}, refused_with=("quantized-self", "layer-skip")),
+    OptionRule("compile", {"compile": True}),  # not for drafters registered with compiles=False
+    OptionRule("loose", {"verifier": "loose"}, lossy=True),
+)
+"""Every option the CLI and `sparrow.load` take beside the drafter, for the option matrix (tests/test_matrix.py):
+a new option joins the matrix by being declared here, a new drafter by being registered."""
 
 
 def drafter_names() -> tuple[str, ...]:
     """Every registered drafter, now, and "none" (plain decoding)."""
     return (*REGISTRY, NONE)
+
+
+def check_compile(name: str, compile: bool) -> None:
+    """Refuse compile=True for a drafter registered with compiles=False (before any model is loaded)."""
+    if compile and name in REGISTRY and not REGISTRY[name].compiles:
+        raise UserError(f"drafter {name!r} does not run on a compiled target (--compile): it drafts in the "
+                         "target's own KV cache; drop --compile or pick another drafter")
 
 
 def check_drafter_args(name: str, num_draft_tokens: int | None, options: Mapping[str, Any] | None = None) -> None:

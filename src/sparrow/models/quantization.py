@@ -135,6 +135,9 @@ def check_quant_args(drafter: str, quant: str | None, draft_quant: str | None, h
     if quant not in (None, AUTO) and drafter == "quantized-self":
         raise UserError("drafter 'quantized-self' drafts with a quantized copy of an unquantized target; "
                          "drop --quant (or use --drafter draft-model with --draft-quant)")
+    if quant is not None and drafter == "layer-skip":
+        raise UserError("drafter 'layer-skip' needs an unquantized target (its skip sets are tuned on the dense "
+                         "model); drop --quant")
     if draft_quant is not None and not has_draft_model and drafter != "quantized-self":
         raise UserError(f"draft_quant needs a draft model, and drafter {drafter!r} has none")
 

@@ -1,7 +1,8 @@
 """Record the post-RoPE queries a model's prefill computes, without changing its numerics.
 
 A running `QueryCapture` routes the attention of its model's decoder layers from transformers' "sdpa" (or
-sparrow's "sparrow_sdpa", `sparrow.runtime.attention.decode`) to "sparrow_capture" (registered with
+sparrow's "sparrow_sdpa", `sparrow.runtime.attention.decode`, or "sparrow_rowwise", `sparrow.runtime.attention.rowwise`, which
+w8a8 copies and exact verification use) to "sparrow_capture" (registered with
 `transformers.AttentionInterface`, and its mask with the sdpa mask function): it calls the very function the
 layer's config named before, with the very same arguments, so outputs are bit-identical. Every forward that
 starts from an empty cache (query length == key length: a prefill) also stores, per layer, a copy of the
@@ -24,13 +25,16 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-from sparrow.runtime.attention.decode import NAME, SDPA, attend
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from sparrow.runtime.attention import rowwise as rowwise_attention
+from sparrow.runtime.attention.decode import SDPA
 from sparrow.runtime.attention.layers import attention_configs, decoder_layers
 from sparrow.errors import UserError
 
 IMPLEMENTATION = "sparrow_capture"
+CAPTURABLE = (*SDPA, rowwise_attention.NAME)  # implementations with sdpa's mask format, called as they are
 _ACTIVE: set[QueryCapture] = set()  # started, not yet stopped
 _SWITCHED: dict[int, tuple[Any, Any, int]] = {}  # id(config) -> (config, implementation before, captures on it)
 
@@ -53,8 +57,8 @@ def _capture_attention(module: torch.nn.Module, query: Tensor, key: Tensor, valu
             if id(module) in capture.module_ids:
                 capture.observe(module, query, key, value, kwargs.get("scaling"))
     switched = _SWITCHED.get(id(getattr(module, "config", None)))
-    forward = attend if switched is not None and switched[1] == NAME else sdpa_attention_forward  # what it replaced
-    return forward(module, query, key, value, attention_mask, **kwargs)
+    replaced = switched[1] if switched is not None and switched[1] in CAPTURABLE else "sdpa"  # what it replaced
+    return ALL_ATTENTION_FUNCTIONS[replaced](module, query, key, value, attention_mask, **kwargs)
 
 
 def register() -> None:
@@ -64,10 +68,11 @@ def register() -> None:
 
 
 def check_capturable(model: torch.nn.Module) -> None:
-    """ValueError unless the decoder's attention runs through sdpa (or already through the capture wrapper)."""
+    """UserError unless the decoder's attention runs through sdpa or one of sparrow's sdpa-based implementations
+    (`CAPTURABLE`), or already through the capture wrapper."""
     for config in attention_configs(model):
         implementation = config._attn_implementation
-        if implementation not in (*SDPA, IMPLEMENTATION):
+        if implementation not in (*CAPTURABLE, IMPLEMENTATION):
             raise UserError(f"query capture needs a model with attn_implementation='sdpa', got {implementation!r} "
                              "(load it with attn_implementation='sdpa')")
 

@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from sparrow.runtime.attention.decode import SDPA, attend
+from sparrow.runtime.attention.layers import attention_configs
 
 NAME = "sparrow_rowwise"
 MAX_ROWS = 64  # verify chains and trees; a longer forward is a prefill
@@ -61,9 +62,9 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
 def use_rowwise(model: nn.Module) -> bool:
-    """Switch `model` (a transformers model whose config says sdpa) to row-wise attention; False if it is not sdpa."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) not in SDPA:
-        return False
-    config._attn_implementation = NAME
-    return True
+    """Switch the decoder attention of `model` (a transformers model) from sdpa to row-wise attention, in place;
+    False if it is not sdpa. A VLM's vision tower is left alone (as `sparrow.runtime.attention.decode.use` does)."""
+    configs = [c for c in attention_configs(model) if getattr(c, "_attn_implementation", None) in (*SDPA, NAME)]
+    for config in configs:
+        config._attn_implementation_internal = NAME  # this config only, not its sub-configs
+    return bool(configs)

@@ -1,0 +1,101 @@
+"""The option matrix, through `sparrow.load` (what the CLI and the server call): for each model family (tiny random
+Llama, Qwen2, Gemma-3, Qwen2.5-VL, LLaVA-OneVision), every registered drafter alone and with every option of
+`sparrow.drafters.registry.OPTION_RULES` either runs exactly (float32 greedy == the pipeline's plain decoding,
+drafts accepted where the drafter drafts) or is refused with a one-line UserError. An option a drafter does not
+take is refused before any model loads. Cases come from the registry: a new drafter or option joins by itself."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_gemma3, tiny_model
+from vlm_models import byte_tokenizer, moving_squares, tiny_processor, tiny_vlm
+
+import sparrow
+import sparrow.pipeline
+from sparrow.drafters.registry import OPTION_RULES, REGISTRY, OptionRule
+from sparrow.errors import UserError
+from sparrow.models import LoadedModel
+from sparrow.vision.video import Video
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = ("llama", "qwen2", "gemma3", "qwen2.5-vl", "llava-onevision")
+VLMS = ("qwen2.5-vl", "llava-onevision")
+TOKENS = 10
+MUST_ACCEPT = ("draft-model", "quantized-self", "auto")  # drafting with the target itself (or its copy)
+DRAFTER_OPTIONS = {"layer-skip": {"skip_set": {"num_layers": 2, "mlp": [1]}}}  # tiny models ship no tuned set
+CASES = [(drafter, rule) for drafter in REGISTRY for rule in (None, *OPTION_RULES)]
+SLOW = {("qwen2", "compile")}  # torch.compile costs ~30 s a case; llama runs the same compiled code path
+
+
+def family_cases(family: str) -> list:
+    return [c for c in CASES if c[1] is None or (family, c[1].name) not in SLOW]
+
+
+def case_id(case) -> str:
+    drafter, rule = case
+    return f"{drafter}+{rule.name if rule else 'plain'}"
+
+
+@pytest.fixture(scope="module")
+def family(request, tokenizer):
+    """(target, prompt options) of one family; float32."""
+    name = request.param
+    if name in VLMS:
+        tok = byte_tokenizer()
+        target = LoadedModel(tiny_vlm(name, tok, seed=0), tok, name, tiny_processor(name, tok))
+        return name, target, {"video": Video.from_array(moving_squares(8)), "frames": 8}
+    model = tiny_gemma3(num_layers=2) if name == "gemma3" else tiny_model(name, seed=0)
+    return name, LoadedModel(model, tokenizer, name), {}
+
+
+def one_line(error: BaseException) -> bool:
+    text = str(error).strip()
+    return bool(text) and "\n" not in text
+
+
+def refused_up_front(drafter: str, rule: OptionRule | None) -> bool:
+    """Whether sparrow.load refuses (drafter, rule) with model names only, before it would load any model."""
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(sparrow.pipeline, "load_model", no_loading)
+    try:
+        sparrow.load("matrix-target", drafter=drafter, draft="matrix-draft", **(rule.load_options if rule else {}))
+    except UserError as e:
+        return one_line(e)
+    except AssertionError:
+        return False
+    finally:
+        patch.undo()
+    return False
+
+
+@pytest.mark.parametrize(("family", "case"), [(f, c) for f in FAMILIES for c in family_cases(f)],
+                         ids=[f"{f}-{case_id(c)}" for f in FAMILIES for c in family_cases(f)], indirect=["family"])
+def test_every_drafter_and_option_runs_exactly_or_is_refused(family, case):
+    name, target, media = family
+    drafter, rule = case
+    entry = REGISTRY[drafter]
+    if rule is not None and not rule.applies(drafter):  # the registry says it does not apply: refused up front
+        assert refused_up_front(drafter, rule), f"{drafter} with {rule.name} is not refused before loading"
+        return
+    options = {**DRAFTER_OPTIONS.get(drafter, {}), **(rule.load_options if rule is not None else {})}
+    try:
+        pipe = sparrow.load(target, drafter=drafter, draft=target if entry.takes_draft_model else None,
+                            num_draft_tokens=3, adaptive=False, **options)
+        result = pipe.generate("The quick brown fox", max_new_tokens=TOKENS, **media)
+    except UserError as e:  # a combination this family cannot run (e.g. compile on a VLM): one clear line
+        assert one_line(e), str(e)
+        print(f"MATRIX {name} {case_id(case)} refused: {e}")
+        return
+    stats = result.stats
+    assert result.new_tokens == TOKENS and stats.num_accepted_tokens <= stats.num_draft_tokens
+    if rule is not None and rule.lossy:
+        return
+    assert result.token_ids == pipe.generate_plain("The quick brown fox", max_new_tokens=TOKENS, **media).token_ids
+    print(f"MATRIX {name} {case_id(case)} ran: accepted {stats.num_accepted_tokens}/{stats.num_draft_tokens}")
+    if drafter in MUST_ACCEPT and (rule is None or rule.name != "draft-vocab"):  # 64 tokens may miss the text
+        assert stats.num_accepted_tokens > 0, (name, drafter, stats)
