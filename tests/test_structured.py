@@ -26,9 +26,9 @@ from conftest import perturbed, tiny_model, tiny_tokenizer
 from live import serving
 from typer.testing import CliRunner
 
-from sparrow.decoding.batch import Batch, BatchPolicy
 from sparrow.cli import app as cli
 from sparrow.config import SamplingConfig
+from sparrow.decoding.batch import Batch, BatchPolicy
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.grammar import Grammars, GrammarSpec, masked

@@ -352,7 +352,8 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     draft-model / cross-vocab / auto; none for visual-prune, which then drafts with the pruned target).
 
     quant: int8 | int4 weight-only or w8a8 (CPU) target (lossless only relative to the quantized target); "auto":
-    the format this machine measured fastest for a verification step (sparrow.runtime.hardware.choose_target_quant; dense
+    the format this machine measured fastest for a verification step (sparrow.runtime.hardware.choose_target_quant;
+    dense
     where none pays; lossless then relative to the target in the format chosen); "none": dense.
     draft_quant: int8 | int4 | w8a8 draft model, or the format of the "quantized-self" copy (default int4);
     "auto": the format this machine measured fastest for one draft row (sparrow.runtime.hardware.choose_draft_quant;
@@ -481,10 +482,21 @@ class PipelineCache:
             self._models.clear()
         gc.collect()
 
-    def get(self, target: str | LoadedModel, *, drafter: str = "draft-model", draft: str | LoadedModel | None = "default",
-            num_draft_tokens: int | None = None, adaptive: bool = True, dtype: str = "auto",
-            device: str | None = None, quant: str | None = None, draft_quant: str | None = None,
-            speculative_config: Mapping[str, Any] | str | None = None, exact: bool | None = None) -> Pipeline:
+    def get(
+        self,
+        target: str | LoadedModel,
+        *,
+        drafter: str = "draft-model",
+        draft: str | LoadedModel | None = "default",
+        num_draft_tokens: int | None = None,
+        adaptive: bool = True,
+        dtype: str = "auto",
+        device: str | None = None,
+        quant: str | None = None,
+        draft_quant: str | None = None,
+        speculative_config: Mapping[str, Any] | str | None = None,
+        exact: bool | None = None,
+    ) -> Pipeline:
         drafter, draft, num_draft_tokens, options = with_speculative_config(speculative_config, drafter, draft,
                                                                             num_draft_tokens, {})
         draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,

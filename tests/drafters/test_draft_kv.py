@@ -9,8 +9,8 @@ import torch
 from vlm_models import KINDS, byte_tokenizer, moving_squares, perturbed, tiny_processor, tiny_vlm
 
 from sparrow.drafters import build_drafter
-from sparrow.drafters.kv.draft_kv import DraftKV, DraftKVConfig, draft_kv_config, kv_bytes, with_draft_kv
 from sparrow.drafters.kv.compress import HybridKV
+from sparrow.drafters.kv.draft_kv import DraftKV, DraftKVConfig, draft_kv_config, kv_bytes, with_draft_kv
 from sparrow.drafters.visual_prune import VisualPruneDrafter, visual_span
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import perturbed
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import sparrow
-from sparrow.runtime.batch_invariant import source
-from conftest import perturbed
-from sparrow.runtime.cached_model import CachedModel
-from sparrow.models import LoadedModel
 from sparrow.drafters import build_drafter
-from sparrow.pipeline import Pipeline
+from sparrow.models import LoadedModel
 from sparrow.models import quantization as Q
-from sparrow.runtime import quant
+from sparrow.pipeline import Pipeline
+from sparrow.policy.estimates import CostCurve, best_length, expected_tokens
 from sparrow.policy.length import LengthPolicy
 from sparrow.policy.measure import measure_cost_curve
-from sparrow.policy.estimates import CostCurve, best_length, expected_tokens
+from sparrow.runtime import quant
+from sparrow.runtime.batch_invariant import source
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import StepStats
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is"]
@@ -224,9 +224,17 @@ def test_w8a8_siblings_in_one_call_equal_separate_calls_bit_for_bit(family, monk
     y = x.clone()
     attention.q_proj(y)
     y.mul_(2)  # changed in place after q: k must not take columns computed from the old values
-    assert torch.equal(attention.k_proj(y), quant.DynamicInt8Linear(
-        model.config.hidden_size, attention.k_proj.out_features, attention.k_proj.int8_weight(), attention.k_proj.scales,
-        attention.k_proj.bias, attention.k_proj.reduce_range)(y))
+    assert torch.equal(
+        attention.k_proj(y),
+        quant.DynamicInt8Linear(
+            model.config.hidden_size,
+            attention.k_proj.out_features,
+            attention.k_proj.int8_weight(),
+            attention.k_proj.scales,
+            attention.k_proj.bias,
+            attention.k_proj.reduce_range,
+        )(y),
+    )
 
 
 def test_w8a8_refuses_other_devices_and_round_trips_the_disk_cache(target, tmp_path):

@@ -67,21 +67,35 @@ class DrafterEntry:
 
 
 REGISTRY: dict[str, DrafterEntry] = {
-    "draft-model": DrafterEntry("sparrow.drafters.draft_model:build", default_num_draft_tokens=8, needs_draft_model=True,
-                                default_draft="qwen2.5-coder-0.5b"),
+    "draft-model": DrafterEntry(
+        "sparrow.drafters.draft_model:build",
+        default_num_draft_tokens=8,
+        needs_draft_model=True,
+        default_draft="qwen2.5-coder-0.5b",
+    ),
     "prompt-lookup": DrafterEntry("sparrow.drafters.prompt_lookup:build", default_num_draft_tokens=16),
     "suffix": DrafterEntry("sparrow.drafters.suffix:build", default_num_draft_tokens=16),
     "quantized-self": DrafterEntry("sparrow.drafters.quantized_self:build_quantized_self", default_num_draft_tokens=8),
-    "cross-vocab": DrafterEntry("sparrow.drafters.cross_vocab:build", default_num_draft_tokens=8,
-                                needs_draft_model=True, default_draft="qwen2.5-coder-0.5b",
-                                config="sparrow.drafters.cross_vocab:CrossVocabConfig"),
-    "auto": DrafterEntry("sparrow.drafters.auto:build", default_num_draft_tokens=16, uses_draft_model=True,
-                         default_draft="qwen2.5-coder-0.5b"),
+    "cross-vocab": DrafterEntry(
+        "sparrow.drafters.cross_vocab:build",
+        default_num_draft_tokens=8,
+        needs_draft_model=True,
+        default_draft="qwen2.5-coder-0.5b",
+        config="sparrow.drafters.cross_vocab:CrossVocabConfig",
+    ),
+    "auto": DrafterEntry(
+        "sparrow.drafters.auto:build",
+        default_num_draft_tokens=16,
+        uses_draft_model=True,
+        default_draft="qwen2.5-coder-0.5b",
+    ),
     "sparse": DrafterEntry("sparrow.drafters.sparse:build", default_num_draft_tokens=8),
-    "visual-prune": DrafterEntry("sparrow.drafters.visual_prune:build", default_num_draft_tokens=8,
-                                 uses_draft_model=True),
-    "layer-skip": DrafterEntry("sparrow.drafters.layer_skip:build_layer_skip", default_num_draft_tokens=None,
-                               compiles=False),  # drafts in the target's own cache, which it crops per layer
+    "visual-prune": DrafterEntry(
+        "sparrow.drafters.visual_prune:build", default_num_draft_tokens=8, uses_draft_model=True
+    ),
+    "layer-skip": DrafterEntry(
+        "sparrow.drafters.layer_skip:build_layer_skip", default_num_draft_tokens=None, compiles=False
+    ),  # drafts in the target's own cache, which it crops per layer
     "eagle": DrafterEntry("sparrow.drafters.eagle:build", default_num_draft_tokens=6),  # option head=PATH
 }
 

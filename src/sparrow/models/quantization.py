@@ -53,7 +53,8 @@ from sparrow.runtime.quant import (
 )
 
 QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4, "w8a8": 8}  # format -> bits per weight
-AUTO = "auto"  # --draft-quant auto: the draft format this machine runs fastest (sparrow.runtime.hardware.choose_draft_quant)
+# --draft-quant auto: the draft format this machine runs fastest (sparrow.runtime.hardware.choose_draft_quant)
+AUTO = "auto"
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 128
 FORMAT_VERSION = 2  # bump when the on-disk layout changes (2: a cache entry directory with a manifest)
@@ -91,8 +92,8 @@ def resolve_draft_quant(draft_quant: str | int | None, drafter: str, has_draft_m
 
 
 def draft_format(model: nn.Module | None, draft_quant: str | None) -> str | None:
-    """The format a loaded draft model runs in: `draft_quant`, or for 'auto' the format sparrow.runtime.hardware measured
-    fastest for one row on the model's device in its dtype, where that kernel takes at least one of the model's
+    """The format a loaded draft model runs in: `draft_quant`, or for 'auto' the format sparrow.runtime.hardware
+    measured fastest for one row on the model's device in its dtype, where that kernel takes at least one of the model's
     linear layers (None, a dense draft, otherwise and where there is no draft)."""
     if draft_quant != AUTO:
         return draft_quant
@@ -111,8 +112,8 @@ def draft_format(model: nn.Module | None, draft_quant: str | None) -> str | None
 
 
 def target_format(model: nn.Module, quant: str | None, compile: bool = False) -> str | None:
-    """The format a loaded target runs in: `quant`, or for 'auto' the format sparrow.runtime.hardware measured fastest for
-    a verification step (8 rows) on the model's device in its dtype (`choose_target_quant`; not w8a8 with
+    """The format a loaded target runs in: `quant`, or for 'auto' the format sparrow.runtime.hardware measured
+    fastest for a verification step (8 rows) on the model's device in its dtype (`choose_target_quant`; not w8a8 with
     `compile`, which cannot trace it), where that kernel takes at least one of the model's linear layers; None
     (dense) otherwise."""
     if quant != AUTO:
@@ -382,5 +383,18 @@ def summary(model: nn.Module) -> dict[str, object]:
             "skipped_layers": list(info.skipped)}
 
 
-__all__ = ["QUANT_BITS", "W8A8", "check_quant_args", "QuantizedLinear", "DynamicInt8Linear", "QuantizationInfo", "quantize_model", "quantized_copy",
-           "quantized_cache_entry", "parse_quant", "weight_bytes", "describe", "summary"]
+__all__ = [
+    "QUANT_BITS",
+    "W8A8",
+    "check_quant_args",
+    "QuantizedLinear",
+    "DynamicInt8Linear",
+    "QuantizationInfo",
+    "quantize_model",
+    "quantized_copy",
+    "quantized_cache_entry",
+    "parse_quant",
+    "weight_bytes",
+    "describe",
+    "summary",
+]

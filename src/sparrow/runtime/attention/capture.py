@@ -1,7 +1,8 @@
 """Record the post-RoPE queries a model's prefill computes, without changing its numerics.
 
 A running `QueryCapture` routes the attention of its model's decoder layers from transformers' "sdpa" (or
-sparrow's "sparrow_sdpa", `sparrow.runtime.attention.decode`, or "sparrow_rowwise", `sparrow.runtime.attention.rowwise`, which
+sparrow's "sparrow_sdpa", `sparrow.runtime.attention.decode`, or "sparrow_rowwise", `sparrow.runtime.attention.rowwise`,
+which
 w8a8 copies and exact verification use) to "sparrow_capture" (registered with
 `transformers.AttentionInterface`, and its mask with the sdpa mask function): it calls the very function the
 layer's config named before, with the very same arguments, so outputs are bit-identical. Every forward that
@@ -28,10 +29,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from sparrow.errors import UserError
 from sparrow.runtime.attention import rowwise as rowwise_attention
 from sparrow.runtime.attention.decode import SDPA
 from sparrow.runtime.attention.layers import attention_configs, decoder_layers
-from sparrow.errors import UserError
 
 IMPLEMENTATION = "sparrow_capture"
 CAPTURABLE = (*SDPA, rowwise_attention.NAME)  # implementations with sdpa's mask format, called as they are
