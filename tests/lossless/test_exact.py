@@ -94,7 +94,7 @@ def test_exact_copy_leaves_the_users_model_alone(tokenizer):
     assert is_exact(copy) and not is_exact(model) and exact_copy(loaded.model) is copy
     assert model.config._attn_implementation != "sparrow_rowwise"
     assert all("forward" not in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear)
-    assert copy.model.lm_head.weight is model.lm_head.weight  # weights shared, not copied
+    assert copy.lm_head.weight is model.lm_head.weight  # weights shared, not copied
 
 
 # --- rows == steps, with negative controls -------------------------------------------------------------------

@@ -534,7 +534,7 @@ def test_make_run_measures_after_its_installs_and_before_generating():
     then measures (`sparrow doctor`), then generates."""
     from pathlib import Path
 
-    lines = Path(__file__).parents[1].joinpath("Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
+    lines = Path(__file__).parents[2].joinpath("Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
     steps = [line.strip() for line in lines.splitlines() if line.startswith("\t")]
     order = [next(i for i, step in enumerate(steps) if what in step)
              for what in ("sparrow models install", "sparrow doctor", "sparrow generate")]
