@@ -65,7 +65,7 @@ def build_workload() -> list[Request]:
     """The requests, in the order an agent sends them (file edits, tool calls and document rewrites interleaved)."""
     code = _source("src/sparrow/tree.py", "def path_to", 10) + "\n\n\n" + _source("src/sparrow/tree.py",
                                                                                     "def merge_paths", 20)
-    doc = _source("src/sparrow/engine.py", "def speculative_decode", 12)
+    doc = _source("src/sparrow/decoding/engine.py", "def speculative_decode", 12)
     requests = []
     for turn in range(4):
         current = code if turn == 0 else "{previous}"
@@ -154,7 +154,7 @@ def micro(args: argparse.Namespace) -> None:
     from sparrow.types import Prompt
 
     g = torch.Generator().manual_seed(0)
-    text = (ROOT / "src/sparrow/engine.py").read_text().encode()
+    text = (ROOT / "src/sparrow/decoding/engine.py").read_text().encode()
     ids = list(text[:8000])  # bytes as token ids: real text, a vocabulary of 256
     noise = torch.randint(0, 50_000, (8000,), generator=g).tolist()  # novel text: a node per suffix
     for name, seq in (("source text", ids), ("random ids", noise)):
