@@ -135,7 +135,6 @@ class SuffixDrafter(DrafterBase):
         self.store = store if store is not None else SuffixStore(config.max_tree_depth, limits)
         self._local = SuffixTrie(config.max_tree_depth)
         self._seq = -1  # this request's sequence in the store
-        self._prompt_length = 0
         self._synced = 0  # committed tokens already in the request's own trie
         self._first = 0  # the most probable path's length in the last draft
 
@@ -144,22 +143,24 @@ class SuffixDrafter(DrafterBase):
         self._local = SuffixTrie(self.config.max_tree_depth)
         ids = prompt.input_ids.tolist()
         self._local.extend(0, ids)
-        self._prompt_length = self._synced = len(ids)
+        self._synced = len(ids)
         self._seq = self.store.start()
 
-    def _sync(self, committed: list[int]) -> None:
-        """Feed the tokens committed since the last round to the request's trie and its output to the store."""
-        new = committed[self._synced:]
+    def _sync(self, committed: Tensor) -> None:
+        """Feed the tokens committed since the last round (all output: the prompt went in at prefill) to the
+        request's trie and to the store; only those tokens leave the tensor, not the whole sequence."""
+        new = committed[self._synced:].tolist()
         if new:
             self._local.extend(0, new)
             if self.store.enabled:
-                self.store.extend(self._seq, committed[max(self._synced, self._prompt_length):])
-            self._synced = len(committed)
+                self.store.extend(self._seq, new)
+            self._synced += len(new)
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: Randomness) -> Draft:
-        context = committed.tolist()
-        self._sync(context)
+        self._sync(committed)
+        window = max(self._local.depth, self.store.trie.depth) - 1  # the longest suffix a trie can match
+        context = committed[-window:].tolist()
         self._first = 0
         k = self.length.cap(max_tokens)
         if k == 0:
