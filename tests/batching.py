@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sparrow.decoding.batch import Batch, BatchPolicy, Generation
+from sparrow.decoding.batch import Batch, BatchPolicy
+from sparrow.decoding.round import Generation
 from sparrow.pipeline import Pipeline
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is", "a",

@@ -35,8 +35,9 @@ from sparrow.config import (
     check_top_p,
 )
 from sparrow.decoding.baseline import plain_decode
-from sparrow.decoding.batch import Generation, fork_drafter
+from sparrow.decoding.batch import fork_drafter
 from sparrow.decoding.engine import speculative_decode
+from sparrow.decoding.round import Generation
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.registry import REGISTRY, build_drafter, check_compile, check_drafter_args

@@ -4,15 +4,16 @@
     batch.add(sequence)              # prefill now; may join between any two steps
     finished = batch.step()          # every running sequence: draft -> one shared score -> verify -> commit
 
-Each `Generation` is one generation with its own KV cache (a `CachedModel` over the shared model), its own
-drafter (a fork of the pipeline's that shares its models), verifier, sampling randomness and Stopper, so it
-runs exactly the rounds it would run alone: the engine's loop (`sparrow.decoding.engine`) with only the scoring forward
-shared. That forward (`forward_batch`, `score_batch` for targets) pads the ragged inputs [last token, *draft] of
-all sequences to one [B, Q] batch; a cache view (`BatchedKV`) appends each row's new keys to its own cache and
-hands attention the rows' caches padded to one length, with a 4-D mask in which row b sees its own cached prefix
-and its draft's ancestors (a chain: the tokens before; a tree: the tree mask) and nothing else. Each sequence
-then keeps its own accepted length (`CachedModel.keep`): no sequence waits for another's rollback. Greedy output
-is that of the sequence alone, token for token (float32); sampled output has the same distribution with its own
+Each `Generation` (`sparrow.decoding.round`) is one generation with its own KV cache (a `CachedModel` over the
+shared model), its own drafter (a fork of the pipeline's that shares its models), verifier, sampling randomness and
+Stopper, so it runs exactly the rounds it would run alone: the engine's loop (`sparrow.decoding.engine`), with the
+same `start` (prefill, first token) and `finish` (verify, commit, feedback), and only the forwards shared. The
+scoring forward (`forward_batch`, `score_batch` for targets) pads the ragged inputs [last token, *draft] of all
+sequences to one [B, Q] batch; a cache view (`BatchedKV`) appends each row's new keys to its own cache and hands
+attention the rows' caches padded to one length, with a 4-D mask in which row b sees its own cached prefix and its
+draft's ancestors (a chain: the tokens before; a tree: the tree mask) and nothing else. Each sequence then keeps
+its own accepted length (`CachedModel.keep`): no sequence waits for another's rollback. Greedy output is that of
+the sequence alone, token for token (float32); sampled output has the same distribution with its own
 seed. Draft models draft together the same way (`draft_together`: one batched draft forward per position).
 
 The draft budget (`BatchPolicy`): a step of B sequences that drafts k tokens each costs k draft positions of B
@@ -27,54 +28,22 @@ from __future__ import annotations
 import copy
 import time
 import weakref
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from sparrow import sampling as S
-from sparrow.config import SamplingConfig
+from sparrow.decoding.round import Generation, finish, start
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_loop import DraftSteps, Forward
-from sparrow.grammar import FREE, Constraint, masked
 from sparrow.models import LoadedModel
-from sparrow.noise import Randomness, at
-from sparrow.policy.estimates import AcceptanceEstimate, ProbeSchedule, expected_tokens
+from sparrow.noise import at
+from sparrow.policy.estimates import ProbeSchedule, expected_tokens
 from sparrow.runtime.cached_model import CachedModel, additive_mask
-from sparrow.stopping import Stopper
 from sparrow.timing import now
-from sparrow.tree import TreeLayout, on_first_branch
-from sparrow.types import Decoded, Draft, GenerationStats, Prompt, StepStats, TargetOutput, Verdict
-from sparrow.verifiers import Verifier
-
-
-@dataclass
-class Generation:
-    """One generation in a batch: its own cache, drafter, verifier, randomness and stopping rules."""
-
-    target: CachedModel  # its own KV cache over the batch's model
-    drafter: Drafter | None  # None: plain decoding (a draft of 0 tokens every step)
-    verifier: Verifier | None
-    prompt: Prompt
-    sampling: SamplingConfig
-    stopper: Stopper
-    generator: Randomness = None
-    committed: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # prompt + generated
-    steps: list[StepStats] = field(default_factory=list)
-    prefill_seconds: float = 0.0
-    started: float = 0.0  # perf_counter at add()
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # for the batch's draft budget
-    grammar: Constraint = FREE  # structured output: its own grammar state (`sparrow.grammar`)
-
-    @property
-    def done(self) -> bool:
-        return self.stopper.done
-
-    def decoded(self) -> Decoded:
-        return Decoded(list(self.stopper.tokens), self.stopper.finish_reason or "length",
-                       GenerationStats.from_steps(self.steps, self.prefill_seconds))
+from sparrow.tree import TreeLayout
+from sparrow.types import Draft, Prompt, TargetOutput
 
 
 class BatchedKV:
@@ -340,21 +309,9 @@ class Batch:
     def add(self, seq: Generation) -> None:
         """Prefill `seq` (its target cache, its drafter) and choose its first token (which may finish it)."""
         seq.started = time.perf_counter()
-        device = seq.target.device
-        start = now(device)
-        layers = seq.drafter.hidden_layers if seq.drafter is not None else ()
-        with seq.drafter.watch_prefill(seq.target) if seq.drafter is not None else nullcontext():
-            out = seq.target.prefill(seq.prompt, layers)
-        if seq.drafter is not None:
-            seq.drafter.prefill(seq.prompt, seq.target, out)
-            if seq.drafter.length is not None:  # what its drafter learnt so far: the budget's first estimate
-                seq.acceptance = copy.deepcopy(seq.drafter.length.acceptance)
-        n = seq.prompt.input_ids.numel()
-        first = S.choose(masked(out.logits[-1], seq.grammar.allowed()), seq.sampling, at(seq.generator, n))
-        seq.grammar.commit([int(first)])
-        seq.committed = torch.cat([seq.prompt.input_ids.to(device), first.reshape(1)])
-        seq.stopper.push([int(first)])
-        seq.prefill_seconds = now(device) - start
+        start(seq)
+        if seq.drafter is not None and seq.drafter.length is not None:  # what its drafter learnt so far:
+            seq.acceptance = copy.deepcopy(seq.drafter.length.acceptance)  # the budget's first estimate
         if not seq.done:
             self.running.append(seq)
         else:
@@ -404,29 +361,9 @@ class Batch:
                             max(len(d) for d in drafts), phase)
         finished = []
         for seq, draft, out, base, seconds, allowed in zip(seqs, drafts, outs, bases, draft_seconds, masks):
-            noise = at(seq.generator, seq.committed.numel())
-            logits = masked(out.logits, allowed)
-            if seq.verifier is not None and len(draft):  # 3. verify: this sequence's own rule and randomness
-                verdict = seq.verifier.verify(draft, logits, seq.sampling, noise)
-            else:
-                verdict = Verdict(S.choose(logits[-1], seq.sampling, noise).reshape(1), 0)
-            nodes = verdict.accepted_nodes
-            seq.target.keep(base, nodes)  # 4. commit: its own accepted length
-            seq.committed = torch.cat([seq.committed, verdict.tokens.to(device)])
-            seq.grammar.commit(verdict.tokens.tolist())
-            step = StepStats(len(draft), verdict.num_accepted, seconds, verify_seconds, tree=draft.is_tree,
-                             first_branch=not draft.is_tree or on_first_branch(draft.parents, nodes))
-            seq.steps.append(step)
-            if len(draft):
-                seq.acceptance.observe(len(draft), verdict.num_accepted)
-            if seq.drafter is not None:  # 5. feedback, as in the engine
-                layers_out = (
-                    out
-                    if not layers or layers == seq.drafter.hidden_layers
-                    else _select(out, layers, seq.drafter.hidden_layers)
-                )
-                seq.drafter.observe(draft, verdict, layers_out.rows(torch.cat([nodes.new_zeros(1), nodes + 1])), step)
-            seq.stopper.push(verdict.tokens.tolist(), verdict.num_accepted)
+            if seq.drafter is not None and layers and layers != seq.drafter.hidden_layers:
+                out = _select(out, layers, seq.drafter.hidden_layers)  # the layers its drafter asked for
+            finish(seq, draft, out, allowed, base, seconds, lambda: verify_seconds)  # 3.-5.: its own rule and state
             if seq.done:
                 finished.append(seq)
         for seq in finished:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from sparrow import sampling as S
 from sparrow.config import SamplingConfig
+from sparrow.decoding.round import Generation, finish, start
 from sparrow.drafters.base import Drafter
-from sparrow.grammar import FREE, Constraint, masked
+from sparrow.grammar import FREE, Constraint
 from sparrow.noise import Randomness, at
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.stopping import Stopper
 from sparrow.timing import now
-from sparrow.tree import TreeLayout, on_first_branch
-from sparrow.types import Decoded, Draft, GenerationStats, Prompt, StepStats, TargetOutput
+from sparrow.tree import TreeLayout
+from sparrow.types import Decoded, Draft, Prompt, TargetOutput
 from sparrow.verifiers import Verifier
 
 
@@ -42,42 +42,24 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
     grammar: structured output (`sparrow.grammar`): lossless relative to plain decoding of the masked target.
     """
     device, layers = target.device, drafter.hidden_layers
-    start = now(device, sync_timing)
-    with drafter.watch_prefill(target):  # e.g. the sparse drafter records this forward's queries
-        out = target.prefill(prompt, layers)  # cache: prompt; invariant from here on: cache == committed[:-1]
-    drafter.prefill(prompt, target, out)
-    first = S.choose(masked(out.logits[-1], grammar.allowed()), sampling,
-                     at(generator, prompt.input_ids.numel()))  # position: the prompt length
-    grammar.commit(first.reshape(1).tolist())
-    committed = torch.cat([prompt.input_ids.to(device), first.reshape(1)])
-    stopper.push(committed[-1:].tolist())
-    prefill_seconds = now(device, sync_timing) - start
-    steps: list[StepStats] = []
-    while not stopper.done:
+    gen = Generation(target, drafter, verifier, prompt, sampling, stopper, generator, grammar=grammar)
+    # 0. Prefill, then the first token; invariant from here on: the target's cache == committed[:-1].
+    start(gen, sync_timing)
+    while not gen.done:
         t0 = now(device, sync_timing)
         # 1. Draft a chain or a tree; never more nodes than the budget allows, since each round adds a target token.
-        noise = at(generator, committed.numel())  # positional noise: offset 0 is the first draft position
+        noise = at(generator, gen.committed.numel())  # positional noise: offset 0 is the first draft position
         max_tokens = stopper.remaining - 1
-        draft = drafter.propose(committed, max_tokens, sampling, noise)
+        draft = drafter.propose(gen.committed, max_tokens, sampling, noise)
         assert draft.tokens.numel() <= max_tokens, (drafter.name, draft.tokens.numel(), max_tokens)
         # 1b. Grammar: cut the draft where it breaks the grammar, add forced tokens; the masks of its rows.
         draft, allowed = grammar.restrict(draft, max_tokens)
         t1 = now(device, sync_timing)
         # 2. Score: one target forward over [last committed token, *draft] -> [n + 1] rows.
         base = target.length
-        out = score(target, committed[-1:], draft, layers)
-        # 3. Verify: the accepted path plus one bonus or recovered token.
-        verdict = verifier.verify(draft, masked(out.logits, allowed), sampling, noise)
-        # 4. Commit: the target keeps the accepted path's KV (compaction; a crop for chains).
-        nodes = verdict.accepted_nodes
-        target.keep(base, nodes)
-        committed = torch.cat([committed, verdict.tokens.to(device)])
-        grammar.commit(verdict.tokens.tolist())
-        step = StepStats(len(draft), verdict.num_accepted, t1 - t0, now(device, sync_timing) - t1,
-                         tree=draft.is_tree, first_branch=not draft.is_tree or on_first_branch(draft.parents, nodes))
-        steps.append(step)
-        # 5. Feedback: the target's outputs for the committed rows [root, *path] and the round's timings.
-        drafter.observe(draft, verdict, out.rows(torch.cat([nodes.new_zeros(1), nodes + 1])), step)
-        stopper.push(verdict.tokens.tolist(), verdict.num_accepted)  # EOS / stop string / length cut inside the block
-    return Decoded(list(stopper.tokens), stopper.finish_reason or "length",
-                   GenerationStats.from_steps(steps, prefill_seconds))
+        out = score(target, gen.committed[-1:], draft, layers)
+        # 3. Verify: the accepted path plus one bonus or recovered token; 4. commit: the target keeps the accepted
+        # path's KV; 5. feedback: the drafter observes the committed rows and the round's timings (verify seconds:
+        # the score and steps 3-4).
+        finish(gen, draft, out, allowed, base, t1 - t0, lambda: now(device, sync_timing) - t1)
+    return gen.decoded()

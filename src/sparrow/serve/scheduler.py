@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparrow.decoding.batch import Batch, BatchPolicy, Generation, measure_batch_cost, supports_batching
+from sparrow.decoding.batch import Batch, BatchPolicy, measure_batch_cost, supports_batching
+from sparrow.decoding.round import Generation
 from sparrow.errors import UserError
 from sparrow.locks import holding
 from sparrow.pipeline import Pipeline
