@@ -154,7 +154,7 @@ def micro(args: argparse.Namespace) -> None:
     from sparrow.types import Prompt
 
     g = torch.Generator().manual_seed(0)
-    text = (ROOT / "src/sparrow/decoding/engine.py").read_text().encode()
+    text = (ROOT / "src/sparrow/pipeline.py").read_text().encode()  # a source file of over 8000 bytes
     ids = list(text[:8000])  # bytes as token ids: real text, a vocabulary of 256
     noise = torch.randint(0, 50_000, (8000,), generator=g).tolist()  # novel text: a node per suffix
     for name, seq in (("source text", ids), ("random ids", noise)):
