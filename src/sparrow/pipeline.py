@@ -40,6 +40,7 @@ from sparrow.decoding.engine import speculative_decode
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.registry import REGISTRY, build_drafter, check_compile, check_drafter_args
+from sparrow.drafters.requirements import check_models
 from sparrow.errors import UserError
 from sparrow.grammar import FREE, Constraint, Grammars, GrammarSpec, guiding
 from sparrow.locks import holding, stateful_objects
@@ -375,6 +376,8 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
                                      device, dtype)
     quant = _target_quant(quant, drafter)
+    check_models(drafter, drafter_options, target, draft, device=device, compile=compile, quant=quant,
+                 draft_quant=draft_quant)  # what the models' configs say they cannot run, before loading them
     if isinstance(target, str):
         target = load_model(target, dtype=dtype, device=device, progress=progress)
     if isinstance(draft, str):
@@ -502,6 +505,7 @@ class PipelineCache:
         draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
                                          device, dtype)  # before loading
         quant = _target_quant(quant, drafter)
+        check_models(drafter, options, target, draft, device=device, quant=quant, draft_quant=draft_quant)
         if quant == AUTO:  # the format this machine runs the target fastest in (its dense model loaded once)
             with self._lock:
                 quant = target_format(self._model(target, dtype, device, None).model, AUTO)
