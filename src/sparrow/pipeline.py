@@ -56,7 +56,7 @@ from sparrow.models.quantization import (
 )
 from sparrow.noise import PositionalNoise
 from sparrow.policy.measure import follow_cost_curve
-from sparrow.runtime.batch_invariant import exact_copy, source
+from sparrow.runtime.batch_invariant import exact_copy, is_exact, source
 from sparrow.runtime.compiled import traceable
 from sparrow.runtime.runner import runner_for
 from sparrow.speculative_config import given_arguments, merged
@@ -104,6 +104,11 @@ class Pipeline:
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.target.tokenizer
+
+    @property
+    def exact(self) -> bool:
+        """Whether the target verifies batch-invariantly (`sparrow.load(exact=...)`, `--exact`)."""
+        return is_exact(self.target.model)
 
     @property
     def drafter_name(self) -> str:

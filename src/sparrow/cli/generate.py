@@ -186,7 +186,6 @@ def generate(
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow
-    from sparrow.runtime.batch_invariant import is_exact
     from sparrow.vision.video import check_media_args
 
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -226,7 +225,7 @@ def generate(
         "draft": draft_name(drafter, draft), "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
         "temperature": temperature, "stats": result.stats.to_dict(), "quant": target_quant_used(pipe),
         "draft_quant": draft_quant_used(pipe, draft_quant), "compiled": pipe.compiled,
-        "exact": is_exact(pipe.target.model),
+        "exact": pipe.exact,
         "lossless_relative_to": f"the {target_quant_used(pipe)}-quantized target" if target_quant_used(pipe)
                                 else "the target",
         "tree": tree_record(pipe.drafter, tree),
