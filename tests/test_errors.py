@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import tiny_model
@@ -189,3 +190,85 @@ def test_cli_internal_errors_keep_their_traceback(monkeypatch):
     assert "RuntimeError: CUDA error: device-side assert triggered" in result.stderr
     assert result.stderr.rstrip().splitlines()[-1].startswith("internal error: RuntimeError: CUDA error")
     assert not any(line.startswith("error:") for line in result.output.splitlines())
+
+
+# --- refused before any model loads: the options and the models' config.json --------------------------------
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """sparrow.load's loader replaced by a failure: a test passes only where the refusal comes before loading."""
+    import sparrow.pipeline
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(sparrow.pipeline, "load_model", fail)
+
+
+def config_only(directory, config) -> str:
+    """A model directory holding only `config`'s config.json: loading it would fail (no weights)."""
+    config.save_pretrained(directory)
+    return str(directory)
+
+
+def softcapped_config():
+    from transformers import Gemma2Config
+
+    return Gemma2Config(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0)
+
+
+@pytest.mark.parametrize(
+    ("family", "options", "match"),
+    [
+        ("llama", {"drafter": "draft-model", "draft": None}, "drafter 'draft-model' needs a draft model"),
+        ("llama", {"drafter": "eagle"}, "--drafter eagle needs a head for "),
+        ("llama", {"drafter": "eagle", "head": "/no/such/head"}, "--head '/no/such/head' is not a directory"),
+        ("llama", {"drafter": "layer-skip"}, "no tuned skip set ships for model "),
+        ("llama", {"drafter": "quantized-self", "draft_vocab": 1000},
+         "--draft-vocab 1000 is over the target's vocabulary of 320 tokens"),
+        ("llama", {"drafter": "prompt-lookup", "quant": "w8a8", "compile": True},
+         "--quant w8a8 and --compile do not combine"),
+        ("llama", {"drafter": "draft-model", "draft": "gemma3", "compile": True},
+         "compile: models with sliding-window or non-attention layers (the draft model)"),
+        ("gemma3", {"drafter": "sparse"}, "drafter 'sparse' needs a target whose layers all use full attention"),
+        ("gemma3", {"drafter": "prompt-lookup", "compile": True}, "compile: models with sliding-window"),
+        ("gemma3", {"drafter": "layer-skip", "skip_set": {"num_layers": 2, "mlp": [1]}, "tree_budget": 4},
+         "--drafter layer-skip with a draft tree (--tree-budget) needs a target without sliding-window layers"),
+        ("gemma2", {"drafter": "quantized-self", "draft_vocab": 100}, "final logit soft-capping"),
+    ],
+)
+def test_what_the_models_config_rules_out_is_refused_before_loading(family, options, match, tmp_path, no_loading):
+    from conftest import tiny_gemma3
+
+    def config(name):
+        if name == "gemma2":
+            return softcapped_config()
+        return (tiny_gemma3(num_layers=2) if name == "gemma3" else tiny_model(name, seed=0)).config
+
+    if isinstance(options.get("draft"), str):
+        options = {**options, "draft": config_only(tmp_path / "draft", config(options["draft"]))}
+    with pytest.raises(ValueError, match=re.escape(match)) as error:
+        load(config_only(tmp_path / "target", config(family)), **options)
+    assert "\n" not in str(error.value)
+
+
+def test_a_format_without_a_kernel_on_the_device_is_refused_before_loading(tmp_path, no_loading, monkeypatch):
+    import torch
+
+    import sparrow.drafters.requirements
+
+    monkeypatch.setattr(sparrow.drafters.requirements, "resolve_device", lambda device: torch.device("cuda"))
+    target = config_only(tmp_path, tiny_model("llama", seed=0).config)
+    with pytest.raises(ValueError, match="w8a8 runs on the CPU only"):
+        load(target, drafter="prompt-lookup", quant="w8a8")
+
+
+def test_cli_eagle_with_a_missing_head_fails_before_loading(tmp_path, no_loading):
+    target = config_only(tmp_path, tiny_model("llama", seed=0).config)
+    result = cli("generate", "hi", "--target", target, "--drafter", "eagle", "--head", str(tmp_path / "missing"))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [f"error: --head {str(tmp_path / 'missing')!r} is not a directory "
+                                                  "(a head: config.json and model.safetensors, exported by SpecForge "
+                                                  "or saved by `sparrow train head`)"]

@@ -1,8 +1,10 @@
 """The option matrix, through `sparrow.load` (what the CLI and the server call): for each model family (tiny random
 Llama, Qwen2, Gemma-3, Qwen2.5-VL, LLaVA-OneVision), every registered drafter alone and with every option of
 `sparrow.drafters.registry.OPTION_RULES` either runs exactly (float32 greedy == the pipeline's plain decoding,
-drafts accepted where the drafter drafts) or is refused with a one-line UserError. An option a drafter does not
-take is refused before any model loads. Cases come from the registry: a new drafter or option joins by itself."""
+drafts accepted where the drafter drafts) or is refused with a one-line UserError before any model loads: an option a
+drafter does not take from the options alone, one the family cannot run from the family's config.json (the loader
+replaced by a failure). Nothing is refused once the models are loaded. Cases come from the registry: a new drafter
+or option joins by itself."""
 
 from __future__ import annotations
 
@@ -38,15 +40,19 @@ def case_id(case) -> str:
 
 
 @pytest.fixture(scope="module")
-def family(request, tokenizer):
-    """(target, prompt options) of one family; float32."""
+def family(request, tokenizer, tmp_path_factory):
+    """(name, target, prompt options, a directory holding only the target's config.json); float32."""
     name = request.param
     if name in VLMS:
         tok = byte_tokenizer()
         target = LoadedModel(tiny_vlm(name, tok, seed=0), tok, name, tiny_processor(name, tok))
-        return name, target, {"video": Video.from_array(moving_squares(8)), "frames": 8}
-    model = tiny_gemma3(num_layers=2) if name == "gemma3" else tiny_model(name, seed=0)
-    return name, LoadedModel(model, tokenizer, name), {}
+        media = {"video": Video.from_array(moving_squares(8)), "frames": 8}
+    else:
+        model = tiny_gemma3(num_layers=2) if name == "gemma3" else tiny_model(name, seed=0)
+        target, media = LoadedModel(model, tokenizer, name), {}
+    config_dir = tmp_path_factory.mktemp(name)
+    target.model.config.save_pretrained(config_dir)  # what `read_config` reads; loading it would fail (no weights)
+    return name, target, media, str(config_dir)
 
 
 def one_line(error: BaseException) -> bool:
@@ -54,43 +60,56 @@ def one_line(error: BaseException) -> bool:
     return bool(text) and "\n" not in text
 
 
-def refused_up_front(drafter: str, rule: OptionRule | None) -> bool:
-    """Whether sparrow.load refuses (drafter, rule) with model names only, before it would load any model."""
+class Loaded(Exception):
+    """Raised by the replaced loader: sparrow.load got past its checks."""
+
+
+def refusal_before_loading(drafter: str, rule: OptionRule | None, target: str = "matrix-target",
+                           draft: str = "matrix-draft", **options) -> str | None:
+    """The one-line error sparrow.load gives for (drafter, rule) on these model specs before it would load a model,
+    or None where it goes on to load one. The default specs name no model: a decision from the options alone."""
 
     def no_loading(*args, **kwargs):
-        raise AssertionError("a model was loaded before the options were checked")
+        raise Loaded
 
     patch = pytest.MonkeyPatch()
     patch.setattr(sparrow.pipeline, "load_model", no_loading)
     try:
-        sparrow.load("matrix-target", drafter=drafter, draft="matrix-draft", **(rule.load_options if rule else {}))
+        sparrow.load(target, drafter=drafter, draft=draft, **options, **(rule.load_options if rule else {}))
     except UserError as e:
-        return one_line(e)
-    except AssertionError:
-        return False
+        assert one_line(e), str(e)
+        return str(e)
+    except Loaded:
+        return None
     finally:
         patch.undo()
-    return False
+    raise AssertionError("sparrow.load returned without loading a model")
 
 
 @pytest.mark.parametrize(("family", "case"), [(f, c) for f in FAMILIES for c in family_cases(f)],
                          ids=[f"{f}-{case_id(c)}" for f in FAMILIES for c in family_cases(f)], indirect=["family"])
-def test_every_drafter_and_option_runs_exactly_or_is_refused(family, case):
-    name, target, media = family
+def test_every_drafter_and_option_runs_exactly_or_is_refused_before_loading(family, case):
+    name, target, media, config_dir = family
     drafter, rule = case
     entry = REGISTRY[drafter]
     if rule is not None and not rule.applies(drafter):  # the registry says it does not apply: refused up front
-        assert refused_up_front(drafter, rule), f"{drafter} with {rule.name} is not refused before loading"
+        options = DRAFTER_OPTIONS.get(drafter, {})
+        refused = refusal_before_loading(drafter, rule, **options)
+        assert refused is not None, f"{drafter} with {rule.name} is not refused"
+        assert refused != refusal_before_loading(drafter, None, **options), "refused, but not for the option"
         return
     options = {**DRAFTER_OPTIONS.get(drafter, {}), **(rule.load_options if rule is not None else {})}
-    try:
-        pipe = sparrow.load(target, drafter=drafter, draft=target if entry.takes_draft_model else None,
-                            num_draft_tokens=3, adaptive=False, **options)
-        result = pipe.generate("The quick brown fox", max_new_tokens=TOKENS, **media)
-    except UserError as e:  # a combination this family cannot run (e.g. compile on a VLM): one clear line
-        assert one_line(e), str(e)
-        print(f"MATRIX {name} {case_id(case)} refused: {e}")
+    draft = entry.takes_draft_model
+    refused = refusal_before_loading(drafter, None, config_dir, config_dir if draft else None, **options)
+    if refused is not None:  # the family's config rules it out; the loaded family is refused the same way
+        with pytest.raises(UserError) as error:
+            sparrow.load(target, drafter=drafter, draft=target if draft else None, **options)
+        assert str(error.value) == refused.replace(config_dir, name)
+        print(f"MATRIX {name} {case_id(case)} refused before loading: {refused}")
         return
+    pipe = sparrow.load(target, drafter=drafter, draft=target if draft else None, num_draft_tokens=3,
+                        adaptive=False, **options)  # a UserError from here on is a refusal after loading: a failure
+    result = pipe.generate("The quick brown fox", max_new_tokens=TOKENS, **media)
     stats = result.stats
     assert result.new_tokens == TOKENS and stats.num_accepted_tokens <= stats.num_draft_tokens
     if rule is not None and rule.lossy:

@@ -41,18 +41,20 @@ def generate(prompt, *, target: str = "qwen2.5-coder-1.5b", drafter: str = "draf
              draft: str | None = "default", num_draft_tokens: int | None = None,
              adaptive: bool = True, dtype: str = "auto", device: str | None = None,
              quant: str | None = None, draft_quant: str | None = None, speculative_config=None,
-             **options) -> GenerationResult:
+             exact: bool | None = None, **options) -> GenerationResult:
     """One-call API: gets a pipeline from `PIPELINES` (loading its models once), then generates speculatively.
 
     Safe to call from several threads: generations on the same models run one at a time (see sparrow.pipeline).
     quant / draft_quant: "int8" | "int4" weight-only target / draft (see sparrow.load).
     speculative_config: vLLM's speculative config, a dict or JSON text (see sparrow.load).
+    exact: batch-invariant verification, greedy output equal to plain decoding in any dtype (see sparrow.load;
+    None: on for a quantized target).
     options: max_new_tokens, temperature, top_k, top_p, seed, stop, chat.
     """
     pipelines = globals()["PIPELINES"] if "PIPELINES" in globals() else __getattr__("PIPELINES")
     pipe = pipelines.get(target, drafter=drafter, draft=draft, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
                          dtype=dtype, device=device, quant=quant, draft_quant=draft_quant,
-                         speculative_config=speculative_config)
+                         speculative_config=speculative_config, exact=exact)
     return pipe.generate(prompt, **options)
 
 

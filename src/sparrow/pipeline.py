@@ -41,6 +41,7 @@ from sparrow.decoding.round import Generation
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.registry import REGISTRY, build_drafter, check_compile, check_drafter_args
+from sparrow.drafters.requirements import check_models
 from sparrow.errors import UserError
 from sparrow.grammar import FREE, Constraint, Grammars, GrammarSpec, guiding
 from sparrow.locks import holding, stateful_objects
@@ -56,7 +57,7 @@ from sparrow.models.quantization import (
 )
 from sparrow.noise import PositionalNoise
 from sparrow.policy.measure import follow_cost_curve
-from sparrow.runtime.batch_invariant import exact_copy, source
+from sparrow.runtime.batch_invariant import exact_copy, is_exact, source
 from sparrow.runtime.compiled import traceable
 from sparrow.runtime.runner import runner_for
 from sparrow.speculative_config import given_arguments, merged
@@ -104,6 +105,11 @@ class Pipeline:
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.target.tokenizer
+
+    @property
+    def exact(self) -> bool:
+        """Whether the target verifies batch-invariantly (`sparrow.load(exact=...)`, `--exact`)."""
+        return is_exact(self.target.model)
 
     @property
     def drafter_name(self) -> str:
@@ -376,6 +382,8 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
                                      device, dtype)
     quant = _target_quant(quant, drafter)
+    check_models(drafter, drafter_options, target, draft, device=device, compile=compile, quant=quant,
+                 draft_quant=draft_quant)  # what the models' configs say they cannot run, before loading them
     if isinstance(target, str):
         target = load_model(target, dtype=dtype, device=device, progress=progress)
     if isinstance(draft, str):
@@ -503,6 +511,7 @@ class PipelineCache:
         draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
                                          device, dtype)  # before loading
         quant = _target_quant(quant, drafter)
+        check_models(drafter, options, target, draft, device=device, quant=quant, draft_quant=draft_quant)
         if quant == AUTO:  # the format this machine runs the target fastest in (its dense model loaded once)
             with self._lock:
                 quant = target_format(self._model(target, dtype, device, None).model, AUTO)

@@ -179,3 +179,23 @@ def test_cli_refuses_exact_with_compile_in_one_line_before_loading():
     assert result.exit_code == 2, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--compile" in errors[0] and "Traceback" not in result.output
+
+
+def test_sparrow_generate_takes_exact_as_load_does(tokenizer, monkeypatch):
+    model = tiny_model("qwen2", seed=0).to(torch.bfloat16)
+    target = LoadedModel(model, tokenizer, "tiny")
+    draft = LoadedModel(perturbed(model, 0.05, seed=1), tokenizer, "close")
+    cache = sparrow.PipelineCache(size=2)
+    monkeypatch.setattr(sparrow, "PIPELINES", cache)
+    models = dict(target=target, drafter="draft-model", draft=draft, num_draft_tokens=4, adaptive=False,
+                  dtype="bfloat16", draft_quant="none")
+    for prompt in PROMPTS[:3]:
+        result = sparrow.generate(prompt, exact=True, max_new_tokens=TOKENS, **models)
+        pipe = cache.get(**models, exact=True)  # the pipeline generate kept (one per exact setting)
+        assert pipe.exact and len(cache) == 1
+        assert result.token_ids == pipe.generate_plain(prompt, max_new_tokens=TOKENS).token_ids, prompt
+        assert 0 < result.stats.num_accepted_tokens
+    sparrow.generate(PROMPTS[0], exact=False, max_new_tokens=4, **models)
+    assert len(cache) == 2 and not cache.get(**models, exact=False).exact
+    with pytest.raises(UserError, match="exact must be True, False or None"):
+        sparrow.generate(PROMPTS[0], exact="yes", **models)

@@ -240,3 +240,30 @@ def test_load_smollm2_real(monkeypatch):
         a = lm.model(**prompt).logits
         b = again.model(**prompt).logits
     assert torch.equal(a, b)
+
+
+def test_read_config_reads_config_json_without_loading_a_weight(tmp_path, monkeypatch):
+    """What `sparrow.load` checks before loading: a preset's config from its cache entry (any dtype), a directory's
+    config.json; None where that would take more than reading a file."""
+    from conftest import tiny_model
+    from transformers import Qwen2Config
+
+    from sparrow.models import cache
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = tiny_model("qwen2", seed=0).config
+    preset = PRESETS["qwen2.5-coder-0.5b"]
+    assert loading.read_config(preset.name, cache_dir=tmp_path) is None  # not cached yet: the loader builds it
+    entry = loading._cache_dir_for(preset, torch.float32, tmp_path)
+    with cache.open_entry(entry, loading._cache_meta(preset, torch.float32), print) as slot:
+        assert slot.commit(config.save_pretrained)  # a config without weights: read_config reads no weight
+    read = loading.read_config(preset.name.upper(), cache_dir=tmp_path)
+    assert isinstance(read, Qwen2Config) and read.num_hidden_layers == config.num_hidden_layers
+    config.save_pretrained(tmp_path / "dir")
+    assert loading.read_config(str(tmp_path / "dir")).vocab_size == config.vocab_size
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    for unread in (str(tmp_path / "empty"), str(tmp_path / "model.gguf"), "someone/not-cached-anywhere", ""):
+        assert loading.read_config(unread) is None
+    model = tiny_model("llama", seed=0)
+    assert loading.read_config(LoadedModel(model, None, "loaded")) is model.config

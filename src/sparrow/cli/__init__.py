@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -13,6 +13,7 @@ from sparrow.cli.models import models_app
 from sparrow.cli.serve import serve
 from sparrow.cli.train import train_app
 from sparrow.cli.tune import tune_app
+from sparrow.runtime.threads import set_threads
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Lossless speculative decoding for LLMs and Video-LLMs.")
@@ -20,8 +21,12 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_mar
 
 @app.callback()
 def main(debug: Annotated[bool, typer.Option("--debug", help="Also print the traceback of user errors (exit code 2); "
-                                             "internal errors (exit 1) always print theirs.")] = False) -> None:
+                                             "internal errors (exit 1) always print theirs.")] = False,
+         threads: Annotated[Optional[int], typer.Option(
+             "--threads", min=1, help="torch's compute threads. Default: torch's own, but never more than the CPUs "
+             "this process may use (its CPU affinity, and a cgroup CPU quota where one is set).")] = None) -> None:
     """Lossless speculative decoding for LLMs and Video-LLMs."""
+    set_threads(threads)
 
 
 app.command()(generate)

@@ -186,7 +186,6 @@ def generate(
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow
-    from sparrow.runtime.batch_invariant import is_exact
     from sparrow.vision.video import check_media_args
 
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -211,6 +210,7 @@ def generate(
     drafter_options.update(head_options(drafter, head, draft_device))
     drafter_options.update(spec_options)
     check_media_args(video, frames, image)
+    check_media_target(target, video, image)
     # sparrow.load checks the drafter options (e.g. the tree flags) before loading any model.
     pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
                         dtype=dtype.value, device=device, progress=not as_json, quant=quant, draft_quant=draft_quant,
@@ -226,7 +226,7 @@ def generate(
         "draft": draft_name(drafter, draft), "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
         "temperature": temperature, "stats": result.stats.to_dict(), "quant": target_quant_used(pipe),
         "draft_quant": draft_quant_used(pipe, draft_quant), "compiled": pipe.compiled,
-        "exact": is_exact(pipe.target.model),
+        "exact": pipe.exact,
         "lossless_relative_to": f"the {target_quant_used(pipe)}-quantized target" if target_quant_used(pipe)
                                 else "the target",
         "tree": tree_record(pipe.drafter, tree),
@@ -241,6 +241,20 @@ def generate(
         return
     typer.echo(result.text)
     err.print(summary(record, verify))
+
+
+def check_media_target(target: str, video: str | None, images: list[str] | None) -> None:
+    """--video / --image for a target its config.json says is text-only: refused before it loads (the same
+    line the loaded target's processor check gives)."""
+    from sparrow.models.loading import read_config
+
+    if video is None and not images:
+        return
+    config = read_config(target)
+    if config is not None and getattr(config, "vision_config", None) is None:
+        what = "video" if video is not None else "image"
+        raise UserError(f"{what}: target {target!r} is a text-only model; a vision-language model (e.g. Qwen2.5-VL, "
+                        "LLaVA-OneVision) is needed for video or image input")
 
 
 def run_compare(pipe: Any, prompt: str, options: dict[str, Any], runs: int) -> Any:

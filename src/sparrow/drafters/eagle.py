@@ -193,7 +193,7 @@ class EagleDrafter(DrafterBase):
         self.runner.add_features(out.hidden)
 
 
-def _trained_head(target: str) -> Path:
+def trained_head(target: str) -> Path:
     """The head for a preset target: the one shipped in the package, else the one `sparrow train head --target
     PRESET` keeps in the user cache (its latest checkpoint); `sparrow.heads.layout.find_head`."""
     found = find_head(target)
@@ -217,7 +217,7 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
     SparrowSpec) with `SparrowDrafter` (chains). draft_device: run the head there (loaded onto it; a head given
     must already be placed there), the target where it is (Dovetail's split; EAGLE heads only)."""
     if head is None:
-        head = str(_trained_head(target.name))
+        head = str(trained_head(target.name))
     target_device = next(target.model.parameters()).device
     device = _device(draft_device) if draft_device is not None else target_device
     if isinstance(head, str):

@@ -89,10 +89,10 @@ REGISTRY: dict[str, DrafterEntry] = {
         uses_draft_model=True,
         default_draft="qwen2.5-coder-0.5b",
     ),
-    "sparse": DrafterEntry("sparrow.drafters.sparse:build", default_num_draft_tokens=8),
+    "sparse": DrafterEntry("sparrow.drafters.sparse:build", default_num_draft_tokens=8, compiles=False),
     "visual-prune": DrafterEntry(
-        "sparrow.drafters.visual_prune:build", default_num_draft_tokens=8, uses_draft_model=True
-    ),
+        "sparrow.drafters.visual_prune:build", default_num_draft_tokens=8, uses_draft_model=True, compiles=False
+    ),  # sparse and visual-prune read the target's prefill queries, which a static cache's prefill never records
     "layer-skip": DrafterEntry(
         "sparrow.drafters.layer_skip:build_layer_skip", default_num_draft_tokens=None, compiles=False
     ),  # drafts in the target's own cache, which it crops per layer
@@ -150,8 +150,8 @@ def drafter_names() -> tuple[str, ...]:
 def check_compile(name: str, compile: bool) -> None:
     """Refuse compile=True for a drafter registered with compiles=False (before any model is loaded)."""
     if compile and name in REGISTRY and not REGISTRY[name].compiles:
-        raise UserError(f"drafter {name!r} does not run on a compiled target (--compile): it drafts in the "
-                         "target's own KV cache; drop --compile or pick another drafter")
+        raise UserError(f"drafter {name!r} does not run on a compiled target (--compile: a static KV cache); "
+                         "drop --compile or pick another drafter")
 
 
 def check_drafter_args(name: str, num_draft_tokens: int | None, options: Mapping[str, Any] | None = None) -> None:

@@ -26,6 +26,7 @@ from transformers import (
     AutoProcessor,
     AutoTokenizer,
     GgufConfig,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     ProcessorMixin,
@@ -342,6 +343,34 @@ def _load_any(
         )
     with _quiet_transformers(quiet):
         return _from_hub(spec, dtype, device, say)
+
+
+def read_config(spec: str | LoadedModel, cache_dir: Path | str | None = None) -> PretrainedConfig | None:
+    """A model's transformers config, read from its config.json without loading a weight (a LoadedModel's own), so
+    `sparrow.load` can refuse what a model's family cannot run before loading it. None where that would take more
+    than reading a file (a GGUF file, a preset not yet in the cache, a hub id not in the local Hugging Face cache)
+    or the file is not a config transformers reads: the loader then loads it, or reports what is wrong with it."""
+    if isinstance(spec, LoadedModel):
+        return spec.model.config
+    if not isinstance(spec, str) or not spec.strip():
+        return None
+    preset, path = PRESETS.get(spec.strip().lower()), Path(spec).expanduser()
+    source, kwargs = None, {}
+    if preset is not None:  # any cached dtype: the config is the same
+        root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        entries = (_cache_dir_for(preset, dtype, root) for dtype in _CACHE_DTYPES)
+        source = next((str(e) for e in entries if cache.status(e).state == "complete"), None)
+    elif path.is_dir():
+        source = str(path)
+    elif not path.exists() and not _looks_like_path(spec):  # a hub id
+        source, kwargs = spec, {"local_files_only": True}
+    if source is None:
+        return None
+    try:
+        with _quiet_transformers(True):
+            return AutoConfig.from_pretrained(source, **kwargs)
+    except Exception:  # not readable as a config (or not cached): the loader reports it with its own message
+        return None
 
 
 def load_model(

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, StaticCache
+from transformers import PretrainedConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from sparrow.errors import UserError
@@ -57,17 +57,27 @@ def traceable(model: PreTrainedModel) -> bool:
 
 def check_compilable(model: PreTrainedModel) -> None:
     """Refuse models the static path cannot run, naming why (a UserError)."""
-    if getattr(model.config, "vision_config", None) is not None:
-        raise UserError(f"compile: vision-language models ({type(model).__name__}) are not supported; "
-                        "drop --compile / compile=True")
+    check_compilable_config(model.config, type(model).__name__)
     if not traceable(model):
         raise UserError("compile: w8a8 models (--quant w8a8) cannot be compiled (torch.compile cannot trace "
                         "fbgemm's packed int8 weights); drop --compile, or use --quant int8 / int4")
-    config = model.config.get_text_config(decoder=True)
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types) or getattr(config, "use_sliding_window", False):
-        raise UserError(f"compile: models with sliding-window or non-attention layers ({type(model).__name__}) "
-                        "are not supported (a static sliding-window cache cannot be rewound); drop --compile")
+
+
+def check_compilable_config(config: PretrainedConfig, what: str) -> None:
+    """Refuse, from its config alone (before its weights load), a model `what` the static path cannot run: a VLM,
+    or one with sliding-window or non-attention layers."""
+    if getattr(config, "vision_config", None) is not None:
+        raise UserError(f"compile: vision-language models ({what}) are not supported; drop --compile / compile=True")
+    if windowed(config):
+        raise UserError(f"compile: models with sliding-window or non-attention layers ({what}) are not supported "
+                        "(a static sliding-window cache cannot be rewound); drop --compile")
+
+
+def windowed(config: PretrainedConfig) -> bool:
+    """Whether some decoder layer of the model is not full attention (a sliding window keeps only its last keys)."""
+    text = config.get_text_config(decoder=True)
+    layer_types = getattr(text, "layer_types", None) or []
+    return any(kind != "full_attention" for kind in layer_types) or bool(getattr(text, "use_sliding_window", False))
 
 
 def _bucket(n: int) -> int | None:

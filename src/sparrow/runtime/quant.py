@@ -43,8 +43,9 @@ DENSE_FROM_TOKENS = 16  # with a dense fallback, forwards of >= this many tokens
 
 
 
-def check_device(fmt: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse, with a clear message, devices and dtypes torch has no packed kernel for."""
+def check_device(fmt: str, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Refuse, with a clear message, devices and dtypes torch has no packed kernel for (dtype None: the device
+    only, as `sparrow.load` checks before loading)."""
     if fmt == W8A8 and device.type != "cpu":
         raise UserError(f"w8a8 runs on the CPU only (fbgemm's int8 kernels), not {device.type}; "
                         "use int8 or int4 (weight-only) there")
@@ -52,7 +53,7 @@ def check_device(fmt: str, device: torch.device, dtype: torch.dtype) -> None:
         raise UserError(f"{fmt} weight-only quantization runs on cpu or cuda, not {device.type}")
     if device.type == "cuda" and fmt == "int4" and torch.cuda.get_device_capability(device) < (8, 0):
         raise UserError("int4 weight-only quantization on CUDA needs compute capability >= 8.0 (tinygemm, bfloat16)")
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise UserError(f"quantization needs a floating-point model, got {dtype}")
 
 
