@@ -41,7 +41,7 @@ from sparrow.drafters.draft_loop import DraftSteps, Forward
 from sparrow.grammar import FREE, Constraint, masked
 from sparrow.models import LoadedModel
 from sparrow.noise import Randomness, at
-from sparrow.policy.estimates import AcceptanceEstimate, ProbeSchedule, expected_tokens
+from sparrow.policy.estimates import AcceptanceEstimate, BackOff, Decayed, expected_tokens
 from sparrow.runtime.cached_model import CachedModel, additive_mask
 from sparrow.stopping import Stopper
 from sparrow.timing import now
@@ -224,18 +224,17 @@ class CostTable:
     decay: float = 0.9  # per observation, within its bin
 
     def __post_init__(self) -> None:
-        self.bins: dict[int, list[float]] = {}  # bit length of T -> [weight, weighted T, weighted seconds]
+        self.bins: dict[int, Decayed] = {}  # bit length of T -> (1, T, seconds)
 
     @property
     def known(self) -> bool:
         return bool(self.bins)
 
     def add(self, tokens: int, seconds: float) -> None:
-        w, x, y = self.bins.get(tokens.bit_length(), (0.0, 0.0, 0.0))
-        self.bins[tokens.bit_length()] = [self.decay * w + 1, self.decay * x + tokens, self.decay * y + seconds]
+        self.bins.setdefault(tokens.bit_length(), Decayed(self.decay, (0.0, 0.0, 0.0))).add(1.0, tokens, seconds)
 
     def __call__(self, tokens: float) -> float:
-        points = sorted((x / w, y / w) for w, x, y in self.bins.values())
+        points = sorted((b.mean(1), b.mean(2)) for b in self.bins.values())
         assert points, "no observation yet"
         if len(points) == 1:
             x, y = points[0]
@@ -264,7 +263,7 @@ class BatchPolicy:
     def __post_init__(self) -> None:
         self.verify = CostTable(self.decay)  # (tokens in the batched forward, seconds)
         self.draft = CostTable(self.decay)  # (sequences drafting, seconds per draft position)
-        self.probes = ProbeSchedule(self.probe, self.max_probe)
+        self.probes = BackOff(self.probe, self.max_probe)
         self._step = 0
 
     def seed(self, points: list[tuple[int, float]]) -> None:
@@ -289,13 +288,7 @@ class BatchPolicy:
             return top
         rates = [self.rate(seqs, limits, k) for k in range(top + 1)]
         best = max(range(1, top + 1), key=rates.__getitem__)
-        if rates[best] > rates[0]:  # drafting pays
-            self.probes.restart(self._step + self.probes.start)
-            return best
-        if self.probes.due(self._step):  # a probe: the estimates may be stale
-            self.probes.wait(self._step, won=False)
-            return best
-        return 0
+        return best if self.probes.decide(rates[best] > rates[0], self._step) else 0
 
     def observe(self, tokens: int, seconds: float, drafting: int = 0, positions: int = 0,
                 draft_seconds: float = 0.0) -> None:
