@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from sparrow.decoding.batch import Batch, BatchPolicy
+from sparrow.decoding.batch import Batch
 from sparrow.decoding.round import Generation
 from sparrow.pipeline import Pipeline
+from sparrow.policy.batch import BatchPolicy
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is", "a",
            "def add(a, b):\n    return a + b\n\ndef"]

@@ -18,11 +18,12 @@ import torch
 import transformers
 from conftest import perturbed, tiny_gemma3, tiny_model, tiny_tokenizer
 
-from sparrow.decoding.batch import Batch, BatchPolicy
+from sparrow.decoding.batch import Batch
 from sparrow.drafters import build_drafter
 from sparrow.heads.factory import new_head
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.policy.batch import BatchPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

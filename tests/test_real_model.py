@@ -38,7 +38,8 @@ def test_smollm2_speculative_equals_plain(smollm, drafter):
 @pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup"])
 def test_smollm2_batched_speculative_equals_plain(smollm, drafter):
     """The three prompts in one batch (sparrow.decoding.batch), the last one joining after a step: each == plain."""
-    from sparrow.decoding.batch import Batch, BatchPolicy
+    from sparrow.decoding.batch import Batch
+    from sparrow.policy.batch import BatchPolicy
 
     pipe = Pipeline(smollm, build_drafter(drafter, smollm, smollm if drafter == "draft-model" else None, 4))
     batch = Batch(smollm.model, BatchPolicy(adaptive=False))

@@ -28,12 +28,13 @@ from typer.testing import CliRunner
 
 from sparrow.cli import app as cli
 from sparrow.config import SamplingConfig
-from sparrow.decoding.batch import Batch, BatchPolicy
+from sparrow.decoding.batch import Batch
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
 from sparrow.grammar import Grammars, GrammarSpec, masked
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.policy.batch import BatchPolicy
 from sparrow.serve import Scheduler, create_app
 from sparrow.types import Draft
 from sparrow.verifiers import RejectionVerifier

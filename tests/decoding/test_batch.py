@@ -7,7 +7,7 @@ a) Greedy, float32, tiny Llama: every drafter (chains, and trees where it drafts
 b) Sampling: seeded requests in a batch give the tokens they give alone; unseeded requests (rejection
    sampling) in a mixed batch follow the target's joint distribution of two tokens, checked against the
    exact table of a tiny 8-token model; accepting every draft (a known-wrong rule) fails the same check.
-c) The batch policy: as the batch grows and verification becomes compute-bound, the draft cap shrinks.
+(The batch policy's own rule, on fake costs: tests/policy/test_batch_policy.py.)
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from test_degenerate import SPECS
 
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
-from sparrow.decoding.batch import Batch, BatchPolicy, fork_drafter, score_batch, supports_batching
+from sparrow.decoding.batch import Batch, fork_drafter, score_batch, supports_batching
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
+from sparrow.policy.batch import BatchPolicy
 from sparrow.types import Verdict
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -246,44 +247,6 @@ def test_unseeded_batched_sampling_follows_the_target_distribution(toy):
 def test_negative_control_accepting_every_draft_fails(toy):
     expected = exact_joint(toy[0].model)
     assert not matches(sampled_joint(toy, accept_everything=True), expected)
-
-
-# --- c) the policy --------------------------------------------------------------------------------------
-
-
-class Seq:
-    """What BatchPolicy reads of a generation: its acceptance."""
-
-    def __init__(self, acceptance: float) -> None:
-        self.acceptance = type("A", (), {"value": acceptance})()
-
-
-def cpu_like_policy() -> BatchPolicy:
-    """Verification memory-bound up to ~16 tokens then compute-bound; a draft position costs 40 ms for one
-    sequence and 60 ms for 32 together (a CPU-like curve)."""
-    policy = BatchPolicy()
-    policy.seed([(1, 0.100), (16, 0.120), (64, 0.600), (256, 2.600)])
-    policy.draft.add(1, 0.040)
-    policy.draft.add(32, 0.060)
-    return policy
-
-
-def test_the_draft_cap_shrinks_as_the_batch_grows():
-    policy = cpu_like_policy()
-    caps = [policy.cap([Seq(0.7)] * b, [8] * b) for b in (1, 2, 4, 8, 16, 32)]
-    assert caps[0] == 8  # alone: the drafter's own policy decides
-    assert all(a >= b for a, b in zip(caps[1:], caps[2:])), caps
-    assert caps[1] > caps[-1], caps
-
-
-def test_a_batch_that_stops_drafting_probes_now_and_then():
-    """Nothing accepted: plain steps, but a probe every few steps (the interval doubling while it loses)."""
-    policy = cpu_like_policy()
-    caps = [policy.cap([Seq(0.0)] * 4, [8] * 4) for _ in range(40)]
-    probes = [i for i, k in enumerate(caps) if k]
-    assert caps.count(0) >= 34 and 2 <= len(probes) <= 5, caps
-    assert all(b - a >= 4 for a, b in zip(probes, probes[1:]))
-    assert probes[2] - probes[1] > probes[1] - probes[0]
 
 
 def test_score_batch_rows_equal_single_forwards(pair):

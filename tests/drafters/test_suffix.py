@@ -10,12 +10,13 @@ import torch
 
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
-from sparrow.decoding.batch import Batch, BatchPolicy, fork_drafter
+from sparrow.decoding.batch import Batch, fork_drafter
 from sparrow.drafters import build_drafter
 from sparrow.drafters.suffix import SuffixConfig, SuffixDrafter, speculate
 from sparrow.drafters.suffix_tree import StoreLimits, SuffixStore, SuffixTrie, matches
 from sparrow.errors import UserError
 from sparrow.pipeline import Pipeline
+from sparrow.policy.batch import BatchPolicy
 from sparrow.types import Prompt, StepStats
 from sparrow.verifiers import RejectionVerifier
 

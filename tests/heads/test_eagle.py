@@ -333,7 +333,8 @@ def test_cli_generate_with_drafter_eagle_and_head(target, trained, tmp_path, mon
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_a_batch_of_eagle_sequences_equals_plain(target, trained, baselines, shape):
     """The server's batched engine: each sequence forks the drafter (own head cache, shared head weights)."""
-    from sparrow.decoding.batch import Batch, BatchPolicy
+    from sparrow.decoding.batch import Batch
+    from sparrow.policy.batch import BatchPolicy
 
     head, _ = trained["eagle3"]
     pipe = Pipeline(target, build_drafter("eagle", target, None, 4, head=head, **(TREE if shape == "tree" else {})))

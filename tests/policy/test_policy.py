@@ -14,7 +14,7 @@ import torch
 
 from sparrow.config import SamplingConfig
 from sparrow.drafters.draft_loop import autoregressive_draft
-from sparrow.policy.estimates import DecayedLine, ProbeSchedule, best_length, expected_tokens
+from sparrow.policy.estimates import BackOff, Decayed, DecayedLine, best_length, expected_tokens
 from sparrow.policy.length import LengthPolicy
 from sparrow.types import StepStats
 
@@ -81,17 +81,29 @@ def test_decayed_line_fits_intercept_and_slope():
     assert flat(1) == 2.0 and origin(1) == 0.5  # no spread yet: a flat verify cost, a per-token draft cost
 
 
-def test_probe_schedule_doubles_and_restarts():
-    probes = ProbeSchedule(start=4, limit=16)
-    probes.restart(first=4)
-    due = []
-    for r in range(1, 60):
-        if probes.due(r):
-            due.append(r)
-            probes.wait(r, won=False)
-    assert due == [4, 12, 28, 44]  # intervals 8, 16, then capped at 16
-    probes.wait(60, won=True)
-    assert probes.interval == 4 and probes.next == 64
+def test_decayed_means_follow_the_latest_observations():
+    seconds = Decayed(decay=0.5)
+    assert not seconds.known
+    for y in (4.0, 4.0, 1.0):
+        seconds.add(1.0, y)
+    mean = (0.25 * 4 + 0.5 * 4 + 1) / (0.25 + 0.5 + 1)
+    assert seconds.mean() == pytest.approx(mean)
+    seconds.scale(0.1)  # less weight to what is known so far: the same mean
+    assert seconds.mean() == pytest.approx(mean)
+    seconds.add(1.0, 2.0, weight=0.1)  # ... so the next observation counts most
+    assert seconds.mean() == pytest.approx((0.005 * mean * 1.75 + 2.0) / (0.005 * 1.75 + 1))
+    with pytest.raises(ValueError):
+        seconds.add(1.0)  # every quantity, every time
+
+
+def test_back_off_probes_at_doubling_intervals_and_restarts_once_it_pays():
+    backoff = BackOff(start=4, limit=16)
+    backoff.restart(first=4)
+    used = [r for r in range(1, 60) if backoff.decide(False, r)]
+    assert used == [4, 12, 28, 44]  # intervals 8, 16, then capped at 16
+    assert backoff.decide(True, 60) and not backoff.probing  # it pays: used, and the schedule restarts
+    assert backoff.interval == 4 and backoff.next == 64
+    assert [r for r in range(61, 90) if backoff.decide(False, r)] == [64, 72, 88]
 
 
 def test_backoff_drafts_nothing_when_drafting_cannot_pay_and_returns_after_a_probe():

@@ -16,11 +16,8 @@ its own accepted length (`CachedModel.keep`): no sequence waits for another's ro
 the sequence alone, token for token (float32); sampled output has the same distribution with its own
 seed. Draft models draft together the same way (`draft_together`: one batched draft forward per position).
 
-The draft budget (`BatchPolicy`): a step of B sequences that drafts k tokens each costs k draft positions of B
-sequences plus one verify forward of T = sum(k_b + 1) tokens, and commits sum E_b[tokens](k)
-(`sparrow.policy.estimates.expected_tokens`). The step's cap is the k with the most tokens per second, from each
-sequence's acceptance and two cost tables interpolated between measured steps (`CostTable`): as the batch grows
-the verify forward stops being memory-bound, so drafts get shorter, and stop where they no longer pay.
+The draft budget of a step (how many tokens every sequence may draft, from its acceptance and the batch's measured
+costs) is `sparrow.policy.batch.BatchPolicy`'s.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from __future__ import annotations
 import copy
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -39,11 +35,11 @@ from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_loop import DraftSteps, Forward
 from sparrow.models import LoadedModel
 from sparrow.noise import at
-from sparrow.policy.estimates import ProbeSchedule, expected_tokens
+from sparrow.policy.batch import BatchPolicy
 from sparrow.runtime.cached_model import CachedModel, additive_mask
 from sparrow.timing import now
 from sparrow.tree import TreeLayout
-from sparrow.types import Draft, Prompt, TargetOutput
+from sparrow.types import Draft, TargetOutput
 
 
 class BatchedKV:
@@ -182,117 +178,6 @@ def draft_together(steps: dict[int, DraftSteps]) -> dict[int, Draft]:
         for key, answer in answers.items():
             advance(key, answer)
     return drafts
-
-
-@dataclass
-class CostTable:
-    """Seconds of one forward of T tokens: decayed means per power-of-two bin of T, linear between the bins
-    (flat below the first, the last segment's slope beyond the last). A CPU's forward costs about the same
-    for 1 or 16 tokens (it reads the weights either way), then grows with T; one straight line fits neither."""
-
-    decay: float = 0.9  # per observation, within its bin
-
-    def __post_init__(self) -> None:
-        self.bins: dict[int, list[float]] = {}  # bit length of T -> [weight, weighted T, weighted seconds]
-
-    @property
-    def known(self) -> bool:
-        return bool(self.bins)
-
-    def add(self, tokens: int, seconds: float) -> None:
-        w, x, y = self.bins.get(tokens.bit_length(), (0.0, 0.0, 0.0))
-        self.bins[tokens.bit_length()] = [self.decay * w + 1, self.decay * x + tokens, self.decay * y + seconds]
-
-    def __call__(self, tokens: float) -> float:
-        points = sorted((x / w, y / w) for w, x, y in self.bins.values())
-        assert points, "no observation yet"
-        if len(points) == 1:
-            x, y = points[0]
-            return y * max(1.0, tokens / x)
-        if tokens <= points[0][0]:
-            return points[0][1]
-        segment = next((pair for pair in zip(points, points[1:]) if tokens <= pair[1][0]), (points[-2], points[-1]))
-        (x0, y0), (x1, y1) = segment
-        return y0 + max(0.0, (y1 - y0) / (x1 - x0)) * (tokens - x0)
-
-
-@dataclass
-class BatchPolicy:
-    """The draft cap of a batch step: the k with the most expected tokens per second (see the module doc).
-
-    Costs are the batch's own: verify(T) for a target forward of T tokens, and draft(B) seconds per draft
-    position for B sequences drafting together (a draft model runs one batched forward per position). While no
-    draft length pays, steps are plain; every `probe` such steps (doubling up to `max_probe` while it keeps
-    losing) one step drafts the best length anyway, so acceptance and draft costs stay measured."""
-
-    decay: float = 0.9
-    adaptive: bool = True  # False: every sequence drafts what its own drafter chooses (tests, --fixed)
-    probe: int = 4
-    max_probe: int = 64
-
-    def __post_init__(self) -> None:
-        self.verify = CostTable(self.decay)  # (tokens in the batched forward, seconds)
-        self.draft = CostTable(self.decay)  # (sequences drafting, seconds per draft position)
-        self.probes = ProbeSchedule(self.probe, self.max_probe)
-        self._step = 0
-
-    def seed(self, points: list[tuple[int, float]]) -> None:
-        """Measured (tokens, seconds) of forwards before serving (`measure_batch_cost`)."""
-        for tokens, seconds in points:
-            self.verify.add(tokens, seconds)
-
-    def rate(self, seqs: list[Generation], limits: list[int], k: int) -> float:
-        """Expected tokens per second of a step whose drafts are capped at k (unknown draft costs count as 0)."""
-        ks = [min(k, limit) for limit in limits]
-        tokens = sum(expected_tokens(seq.acceptance.value, j) for seq, j in zip(seqs, ks))
-        drafting = sum(1 for j in ks if j)
-        seconds = max(ks) * self.draft(drafting) if drafting and self.draft.known else 0.0
-        return tokens / max(seconds + self.verify(sum(ks) + len(ks)), 1e-12)
-
-    def cap(self, seqs: list[Generation], limits: list[int]) -> int:
-        """Tokens each sequence may draft this step (each also at most its own limit). A sequence alone follows
-        its drafter's own policy, which already weighs its draft and verify costs."""
-        top = max(limits, default=0)
-        self._step += 1
-        if top == 0 or len(seqs) < 2 or not self.adaptive or not self.verify.known:
-            return top
-        rates = [self.rate(seqs, limits, k) for k in range(top + 1)]
-        best = max(range(1, top + 1), key=rates.__getitem__)
-        if rates[best] > rates[0]:  # drafting pays
-            self.probes.restart(self._step + self.probes.start)
-            return best
-        if self.probes.due(self._step):  # a probe: the estimates may be stale
-            self.probes.wait(self._step, won=False)
-            return best
-        return 0
-
-    def observe(self, tokens: int, seconds: float, drafting: int = 0, positions: int = 0,
-                draft_seconds: float = 0.0) -> None:
-        """A step: its verify forward of `tokens` tokens took `seconds`; `drafting` sequences drafted up to
-        `positions` tokens in `draft_seconds`."""
-        self.verify.add(tokens, seconds)
-        if drafting and positions:
-            self.draft.add(drafting, draft_seconds / positions)
-
-
-def measure_batch_cost(model: PreTrainedModel, tokens: tuple[int, ...] = (1, 16, 64), context: int = 32,
-                       vocab: int | None = None) -> list[tuple[int, float]]:
-    """Seconds of one forward of n tokens after a short context, for each n (the verify cost table's first points)."""
-    runner = CachedModel(model)
-    vocab = vocab or runner.vocab_size
-    limit = runner.context_length or 10 ** 9
-    ids = torch.arange(context + max(tokens)) * 7919 % vocab
-    points = []
-    for n in tokens:
-        if context + n >= limit:
-            continue
-        runner.prefill(Prompt(ids[:context]))
-        runner.forward(ids[context:context + n])  # warm-up
-        runner.rewind(context)
-        start = now(runner.device)
-        runner.forward(ids[context:context + n])
-        points.append((n, now(runner.device) - start))
-    return points
 
 
 class Batch:

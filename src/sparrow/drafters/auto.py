@@ -23,10 +23,11 @@ Policy, every round:
    rate is the best known one (or still unknown), its draft is used.
 2. Otherwise model-based candidates are probed (a couple of rounds each at first), then the
    option with the highest rate among them and "none" is used. A candidate that is not chosen is
-   re-probed for one round after `reprobe_interval` rounds, the interval doubling (up to
-   `max_reprobe_interval`) each time the probe does not win, so a useless draft costs only a
+   re-probed for one round `reprobe_interval` rounds after it was last used, the interval doubling
+   (up to `max_reprobe_interval`) after each probe until it wins, so a useless draft costs only a
    round now and then, and speculation that does not pay turns into plain decoding. (This is the
-   back-off; the candidates' own back-off is switched off.)
+   back-off, every policy's `sparrow.policy.estimates.BackOff` with one schedule per candidate; the
+   candidates' own back-off is switched off.)
 3. Prompt lookup's proposals that are not used are scored anyway once the committed tokens reach
    past them (a shadow verdict: the longest prefix equal to what was committed, which is exactly
    what greedy verification would have accepted), so its estimate follows the text for free.
@@ -60,7 +61,7 @@ from sparrow.drafters.vocab import DraftVocab, resolve_draft_vocab
 from sparrow.errors import UserError
 from sparrow.heads.layout import find_head, load_head
 from sparrow.noise import Randomness
-from sparrow.policy.estimates import DecayedLine, ProbeSchedule
+from sparrow.policy.estimates import BackOff, Decayed, DecayedLine
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.timing import now
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
@@ -107,34 +108,25 @@ class AutoConfig:
 
 @dataclass
 class Throughput:
-    """An option's rounds, exponentially forgotten: tokens yielded, draft seconds, rounds, draft tokens."""
+    """An option's rounds, exponentially forgotten (`forgetting` per round)."""
 
-    tokens: float = 0.0
-    draft_seconds: float = 0.0
-    rounds: float = 0.0
-    drafted: float = 0.0
-    count: int = 0  # observations ever (not forgotten)
+    forgetting: float
 
-    def add(self, tokens: int, draft_seconds: float, drafted: int, forgetting: float) -> None:
-        self.scale(forgetting)
-        self.tokens += tokens
-        self.draft_seconds += draft_seconds
-        self.rounds += 1
-        self.drafted += drafted
+    def __post_init__(self) -> None:
+        self.rounds = Decayed(self.forgetting, (0.0,) * 4)  # (1, tokens yielded, draft seconds, draft tokens)
+        self.count = 0  # observations ever (not forgotten)
+
+    def add(self, tokens: int, draft_seconds: float, drafted: int) -> None:
+        self.rounds.add(1.0, tokens, draft_seconds, drafted)
         self.count += 1
-
-    def scale(self, factor: float) -> None:
-        self.tokens *= factor
-        self.draft_seconds *= factor
-        self.rounds *= factor
-        self.drafted *= factor
 
     def rate(self, verify: DecayedLine) -> float | None:
         """Tokens per second, or None before the first observation (verify(k + 1) = a + b + b k)."""
-        if self.rounds <= 0 or not verify.known:
+        rounds, tokens, draft_seconds, drafted = self.rounds.sums
+        if rounds <= 0 or not verify.known:
             return None
         a, b = verify.line()
-        return self.tokens / max(self.draft_seconds + (a + b) * self.rounds + b * self.drafted, 1e-12)
+        return tokens / max(draft_seconds + (a + b) * rounds + b * drafted, 1e-12)
 
 
 @dataclass
@@ -173,17 +165,17 @@ class AutoDrafter(DrafterBase):
             if candidate.tree_policy is not None:
                 candidate.tree_policy.backoff = False
         self.verify = DecayedLine(self.config.verify_decay)
-        self.stats = {n: Throughput() for n in names}
+        self.stats = {n: Throughput(self.config.forgetting) for n in names}
         self.choices: list[str] = []  # what each round of the current request used
         self.rounds: list[AutoRound] = []  # the same, with what each round yielded
-        self._probes = {n: ProbeSchedule(self.config.reprobe_interval, self.config.max_reprobe_interval)
+        self._probes = {n: BackOff(self.config.reprobe_interval, self.config.max_reprobe_interval)
                         for n in self.models}
         self._shadows: list[_Shadow] = []
         self._lazy: set[str] = set()
         self._prompt: Prompt | None = None
         self._target: CachedModel | None = None
         self._prefill_out: TargetOutput | None = None
-        self._round: tuple[str, bool] = (PLAIN, False)  # this round's option, and whether it is a probe
+        self._round = PLAIN  # this round's option
         self._switch_seconds = 0.0  # of this round's draft seconds: a lazy prefill and a catch-up (not drafting)
 
     # --- Drafter protocol ----------------------------------------------------------------------
@@ -200,9 +192,9 @@ class AutoDrafter(DrafterBase):
         self.choices, self.rounds = [], []
         self._shadows = []
         for stats in self.stats.values():
-            stats.scale(self.config.carry_over)
+            stats.rounds.scale(self.config.carry_over)
         if self.lookup is not None:  # a lookup's worth is all in the text: start afresh (its first match is tried)
-            self.stats[self.lookup] = Throughput()
+            self.stats[self.lookup] = Throughput(self.config.forgetting)
         for n, probes in self._probes.items():
             probes.restart(self.config.reprobe_interval if self.stats[n].count else 0)
         # Drafters with their own model prefill on first use; the rest (they may read the target's
@@ -217,19 +209,19 @@ class AutoDrafter(DrafterBase):
         start = now(committed.device)
         self._switch_seconds = 0.0
         if max_tokens < 1:
-            return self._chosen(PLAIN, Draft.empty(committed.device), probe=False)
+            return self._chosen(PLAIN, Draft.empty(committed.device))
         self._score_shadows(committed)
         lookup_draft = None
         if self.lookup is not None:
             lookup_draft = self.candidates[self.lookup].propose(committed, max_tokens, sampling, generator)
         lookup_seconds = now(committed.device) - start
         if lookup_draft is not None and len(lookup_draft) and self._lookup_wins():
-            return self._chosen(self.lookup, lookup_draft, probe=False)
+            return self._chosen(self.lookup, lookup_draft)
         if lookup_draft is not None and len(lookup_draft):
             self._shadows.append(_Shadow(committed.numel(), lookup_draft.tokens.tolist(), lookup_seconds))
         name, probe = self._pick_model()
         if name == PLAIN:
-            return self._chosen(PLAIN, Draft.empty(committed.device), probe=False)
+            return self._chosen(PLAIN, Draft.empty(committed.device))
         switch = now(committed.device)  # a lazy prefill and a catch-up are the cost of switching, not of drafting
         if name in self._lazy:
             self._lazy.discard(name)
@@ -237,13 +229,13 @@ class AutoDrafter(DrafterBase):
         self.candidates[name].catch_up(committed)
         self._switch_seconds = now(committed.device) - switch
         if probe:
-            self.stats[name].scale(self.config.probe_weight)  # stale: let this round count most
+            self.stats[name].rounds.scale(self.config.probe_weight)  # stale: let this round count most
         draft = self.candidates[name].propose(committed, max_tokens, sampling, generator)
-        return self._chosen(name, draft, probe)
+        return self._chosen(name, draft)
 
     def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput, step: StepStats) -> None:
         self.verify.add(len(draft) + 1, step.verify_seconds)
-        name, probe = self._round
+        name = self._round
         self.rounds.append(AutoRound(name, len(draft), verdict.num_accepted))
         for follower in self.followers:
             if follower != name:
@@ -252,12 +244,7 @@ class AutoDrafter(DrafterBase):
             return
         step = replace(step, draft_seconds=max(step.draft_seconds - self._switch_seconds, 0.0))
         self.candidates[name].observe(draft, verdict, out, step)
-        self.stats[name].add(verdict.num_accepted + 1, step.draft_seconds, len(draft), self.config.forgetting)
-        if name in self._probes:
-            wins = (
-                self._rate(name) >= max(self._rate(n) or 0.0 for n in self._options() if n != name) if probe else None
-            )
-            self._probes[name].wait(len(self.choices), wins)
+        self.stats[name].add(verdict.num_accepted + 1, step.draft_seconds, len(draft))
 
     # --- policy --------------------------------------------------------------------------------
     def _options(self) -> list[str]:
@@ -277,20 +264,27 @@ class AutoDrafter(DrafterBase):
         return mine >= max(others, default=0.0)
 
     def _pick_model(self) -> tuple[str, bool]:
-        """(option, whether it is a probe) for a round without a prompt-lookup draft."""
+        """(option, whether it is a probe) for a round without a prompt-lookup draft: the first rounds of each
+        candidate, then the best option, or a candidate whose probe is due (the one waiting longest; one a round).
+        A candidate in use pays (its back-off restarts); a probe is a step of one that does not."""
+        step = len(self.choices)
         for name in self.models:
             if self.stats[name].count < self.config.probe_rounds:
+                self._probes[name].decide(True, step)
                 return name, False
         rates = {n: self._rate(n) for n in self._options()}
         best = max(rates, key=lambda n: -1.0 if rates[n] is None else rates[n])
-        due = [n for n in self.models if n != best and self._probes[n].due(len(self.choices))]
+        due = [n for n in self.models if n != best and self._probes[n].due(step)]
         if due:
-            return min(due, key=lambda n: self._probes[n].next), True
+            name = min(due, key=lambda n: self._probes[n].next)
+            return name, self._probes[name].decide(False, step)
+        if best in self._probes:
+            self._probes[best].decide(True, step)
         return best, False
 
-    def _chosen(self, name: str, draft: Draft, probe: bool) -> Draft:
+    def _chosen(self, name: str, draft: Draft) -> Draft:
         self.choices.append(name)
-        self._round = (name, probe)
+        self._round = name
         return draft
 
     def _score_shadows(self, committed: Tensor) -> None:
@@ -308,7 +302,7 @@ class AutoDrafter(DrafterBase):
                 accepted += 1
             if accepted < len(actual):  # decided: a mismatch, or every token matched and the next is known
                 drafted = len(shadow.tokens)
-                self.stats[self.lookup].add(accepted + 1, shadow.draft_seconds, drafted, self.config.forgetting)
+                self.stats[self.lookup].add(accepted + 1, shadow.draft_seconds, drafted)
                 verdict = Verdict(tokens=torch.tensor(actual[: accepted + 1]), num_accepted=accepted)
                 verify = self.verify(drafted + 1) if self.verify.known else 0.0  # modelled: never verified
                 modelled = StepStats(drafted, accepted, shadow.draft_seconds, verify)

@@ -1,5 +1,5 @@
-"""The numbers behind every draft-length decision: expected tokens, decayed estimates of acceptance and cost, and
-the back-off probe schedule."""
+"""The numbers behind every draft decision: expected tokens, the one decayed-statistics type (`Decayed`) that every
+estimate of acceptance and cost is made of, and the one back-off rule (`BackOff`) every policy follows."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MIN_SPREAD = 0.25
-
+"""Variance of the token counts (tokens^2) under which a line's slope is not identifiable."""
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens committed by a round that drafts k tokens: the accepted prefix plus the bonus token."""
     return k + 1.0 if acceptance >= 1.0 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
-
 
 
 def tokens_per_second(
@@ -24,36 +23,63 @@ def tokens_per_second(
     return expected_tokens(acceptance, k) / max(seconds, 1e-12)
 
 
-
 def best_length(acceptance: float, draft: Callable[[int], float], verify: Callable[[int], float], max_tokens: int,
                 minimum: int = 1) -> int:
     """argmax over k in minimum..max_tokens of tokens per second (the shorter on ties; 0 = plain decoding)."""
     return max(range(minimum, max_tokens + 1), key=lambda k: tokens_per_second(acceptance, k, draft, verify))
 
 
+@dataclass
+class Decayed:
+    """Exponentially decayed sums of quantities observed together: each `add` keeps `decay` of the old sums and adds
+    the new values, so the statistics follow the text and the machine. By convention the first quantity is the
+    weight of an observation (1 per round, or the tokens a round committed) and `mean(i)` = sums[i] / sums[0] is a
+    decayed mean (seconds per round) or rate (seconds per token); a prior is a starting sum."""
+
+    decay: float = 0.9  # per observation
+    sums: tuple[float, ...] = (0.0, 0.0)  # the starting sums (a prior, or zeros): as many as the quantities
+
+    @property
+    def known(self) -> bool:
+        return self.sums[0] > 0
+
+    def add(self, *values: float, weight: float = 1.0) -> None:
+        """One observation; `weight` scales the old ones beyond the usual decay (1: none)."""
+        keep = self.decay * weight
+        self.sums = tuple(keep * s + v for s, v in zip(self.sums, values, strict=True))
+
+    def scale(self, factor: float) -> None:
+        """The old observations count `factor` times as much (a stale estimate before a probe, a new request)."""
+        self.sums = tuple(factor * s for s in self.sums)
+
+    def mean(self, i: int = 1) -> float:
+        """sums[i] / sums[0]; needs an observation."""
+        assert self.known, "no observation yet"
+        return self.sums[i] / self.sums[0]
+
 
 @dataclass
 class AcceptanceEstimate:
-    """Per-token acceptance from decayed accept/reject counts, starting from a prior."""
+    """Per-token acceptance from decayed accept/reject counts, starting from a prior. A round is a run of trials that
+    stops at the first rejection, so acceptance = accepted / (accepted + rejections)."""
 
     prior: float = 0.8
     prior_rounds: float = 2.0  # weight of the prior, in rounds
     decay: float = 0.9  # per observed round, so the estimate follows the text
 
     def __post_init__(self) -> None:
-        self.accepted, self.rejected = self.prior * self.prior_rounds, (1 - self.prior) * self.prior_rounds
+        prior = (self.prior * self.prior_rounds, (1 - self.prior) * self.prior_rounds)
+        self.counts = Decayed(self.decay, prior)  # (accepted, rejected)
 
     @property
     def value(self) -> float:
-        return self.accepted / max(self.accepted + self.rejected, 1e-12)
+        accepted, rejected = self.counts.sums
+        return accepted / max(accepted + rejected, 1e-12)
 
     def observe(self, drafted: int, accepted: int, weight: float = 1.0) -> None:
         """One round; `weight` scales the old evidence beyond the usual decay (1: none)."""
         if drafted > 0:
-            keep = self.decay * weight
-            self.accepted = keep * self.accepted + accepted
-            self.rejected = keep * self.rejected + (accepted < drafted)
-
+            self.counts.add(accepted, float(accepted < drafted), weight=weight)
 
 
 @dataclass
@@ -62,25 +88,25 @@ class DecayedLine:
 
     decay: float = 0.9  # per observation
     origin: bool = False  # while the tokens have no spread: a line through the origin (True) or flat
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)  # w, x, y, xx, xy
+    _sums: Decayed = field(init=False, repr=False)  # w, x, y, xx, xy
+
+    def __post_init__(self) -> None:
+        self._sums = Decayed(self.decay, (0.0,) * 5)
 
     @property
     def known(self) -> bool:
-        return self._sums[0] > 0
+        return self._sums.known
 
     def add(self, x: float, y: float, weight: float = 1.0) -> None:
         """One observation; `weight` scales the old ones beyond the usual decay (1: none)."""
-        keep = self.decay * weight
-        self._sums = [keep * s + t for s, t in zip(self._sums, (1.0, x, y, x * x, x * y))]
+        self._sums.add(1.0, x, y, x * x, x * y, weight=weight)
 
     def line(self) -> tuple[float, float]:
         """(a, b) with b >= 0 and a >= 0; needs at least one observation."""
-        w, sx, sy, sxx, sxy = self._sums
-        assert w > 0, "no observation yet"
-        mx, my = sx / w, sy / w
-        var = sxx / w - mx * mx
+        mx, my, mxx, mxy = (self._sums.mean(i) for i in range(1, 5))
+        var = mxx - mx * mx
         if var >= MIN_SPREAD:
-            b = max(0.0, (sxy / w - mx * my) / var)
+            b = max(0.0, (mxy - mx * my) / var)
             if my - b * mx >= 0:
                 return my - b * mx, b
         if (self.origin or var >= MIN_SPREAD) and mx > 0:  # no spread, or a negative intercept: y = b x
@@ -92,30 +118,38 @@ class DecayedLine:
         return a + b * x
 
 
-
 @dataclass
-class ProbeSchedule:
-    """Rounds between probes of an option that is not used: `start`, doubling after each losing probe."""
+class BackOff:
+    """The back-off rule of every policy (chain length, tree, batch, auto's candidates): use an option (drafting, a
+    candidate) at every step where it pays; where it does not, use it only as a probe, `start` steps after it last
+    paid, then at intervals that double after each probe (up to `limit`) until it pays again. Nothing is learnt about
+    an unused option, so without probes a stale estimate would keep it out for good; with them a losing option costs
+    one step in `limit` at most."""
 
     start: int = 4
     limit: int = 64
 
     def __post_init__(self) -> None:
         self.interval, self.next = self.start, 0
+        self.probing = False  # whether the last decide() answered yes for a probe
 
     def restart(self, first: int) -> None:
-        """The first probe at round `first`, then every `start` rounds."""
+        """The first probe at step `first`, then at doubling intervals from `start`."""
         self.interval, self.next = self.start, first
 
-    def due(self, round_: int) -> bool:
-        return round_ >= self.next
+    def due(self, step: int) -> bool:
+        """Whether a step of the option at `step` would be a probe (if it does not pay)."""
+        return step >= self.next
 
-    def wait(self, round_: int, won: bool | None = None) -> None:
-        """Schedule the next probe after round `round_`; a losing probe doubles the interval, a winning one resets
-        it."""
-        if won is not None:
-            self.interval = self.start if won else min(2 * self.interval, self.limit)
-        self.next = round_ + self.interval
+    def decide(self, pays: bool, step: int) -> bool:
+        """Use the option at `step` (steps count up)? Yes when it pays (the schedule restarts), or as a probe."""
+        self.probing = not pays and self.due(step)
+        if pays:
+            self.restart(step + self.start)
+        elif self.probing:
+            self.interval = min(2 * self.interval, self.limit)
+            self.next = step + self.interval
+        return pays or self.probing
 
 
 @dataclass(frozen=True)
@@ -124,4 +158,3 @@ class CostCurve:
 
     verify_seconds: tuple[float, ...]  # [k + 1]: verify_seconds[n - 1] = n tokens
     draft_seconds: float | None = None  # one draft-model forward of one token; None: no draft model
-

@@ -13,10 +13,11 @@ rounds the engine measured (`StepStats`), never from a drafter's own clock:
   rejection, so a = accepted / (accepted + rejections);
 * draft(k), verify(n): decayed least-squares lines over (tokens, seconds); plain decoding's cost per
   token comes from the rounds that drafted nothing, else from the verify line at n = 1;
-* back-off: while drafting does not pay (k = 0 wins), rounds are plain decoding steps. Nothing is
-  learnt about a meanwhile, so a probe round drafts after `probe_interval` plain rounds; the interval
-  doubles after each probe that does not change the decision, and restarts once drafting pays. While
-  drafting pays, a draft is never longer than the best length (the cap rule may only shorten it).
+* back-off (`sparrow.policy.estimates.BackOff`, every policy's rule): while drafting does not pay (k = 0 wins),
+  rounds are plain decoding steps. Nothing is learnt about a meanwhile, so a probe round drafts after
+  `probe_interval` plain rounds; the interval doubles after each probe that does not change the decision,
+  and restarts once drafting pays. While drafting pays, a draft is never longer than the best length (the
+  cap rule may only shorten it).
 
 `LengthPolicy` modes: fixed (exactly k: `--fixed`); adaptive (the default: the cap grows by 2 after a
 fully accepted draft and shrinks by 1 otherwise, and drafting stops early under a confidence threshold
@@ -33,16 +34,14 @@ from dataclasses import dataclass, field
 from sparrow.errors import UserError
 from sparrow.policy.estimates import (
     AcceptanceEstimate,
+    BackOff,
     CostCurve,
+    Decayed,
     DecayedLine,
-    ProbeSchedule,
     best_length,
     tokens_per_second,
 )
 from sparrow.types import StepStats
-
-"""Variance of the token counts (tokens^2) under which a line's slope is not identifiable."""
-"""Timing runs feed ids i * stride % vocab: a prime stride spreads them over any vocabulary, like text."""
 
 
 @dataclass
@@ -73,9 +72,9 @@ class LengthPolicy:
             raise UserError(f"k (num_draft_tokens) must be an integer >= 1, got {self.max_tokens!r}")
         self.acceptance = AcceptanceEstimate(decay=self.decay)
         self.verify = DecayedLine(self.decay)  # (tokens in the forward, seconds) of every round
-        self.plain = DecayedLine(self.decay)  # the same, rounds without a draft only: their mean
+        self.plain = Decayed(self.decay)  # (1, seconds) of the rounds without a draft: their mean
         self.draft = DecayedLine(self.decay, origin=True)  # (draft tokens, seconds) of drafting rounds
-        self.probes = ProbeSchedule(self.probe_interval, self.max_probe_interval)
+        self.probes = BackOff(self.probe_interval, self.max_probe_interval)
         self._round, self.last_cap, self._probing = 0, 0, False  # last_cap: what the last cap() allowed
         self.reset()
 
@@ -92,13 +91,13 @@ class LengthPolicy:
         self.curve, self.confidence_threshold = curve, 0.0
         for n, seconds in enumerate(curve.verify_seconds, start=1):
             self.verify.add(n, seconds)
-        self.plain.add(1, curve.verify_seconds[0])
+        self.plain.add(1.0, curve.verify_seconds[0])
         if curve.draft_seconds is not None:
             self.draft.add(1, curve.draft_seconds)
 
     # --- the decision ------------------------------------------------------------------------------
     def verify_seconds(self, n: int) -> float:
-        return self.plain(1) if n == 1 and self.plain.known else self.verify(n)
+        return self.plain.mean() if n == 1 and self.plain.known else self.verify(n)
 
     def rate(self, k: int) -> float:
         """Expected tokens per second when drafting k tokens (k = 0: plain decoding)."""
@@ -119,14 +118,9 @@ class LengthPolicy:
         if self.backoff and k and self.verify.known and self.draft.known:  # else: draft, and measure
             rates = [self.rate(j) for j in range(limit + 1)]
             best = max(range(1, limit + 1), key=rates.__getitem__) if self.adaptive else k  # fixed: k or nothing
-            if rates[best] > rates[0]:  # drafting pays; never longer than the length expected to be best
-                self.probes.restart(self._round + self.probes.start)
-                k = min(k, best)
-            elif self.probes.due(self._round):  # a probe: the acceptance estimate is stale (it may still lose)
-                self.probes.wait(self._round, won=False)
-                self._probing, k = True, min(k, best)
-            else:
-                k = 0
+            # never longer than the length expected to be best; a probe's acceptance estimate is stale
+            k = min(k, best) if self.probes.decide(rates[best] > rates[0], self._round) else 0
+            self._probing = self.probes.probing
         self.last_cap = k
         return k
 
@@ -140,7 +134,7 @@ class LengthPolicy:
         drafted, accepted = step.num_draft_tokens, step.num_accepted
         self.verify.add(drafted + 1, step.verify_seconds)
         if drafted == 0:
-            self.plain.add(1, step.verify_seconds)
+            self.plain.add(1.0, step.verify_seconds)
         if drafted or self.last_cap:  # a drafting round (a plain one spends next to nothing in propose)
             self.draft.add(drafted, step.draft_seconds)
         if drafted == 0:

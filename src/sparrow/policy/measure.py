@@ -1,4 +1,5 @@
-"""Measuring what a forward costs (the only policy code that runs a model): cost curves over draft lengths."""
+"""Measuring what a forward costs (the only policy code that runs a model): cost curves over draft lengths, and the
+first points of a batch's verify cost table."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 import torch
+from transformers import PreTrainedModel
 
 from sparrow.policy.estimates import CostCurve
 from sparrow.runtime.cached_model import CachedModel
@@ -17,6 +19,7 @@ if TYPE_CHECKING:  # an annotation only: drafters build on the policies
 
 
 DUMMY_ID_STRIDE = 7919
+"""Timing runs feed ids i * stride % vocab: a prime stride spreads them over any vocabulary, like text."""
 
 
 
@@ -83,3 +86,23 @@ def follow_cost_curve(drafter: Drafter | None, target: CachedModel) -> None:
     if policy is not None and policy.adaptive and policy.curve is None and isinstance(draft, CachedModel):
         policy.follow(measure_cost_curve(target, policy.max_tokens, draft))
 
+
+def measure_batch_cost(model: PreTrainedModel, tokens: tuple[int, ...] = (1, 16, 64), context: int = 32,
+                       vocab: int | None = None) -> list[tuple[int, float]]:
+    """Seconds of one forward of n tokens after a short context, for each n (the first points of a batch's verify
+    cost table, `sparrow.policy.batch.BatchPolicy.seed`)."""
+    runner = CachedModel(model)
+    vocab = vocab or runner.vocab_size
+    limit = runner.context_length or 10 ** 9
+    ids = torch.arange(context + max(tokens)) * DUMMY_ID_STRIDE % vocab
+    points = []
+    for n in tokens:
+        if context + n >= limit:
+            continue
+        runner.prefill(Prompt(ids[:context]))
+        runner.forward(ids[context:context + n])  # warm-up
+        runner.rewind(context)
+        start = now(runner.device)
+        runner.forward(ids[context:context + n])
+        points.append((n, now(runner.device) - start))
+    return points

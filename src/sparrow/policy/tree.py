@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparrow.policy.estimates import DecayedLine, ProbeSchedule
+from sparrow.policy.estimates import BackOff, Decayed
 from sparrow.types import StepStats
 
 
@@ -13,8 +13,8 @@ class TreePolicy:
     """LengthPolicy's counterpart for trees, whose cost and yield do not follow one length k. From decayed
     sums over the engine-measured tree rounds:
 
-    * back-off: drafting rounds' seconds per committed token against plain decoding's (the rounds without
-      a draft; one is forced after `warmup` tree rounds to measure it). While plain decoding is faster,
+    * back-off (`BackOff`): drafting rounds' seconds per committed token against plain decoding's (the rounds
+      without a draft; one is forced after `warmup` tree rounds to measure it). While plain decoding is faster,
       draft nothing and probe on a doubling schedule (`backoff=False`: always draft, e.g. inside auto).
     * `min_prob`: when another tree level is worth a draft forward. EAGLE-2's scores approximate the chance
       the target accepts a path, so a level whose best path has draft probability p adds about p tokens for
@@ -31,10 +31,10 @@ class TreePolicy:
     ceiling: float = 0.9  # ...and always stop under this
 
     def __post_init__(self) -> None:
-        self.tokens = self.seconds = 0.0  # decayed sums over drafting rounds: committed tokens, round seconds
-        self.forwards = self.draft_seconds = 0.0  # the same: draft forwards, drafting seconds
-        self.plain = DecayedLine(self.decay)
-        self.probes = ProbeSchedule(self.probe_interval, self.max_probe_interval)
+        self.rounds = Decayed(self.decay)  # drafting rounds: (committed tokens, round seconds)
+        self.forwards = Decayed(self.decay)  # the same rounds: (draft forwards, drafting seconds)
+        self.plain = Decayed(self.decay)  # plain rounds: (1, seconds)
+        self.probes = BackOff(self.probe_interval, self.max_probe_interval)
         self._round = self._drafted = 0
 
     def draft_now(self) -> bool:
@@ -44,29 +44,25 @@ class TreePolicy:
             return True
         if not self.plain.known:
             return self._drafted < self.warmup
-        if not self.seconds or self.tokens / self.seconds > 1.0 / self.plain(1):
-            self.probes.restart(self._round + self.probes.start)
-            return True
-        if self.probes.due(self._round):
-            self.probes.wait(self._round, won=False)
-            self.tokens, self.seconds = self.probe_weight * self.tokens, self.probe_weight * self.seconds
-            return True
-        return False
+        tokens, seconds = self.rounds.sums
+        if not self.probes.decide(not seconds or tokens / seconds > 1.0 / self.plain.mean(), self._round):
+            return False
+        if self.probes.probing:  # the evidence is stale: let the probe count most
+            self.rounds.scale(self.probe_weight)
+        return True
 
     @property
     def min_prob(self) -> float:
-        if not self.forwards or not self.seconds:
+        if not self.forwards.known or not self.rounds.sums[1]:
             return self.floor
-        per_forward, per_token = self.draft_seconds / self.forwards, self.seconds / self.tokens
+        per_forward, per_token = self.forwards.mean(), self.rounds.mean()
         return min(self.ceiling, max(self.floor, per_forward / per_token))
 
     def observe(self, step: StepStats, forwards: int = 1) -> None:
         """The engine-measured round; `forwards`: the draft forwards its tree took."""
         if step.num_draft_tokens == 0:
-            self.plain.add(1, step.verify_seconds)
+            self.plain.add(1.0, step.verify_seconds)
             return
         self._drafted += 1
-        new = (step.num_accepted + 1, step.draft_seconds + step.verify_seconds, forwards, step.draft_seconds)
-        old = (self.tokens, self.seconds, self.forwards, self.draft_seconds)
-        self.tokens, self.seconds, self.forwards, self.draft_seconds = (self.decay * o + n for o, n in zip(old, new))
-
+        self.rounds.add(step.num_accepted + 1, step.draft_seconds + step.verify_seconds)
+        self.forwards.add(forwards, step.draft_seconds)

@@ -29,11 +29,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparrow.decoding.batch import Batch, BatchPolicy, measure_batch_cost, supports_batching
+from sparrow.decoding.batch import Batch, supports_batching
 from sparrow.decoding.round import Generation
 from sparrow.errors import UserError
 from sparrow.locks import holding
 from sparrow.pipeline import Pipeline
+from sparrow.policy.batch import BatchPolicy
+from sparrow.policy.measure import measure_batch_cost
 from sparrow.serve.metrics import Metrics
 from sparrow.text import clean_text
 from sparrow.types import GenerationResult

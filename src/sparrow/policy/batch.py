@@ -1,0 +1,106 @@
+"""The draft budget of a batch step (`sparrow.decoding.batch.Batch`): how many tokens every sequence may draft.
+
+A step of B sequences that drafts k tokens each costs k draft positions of B sequences plus one verify forward of
+T = sum(k_b + 1) tokens, and commits sum E_b[tokens](k) (`sparrow.policy.estimates.expected_tokens`). The step's
+cap is the k with the most tokens per second, from each sequence's acceptance and two cost tables interpolated
+between measured steps (`CostTable`): as the batch grows the verify forward stops being memory-bound, so drafts
+get shorter, and stop where they no longer pay (`BackOff`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from sparrow.policy.estimates import AcceptanceEstimate, BackOff, Decayed, expected_tokens
+
+
+class Estimated(Protocol):
+    """What the batch policy reads of a running sequence (`sparrow.decoding.batch.Generation`)."""
+
+    acceptance: AcceptanceEstimate
+
+
+@dataclass
+class CostTable:
+    """Seconds of one forward of T tokens: decayed means per power-of-two bin of T, linear between the bins
+    (flat below the first, the last segment's slope beyond the last). A CPU's forward costs about the same
+    for 1 or 16 tokens (it reads the weights either way), then grows with T; one straight line fits neither."""
+
+    decay: float = 0.9  # per observation, within its bin
+
+    def __post_init__(self) -> None:
+        self.bins: dict[int, Decayed] = {}  # bit length of T -> (1, T, seconds)
+
+    @property
+    def known(self) -> bool:
+        return bool(self.bins)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.bins.setdefault(tokens.bit_length(), Decayed(self.decay, (0.0, 0.0, 0.0))).add(1.0, tokens, seconds)
+
+    def __call__(self, tokens: float) -> float:
+        points = sorted((b.mean(1), b.mean(2)) for b in self.bins.values())
+        assert points, "no observation yet"
+        if len(points) == 1:
+            x, y = points[0]
+            return y * max(1.0, tokens / x)
+        if tokens <= points[0][0]:
+            return points[0][1]
+        segment = next((pair for pair in zip(points, points[1:]) if tokens <= pair[1][0]), (points[-2], points[-1]))
+        (x0, y0), (x1, y1) = segment
+        return y0 + max(0.0, (y1 - y0) / (x1 - x0)) * (tokens - x0)
+
+
+@dataclass
+class BatchPolicy:
+    """The draft cap of a batch step: the k with the most expected tokens per second (see the module doc).
+
+    Costs are the batch's own: verify(T) for a target forward of T tokens, and draft(B) seconds per draft
+    position for B sequences drafting together (a draft model runs one batched forward per position). While no
+    draft length pays, steps are plain; every `probe` such steps (doubling up to `max_probe` while it keeps
+    losing) one step drafts the best length anyway, so acceptance and draft costs stay measured."""
+
+    decay: float = 0.9
+    adaptive: bool = True  # False: every sequence drafts what its own drafter chooses (tests, --fixed)
+    probe: int = 4
+    max_probe: int = 64
+
+    def __post_init__(self) -> None:
+        self.verify = CostTable(self.decay)  # (tokens in the batched forward, seconds)
+        self.draft = CostTable(self.decay)  # (sequences drafting, seconds per draft position)
+        self.probes = BackOff(self.probe, self.max_probe)
+        self._step = 0
+
+    def seed(self, points: list[tuple[int, float]]) -> None:
+        """Measured (tokens, seconds) of forwards before serving (`sparrow.policy.measure.measure_batch_cost`)."""
+        for tokens, seconds in points:
+            self.verify.add(tokens, seconds)
+
+    def rate(self, seqs: Sequence[Estimated], limits: list[int], k: int) -> float:
+        """Expected tokens per second of a step whose drafts are capped at k (unknown draft costs count as 0)."""
+        ks = [min(k, limit) for limit in limits]
+        tokens = sum(expected_tokens(seq.acceptance.value, j) for seq, j in zip(seqs, ks))
+        drafting = sum(1 for j in ks if j)
+        seconds = max(ks) * self.draft(drafting) if drafting and self.draft.known else 0.0
+        return tokens / max(seconds + self.verify(sum(ks) + len(ks)), 1e-12)
+
+    def cap(self, seqs: Sequence[Estimated], limits: list[int]) -> int:
+        """Tokens each sequence may draft this step (each also at most its own limit). A sequence alone follows
+        its drafter's own policy, which already weighs its draft and verify costs."""
+        top = max(limits, default=0)
+        self._step += 1
+        if top == 0 or len(seqs) < 2 or not self.adaptive or not self.verify.known:
+            return top
+        rates = [self.rate(seqs, limits, k) for k in range(top + 1)]
+        best = max(range(1, top + 1), key=rates.__getitem__)
+        return best if self.probes.decide(rates[best] > rates[0], self._step) else 0
+
+    def observe(self, tokens: int, seconds: float, drafting: int = 0, positions: int = 0,
+                draft_seconds: float = 0.0) -> None:
+        """A step: its verify forward of `tokens` tokens took `seconds`; `drafting` sequences drafted up to
+        `positions` tokens in `draft_seconds`."""
+        self.verify.add(tokens, seconds)
+        if drafting and positions:
+            self.draft.add(drafting, draft_seconds / positions)
