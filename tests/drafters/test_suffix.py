@@ -269,6 +269,23 @@ def test_auto_probes_suffix_and_stays_lossless(loaded_target, baselines):
     assert any(r.choice == "suffix" for r in auto.rounds)
 
 
+def test_auto_asks_suffix_only_for_its_drafts_never_for_empty_probes(loaded_target, baselines):
+    """Suffix is free to ask, like prompt lookup. Probed like a model candidate instead, it was asked only in rounds
+    where prompt lookup had no match, i.e. where the last token never occurred in the context, so its own trie had
+    nothing either: most of its probe rounds drafted 0 tokens, were measured as plain steps plus its cost, lost, and
+    its re-probes were spaced out."""
+    auto = build_drafter("auto", loaded_target, None, 8)
+    assert "suffix" not in auto.models  # never probed: asked every round the lookup's draft is not used
+    pipe = Pipeline(loaded_target, auto)
+    prompt = PROMPTS[0]
+    used = []
+    for _ in range(2):  # the second request finds the first one's output in suffix's store
+        assert pipe.generate(prompt, max_new_tokens=40).token_ids == baselines[prompt]
+        used += [r for r in auto.rounds if r.choice == "suffix"]
+    assert used and all(r.drafted > 0 for r in used), used
+    assert sum(r.accepted for r in used) > 0
+
+
 def test_trie_nodes_are_no_objects_for_the_garbage_collector():
     """One Python object per node made appends ~15x slower (cyclic GC passes over every tracked node)."""
     import gc

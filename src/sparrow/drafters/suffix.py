@@ -122,6 +122,7 @@ def speculate(trie: SuffixTrie, node: int, max_depth: int, min_prob: float, budg
 class SuffixDrafter(DrafterBase):
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "suffix"
+    free_to_ask = True  # a lookup in two tries: auto asks it every round its lookups' drafts are not used
 
     def __init__(self, num_draft_tokens: int = 16, adaptive: bool = False, config: SuffixConfig = SuffixConfig(),
                  tree: TreeShape | None = None, backoff: bool | None = None,
