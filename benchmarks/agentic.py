@@ -27,6 +27,7 @@ import importlib.util
 import json
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,7 @@ def suffix_at(ref: str):
                             capture_output=True, text=True).stdout
     spec = importlib.util.spec_from_loader(f"suffix_at_{ref}", loader=None)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     exec(compile(source, f"{ref}:suffix.py", "exec"), module.__dict__)
     return module
 

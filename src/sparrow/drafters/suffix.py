@@ -153,6 +153,8 @@ class SuffixDrafter(DrafterBase):
         self._acceptance = [AcceptanceEstimate(decay=self.length.decay) for _ in range(MATCH_BUCKETS)]
         self._probes = [ProbeSchedule(self.length.probe_interval, self.length.max_probe_interval)
                         for _ in range(MATCH_BUCKETS)]
+        for probes in self._probes:  # a bucket just measured not to pay needs no probe at once
+            probes.restart(probes.start)
         self._round = 0
         self._last: tuple[list[int], int, bool] | None = None  # the last draft: tokens, match bucket, a probe
 
@@ -187,8 +189,6 @@ class SuffixDrafter(DrafterBase):
         best = self._best(context, k, max_tokens)
         if best is None or not best.tokens:
             return Draft.empty(committed.device)
-        if self.tree is None:
-            best = self._extend(context, best, k, max_tokens)
         bucket = min(best.match, MATCH_BUCKETS) - 1
         size, probe = self._worth(bucket, best.first)
         if size == 0:
@@ -201,19 +201,22 @@ class SuffixDrafter(DrafterBase):
         tokens = torch.tensor(best.tokens, dtype=torch.long, device=committed.device)
         return Draft(tokens=tokens, parents=torch.tensor(best.parents, dtype=torch.long, device=committed.device))
 
-    def _extend(self, context: list[int], chain: Candidate, k: int, max_tokens: int) -> Candidate:
-        """A chain the tries cut short (a match of m tokens continues at most depth - m tokens) goes on from the best
-        match of the context followed by the chain so far, up to k tokens; the continuation's path probabilities are
-        times the chain's last one, and it stops where they fall under `min_token_prob`."""
-        tokens, probs = list(chain.tokens), list(chain.probs)
-        while len(tokens) < k:
-            more = self._best(context + tokens, k - len(tokens), max_tokens)
-            added = [p * probs[-1] for p in more.probs] if more is not None else []
-            keep = sum(p >= self.config.min_token_prob for p in added)  # a chain's probabilities never grow
-            if keep == 0:
+    def _continue(self, trie: SuffixTrie, context: Sequence[int], chain: Candidate, depth: int) -> Candidate:
+        """A chain the trie's depth cut short (a pattern of m tokens continues at most trie.depth - m) goes on, up to
+        the `depth` its match allows, from the longest match of the context followed by the chain so far, its path
+        probabilities times the chain's last, while they stay >= `min_token_prob`."""
+        tokens, probs, min_prob = list(chain.tokens), list(chain.probs), self.config.min_token_prob
+        while len(tokens) < depth:
+            window = [*context, *tokens][-(trie.depth - 1):]
+            node = next((n for m in range(len(window), 0, -1)
+                         if (n := trie.find(window[len(window) - m:])) is not None and trie.has_children(n)), None)
+            if node is None:
                 break
-            tokens += more.tokens[:keep]
-            probs += added[:keep]
+            more = speculate(trie, node, depth - len(tokens), min_prob / probs[-1], depth - len(tokens), 1)
+            if not more.tokens:
+                break
+            tokens += more.tokens
+            probs += [p * probs[-1] for p in more.probs]
         return replace(chain, tokens=tokens, parents=list(range(-1, len(tokens) - 1)), probs=probs,
                        score=sum(probs), first=len(tokens))
 
@@ -258,6 +261,8 @@ class SuffixDrafter(DrafterBase):
                         continue  # cannot beat the best (a score is at most its node count)
                     nodes = depth if topk == 1 else budget  # a chain: its depth
                     candidate = speculate(trie, node, depth, c.min_token_prob, nodes, topk)
+                    if topk == 1 and len(candidate.tokens) < depth and m + len(candidate.tokens) == trie.depth:
+                        candidate = self._continue(trie, context, candidate, depth)
                     if best is None or candidate.score > best.score:
                         best = replace(candidate, match=m)
             finally:
