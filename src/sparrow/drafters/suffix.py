@@ -15,8 +15,20 @@ taken best-first while that path probability stays >= `min_token_prob` (Arctic's
 `max_spec_factor x m` deep (longer matches earn longer drafts) and the round cap deep (`LengthPolicy`: it
 grows after fully accepted drafts, shrinks after rejections and backs off to plain steps where drafting does
 not pay). A chain follows the most frequent child; with a tree shape (`tree_budget`), up to `topk` children
-per node and `budget` nodes become a tree for the engine's tree verification. The candidate with the highest
-score (the sum of its nodes' path probabilities: the expected accepted tokens) is drafted.
+per node and `budget` nodes become a tree for the engine's tree verification. A chain the tries' depth cuts
+short (a pattern of m tokens continues at most depth - m tokens) goes on from the longest match of the context
+plus the chain, within the same `max_spec_factor x m`. The candidate with the highest score (the sum of its
+nodes' path probabilities: the expected accepted tokens) is drafted.
+
+Whether to draft it at all (adaptive mode): the counts tell what followed a pattern, not how far to trust a
+short one, so each match length (1, 2, 3, >= 4 tokens) keeps its own acceptance estimate, and a round drafts the
+chain length with the most expected tokens per second under it and the measured draft and verify costs:
+
+    n* = argmax_{0 <= n <= len(chain)} E[tokens](a_m, n) / (draft(n) + verify(n + 1))
+
+(n* = 0: a plain step). Where a wider verify forward is not free (float32 on a CPU), short matches that the
+target mostly rejects stop costing verify width; a match length judged not to pay is drafted again as a probe
+after a doubling interval, since its estimate goes stale.
 
 Drafts are deterministic functions of the committed tokens and the store, so the rejection verifier applies
 the q = 1 rule to them (lossless at any temperature).
