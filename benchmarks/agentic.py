@@ -15,13 +15,19 @@ alike. Outputs are compared with plain decoding's token for token.
     PYTHONPATH=src nice -n 10 python benchmarks/agentic.py --target smollm2-135m --dtype float32 \
         --out benchmarks/results/suffix_agentic.jsonl
     PYTHONPATH=src python benchmarks/agentic.py --micro      # the suffix structure's per-token costs
+
+`--baseline REF` adds "suffix@REF": the suffix drafter as committed at git REF (its module read from git), in the
+same process and interleaved like the others, for before/after comparisons on a noisy machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +95,17 @@ def extract_file(answer: str) -> str:
     return body.split("\n", 1)[1] if "\n" in body else body
 
 
+def suffix_at(ref: str):
+    """The `sparrow.drafters.suffix` module as committed at git `ref` (it imports today's other modules)."""
+    source = subprocess.run(["git", "show", f"{ref}:src/sparrow/drafters/suffix.py"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    spec = importlib.util.spec_from_loader(f"suffix_at_{ref}", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    exec(compile(source, f"{ref}:suffix.py", "exec"), module.__dict__)
+    return module
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     import torch
 
@@ -100,6 +117,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     pipes = {m: sparrow.load(target, drafter="none" if m == "plain" else m, draft=None) for m in METHODS}
     for name, options in json.loads(args.variants).items():  # e.g. {"suffix-f2": {"max_spec_factor": 2.0}}
         pipes[name] = sparrow.load(target, drafter="suffix", draft=None, **options)
+    if args.baseline:
+        from sparrow.pipeline import Pipeline
+
+        pipes[f"suffix@{args.baseline}"] = Pipeline(target, suffix_at(args.baseline).build(target, None, 16, True))
     pipes["plain"].generate_plain("Hello", max_new_tokens=4)  # warm-up
     rows = []
     previous: dict[str, str] = {}
@@ -195,6 +216,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", default="{}", help='More suffix pipelines: {"name": {options}}.')
+    parser.add_argument("--baseline", default=None, help="Also run the suffix drafter as committed at this git ref.")
     parser.add_argument("--repeat", type=int, default=0, help="Recorded in the rows (to tell runs apart).")
     parser.add_argument("--out", type=Path, default=None, help="Append the rows (JSONL) here.")
     parser.add_argument("--summary", type=Path, default=None, help="Only print the table of these JSONL rows.")

@@ -17,7 +17,7 @@ from sparrow.drafters.suffix_tree import StoreLimits, SuffixStore, SuffixTrie, m
 from sparrow.errors import UserError
 from sparrow.pipeline import Pipeline
 from sparrow.policy.batch import BatchPolicy
-from sparrow.types import Prompt, StepStats
+from sparrow.types import Prompt, StepStats, Verdict
 from sparrow.verifiers import RejectionVerifier
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is"]
@@ -65,6 +65,41 @@ def test_speculation_follows_counts_and_stops_under_the_probability_threshold():
     tree = speculate(trie, node, max_depth=2, min_prob=0.1, budget=8, topk=2)
     assert tree.tokens == [3, 4, 5] and tree.parents == [-1, 0, 0] and tree.first == 2
     assert tree.score == pytest.approx(1 + 2 / 3 + 1 / 3)
+
+
+def test_a_chain_cut_by_the_tries_depth_continues_within_its_matchs_allowance():
+    """A pattern of m tokens continues at most depth - m tokens in the trie; the chain goes on from the longest match
+    of the context plus the chain so far, up to max_spec_factor x m tokens (before: 4 tokens here, from m = 2)."""
+    seq = list(range(10, 40))
+    drafter = SuffixDrafter(16, config=SuffixConfig(max_tree_depth=6, max_spec_factor=3.0, max_cached_requests=0))
+    context = torch.tensor(seq + seq[:12])
+    drafter.prefill(Prompt(context))
+    draft = drafter.propose(context, 16, SamplingConfig(), torch.Generator())
+    assert draft.tokens.tolist() == seq[12:27]  # m = 5 allows 15
+
+
+def test_a_match_length_whose_drafts_do_not_pay_drafts_nothing_but_probes():
+    """Measured costs of a float32 CPU (a 2-token verify costs 1.6 plain steps) and 1-token matches whose drafts were
+    rejected: such a match drafts nothing, but for a probe now and then, while a long match still drafts (before:
+    every 1-token match drafted its token)."""
+    drafter = SuffixDrafter(16, adaptive=True, config=SuffixConfig(max_cached_requests=0))
+    for _ in range(3):
+        drafter.length.observe(StepStats(0, 0, 0.0, 0.08))
+        for n, seconds in ((2, 0.135), (4, 0.14), (8, 0.155), (12, 0.16)):
+            drafter.length.observe(StepStats(n, n, 1e-4 * n, seconds))
+    one = torch.tensor([5, 9, 50, 51, 6, 7, 8, 11, 12, 13, 9])  # ends with 9: only "9" matched before (9 -> 50)
+    drafter.prefill(Prompt(one))
+    drafts = []
+    for _ in range(40):  # each draft rejected
+        draft = drafter.propose(one, 16, SamplingConfig(), torch.Generator())
+        drafts.append(len(draft))
+        if len(draft):
+            drafter.observe(draft, Verdict(tokens=torch.tensor([99]), num_accepted=0), None,
+                            StepStats(len(draft), 0, 1e-4, 0.125))
+    assert drafts[-30:].count(1) <= 4 and drafts[-30:].count(0) >= 26, drafts  # probes only
+    long = torch.tensor([5, 9, 50, 51, 52, 53, 6, 7, 5, 9, 50, 51])  # "5 9 50 51" matched: 4 tokens
+    drafter.prefill(Prompt(long))
+    assert drafter.propose(long, 16, SamplingConfig(), torch.Generator()).tokens.tolist()[:2] == [52, 53]
 
 
 def test_store_is_shared_by_copies_and_bounded_by_fifo_eviction():
@@ -268,6 +303,23 @@ def test_auto_probes_suffix_and_stays_lossless(loaded_target, baselines):
     # from run to run on a shared CPU, so only the probe is asserted here (suffix's own drafting from an earlier
     # request's output is asserted exactly in test_earlier_outputs_make_drafts_for_a_later_request)
     assert any(r.choice == "suffix" for r in auto.rounds)
+
+
+def test_auto_asks_suffix_only_for_its_drafts_never_for_empty_probes(loaded_target, baselines):
+    """Suffix is free to ask, like prompt lookup. Probed like a model candidate instead, it was asked only in rounds
+    where prompt lookup had no match, i.e. where the last token never occurred in the context, so its own trie had
+    nothing either: most of its probe rounds drafted 0 tokens, were measured as plain steps plus its cost, lost, and
+    its re-probes were spaced out."""
+    auto = build_drafter("auto", loaded_target, None, 8)
+    assert "suffix" not in auto.models  # never probed: asked every round the lookup's draft is not used
+    pipe = Pipeline(loaded_target, auto)
+    prompt = PROMPTS[0]
+    used = []
+    for _ in range(2):  # the second request finds the first one's output in suffix's store
+        assert pipe.generate(prompt, max_new_tokens=40).token_ids == baselines[prompt]
+        used += [r for r in auto.rounds if r.choice == "suffix"]
+    assert used and all(r.drafted > 0 for r in used), used
+    assert sum(r.accepted for r in used) > 0
 
 
 def test_trie_nodes_are_no_objects_for_the_garbage_collector():

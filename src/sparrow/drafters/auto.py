@@ -3,7 +3,7 @@
 Candidates are ordinary drafters: prompt lookup, the draft model when one is given (cross-vocab
 when its vocabulary differs from the target's), self-drafts (layer-skip when it is registered
 and tuned for the target; quantized-self on request, since it builds an int4 copy of the target),
-and suffix decoding (model-free, from the request's text and earlier outputs; probed like the others).
+and suffix decoding (model-free, from the request's text and earlier outputs; free to ask, like prompt lookup).
 "none" (an empty draft, i.e. a plain decoding step) is always an option.
 
 Each option's throughput is estimated online from what its rounds cost and yielded:
@@ -19,8 +19,11 @@ in, a probe after 16 rounds without the draft paid for feeding it those tokens, 
 slower than plain decoding, and kept it out (a w8a8 1.5B target on code: 3 draft-model rounds in 106).
 
 Policy, every round:
-1. Prompt lookup costs almost nothing, so it proposes every round. When it finds a match and its
-   rate is the best known one (or still unknown), its draft is used.
+1. Prompt lookup costs almost nothing, so it proposes every round; so do the other candidates that are free to ask
+   (suffix), in order, in the rounds where no earlier one's draft is used. When one finds a match and its
+   rate is the best known one (or still unknown), its draft is used. (Probed like a model instead, suffix was asked
+   only where prompt lookup had no match, i.e. where the last token never occurred in the context, so its own trie
+   had nothing either: its probes drafted nothing, lost, and it was rarely asked again.)
 2. Otherwise model-based candidates are probed (a couple of rounds each at first), then the
    option with the highest rate among them and "none" is used. A candidate that is not chosen is
    re-probed for one round `reprobe_interval` rounds after it was last used, the interval doubling
@@ -28,7 +31,7 @@ Policy, every round:
    round now and then, and speculation that does not pay turns into plain decoding. (This is the
    back-off, every policy's `sparrow.policy.estimates.BackOff` with one schedule per candidate; the
    candidates' own back-off is switched off.)
-3. Prompt lookup's proposals that are not used are scored anyway once the committed tokens reach
+3. The free candidates' proposals that are not used are scored anyway once the committed tokens reach
    past them (a shadow verdict: the longest prefix equal to what was committed, which is exactly
    what greedy verification would have accepted), so its estimate follows the text for free.
 
@@ -131,8 +134,9 @@ class Throughput:
 
 @dataclass
 class _Shadow:
-    """A prompt-lookup proposal that was not used, scored once the committed tokens reach past it."""
+    """A free candidate's proposal that was not used, scored once the committed tokens reach past it."""
 
+    name: str
     position: int  # committed length when proposed: the draft continues committed[position:]
     tokens: list[int]
     draft_seconds: float
@@ -156,9 +160,8 @@ class AutoDrafter(DrafterBase):
         if len(layers) > 1:
             raise UserError(f"auto drafter candidates read different target layers {sorted(layers)}: give one")
         self.hidden_layers: tuple[int, ...] = layers.pop() if layers else ()
-        lookups = [c.name for c in candidates if c.free_to_ask]
-        self.lookup: str | None = lookups[0] if lookups else None
-        self.models = [n for n in names if n != self.lookup]  # candidates that cost real compute to probe
+        self.lookups = [c.name for c in candidates if c.free_to_ask]  # asked every round, in this order
+        self.models = [n for n in names if n not in self.lookups]  # candidates that cost real compute to probe
         for candidate in candidates:  # plain rounds are this drafter's choice ("none"), not a candidate's
             if candidate.length is not None:
                 candidate.length.backoff = False
@@ -193,8 +196,8 @@ class AutoDrafter(DrafterBase):
         self._shadows = []
         for stats in self.stats.values():
             stats.rounds.scale(self.config.carry_over)
-        if self.lookup is not None:  # a lookup's worth is all in the text: start afresh (its first match is tried)
-            self.stats[self.lookup] = Throughput(self.config.forgetting)
+        for name in self.lookups:  # a lookup's worth is all in the text: start afresh (its first match is tried)
+            self.stats[name] = Throughput(self.config.forgetting)
         for n, probes in self._probes.items():
             probes.restart(self.config.reprobe_interval if self.stats[n].count else 0)
         # Drafters with their own model prefill on first use; the rest (they may read the target's
@@ -206,19 +209,18 @@ class AutoDrafter(DrafterBase):
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: Randomness) -> Draft:
-        start = now(committed.device)
         self._switch_seconds = 0.0
         if max_tokens < 1:
             return self._chosen(PLAIN, Draft.empty(committed.device))
         self._score_shadows(committed)
-        lookup_draft = None
-        if self.lookup is not None:
-            lookup_draft = self.candidates[self.lookup].propose(committed, max_tokens, sampling, generator)
-        lookup_seconds = now(committed.device) - start
-        if lookup_draft is not None and len(lookup_draft) and self._lookup_wins():
-            return self._chosen(self.lookup, lookup_draft)
-        if lookup_draft is not None and len(lookup_draft):
-            self._shadows.append(_Shadow(committed.numel(), lookup_draft.tokens.tolist(), lookup_seconds))
+        for name in self.lookups:
+            asked = now(committed.device)
+            lookup_draft = self.candidates[name].propose(committed, max_tokens, sampling, generator)
+            if len(lookup_draft) and self._lookup_wins(name):
+                return self._chosen(name, lookup_draft)
+            if len(lookup_draft):
+                seconds = now(committed.device) - asked
+                self._shadows.append(_Shadow(name, committed.numel(), lookup_draft.tokens.tolist(), seconds))
         name, probe = self._pick_model()
         if name == PLAIN:
             return self._chosen(PLAIN, Draft.empty(committed.device))
@@ -255,16 +257,16 @@ class AutoDrafter(DrafterBase):
             return 1.0 / self.verify(1) if self.verify.known else None
         return self.stats[name].rate(self.verify)
 
-    def _lookup_wins(self) -> bool:
-        """Use this round's prompt-lookup match? Yes unless a known option is measured to be faster."""
-        mine = self._rate(self.lookup)
+    def _lookup_wins(self, name: str) -> bool:
+        """Use this round's match of free candidate `name`? Yes unless a known option is measured to be faster."""
+        mine = self._rate(name)
         if mine is None:
             return True
         others = [r for r in map(self._rate, self._options()) if r is not None]
         return mine >= max(others, default=0.0)
 
     def _pick_model(self) -> tuple[str, bool]:
-        """(option, whether it is a probe) for a round without a prompt-lookup draft: the first rounds of each
+        """(option, whether it is a probe) for a round without a free candidate's draft: the first rounds of each
         candidate, then the best option, or a candidate whose probe is due (the one waiting longest; one a round).
         A candidate in use pays (its back-off restarts); a probe is a step of one that does not."""
         step = len(self.choices)
@@ -288,12 +290,11 @@ class AutoDrafter(DrafterBase):
         return draft
 
     def _score_shadows(self, committed: Tensor) -> None:
-        """Score unused prompt-lookup proposals whose outcome the committed tokens now decide."""
+        """Score the free candidates' unused proposals whose outcome the committed tokens now decide."""
         if not self._shadows:
             return
         first = min(s.position for s in self._shadows)
         known = committed[first:].tolist()
-        lookup = self.candidates[self.lookup]
         pending = []
         for shadow in self._shadows:
             actual = known[shadow.position - first:]
@@ -302,11 +303,11 @@ class AutoDrafter(DrafterBase):
                 accepted += 1
             if accepted < len(actual):  # decided: a mismatch, or every token matched and the next is known
                 drafted = len(shadow.tokens)
-                self.stats[self.lookup].add(accepted + 1, shadow.draft_seconds, drafted)
+                self.stats[shadow.name].add(accepted + 1, shadow.draft_seconds, drafted)
                 verdict = Verdict(tokens=torch.tensor(actual[: accepted + 1]), num_accepted=accepted)
                 verify = self.verify(drafted + 1) if self.verify.known else 0.0  # modelled: never verified
                 modelled = StepStats(drafted, accepted, shadow.draft_seconds, verify)
-                lookup.observe(Draft(tokens=torch.tensor(shadow.tokens)), verdict, None, modelled)
+                self.candidates[shadow.name].observe(Draft(tokens=torch.tensor(shadow.tokens)), verdict, None, modelled)
             else:
                 pending.append(shadow)
         self._shadows = pending

@@ -15,8 +15,20 @@ taken best-first while that path probability stays >= `min_token_prob` (Arctic's
 `max_spec_factor x m` deep (longer matches earn longer drafts) and the round cap deep (`LengthPolicy`: it
 grows after fully accepted drafts, shrinks after rejections and backs off to plain steps where drafting does
 not pay). A chain follows the most frequent child; with a tree shape (`tree_budget`), up to `topk` children
-per node and `budget` nodes become a tree for the engine's tree verification. The candidate with the highest
-score (the sum of its nodes' path probabilities: the expected accepted tokens) is drafted.
+per node and `budget` nodes become a tree for the engine's tree verification. A chain the tries' depth cuts
+short (a pattern of m tokens continues at most depth - m tokens) goes on from the longest match of the context
+plus the chain, within the same `max_spec_factor x m`. The candidate with the highest score (the sum of its
+nodes' path probabilities: the expected accepted tokens) is drafted.
+
+Whether to draft it at all (adaptive mode): the counts tell what followed a pattern, not how far to trust a
+short one, so each match length (1, 2, 3, >= 4 tokens) keeps its own acceptance estimate, and a round drafts the
+chain length with the most expected tokens per second under it and the measured draft and verify costs:
+
+    n* = argmax_{0 <= n <= len(chain)} E[tokens](a_m, n) / (draft(n) + verify(n + 1))
+
+(n* = 0: a plain step). Where a wider verify forward is not free (float32 on a CPU), short matches that the
+target mostly rejects stop costing verify width; a match length judged not to pay is drafted again as a probe
+after a doubling interval, since its estimate goes stale.
 
 Drafts are deterministic functions of the committed tokens and the store, so the rejection verifier applies
 the q = 1 rule to them (lossless at any temperature).
@@ -38,10 +50,18 @@ from sparrow.drafters.suffix_tree import StoreLimits, SuffixStore, SuffixTrie, m
 from sparrow.drafters.tree_draft import TreeShape, resolve_shape
 from sparrow.errors import UserError
 from sparrow.noise import Randomness
+from sparrow.policy.estimates import AcceptanceEstimate, BackOff, best_length
 from sparrow.policy.length import LengthPolicy
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
+
+MATCH_BUCKETS = 4
+"""Matches of 1, 2, 3 and >= 4 tokens keep their own acceptance estimates: whether a continuation repeats depends
+mostly on how much context matched (one earlier occurrence of a single token says little; of a 4-token pattern,
+much), which the counts alone do not tell."""
+PROBE_WEIGHT = 0.2
+"""Weight left to a match length's old acceptance evidence when it is drafted again as a probe."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +95,10 @@ class Candidate:
 
     tokens: list[int]
     parents: list[int]  # -1: the root (the last committed token)
+    probs: list[float]  # each node's path probability (a chain's never grow along it)
     score: float  # sum of the nodes' path probabilities: expected accepted tokens under the counts
     first: int  # length of the most probable path (the chain the length policy follows)
+    match: int = 0  # length of the matched pattern
 
 
 def speculate(trie: SuffixTrie, node: int, max_depth: int, min_prob: float, budget: int, topk: int) -> Candidate:
@@ -84,6 +106,7 @@ def speculate(trie: SuffixTrie, node: int, max_depth: int, min_prob: float, budg
     children per node, each path's probability >= `min_prob` (a chain: budget = max_depth, topk = 1)."""
     tokens: list[int] = []
     parents: list[int] = []
+    probs: list[float] = []
     depth: list[int] = []
     score = 0.0
     tie = count()  # heap ties: earlier pushes first (a parent's children in count order)
@@ -106,6 +129,7 @@ def speculate(trie: SuffixTrie, node: int, max_depth: int, min_prob: float, budg
         index = len(tokens)
         tokens.append(token)
         parents.append(parent)
+        probs.append(-negative)
         depth.append(level)
         score -= negative
         if level < max_depth:
@@ -116,12 +140,13 @@ def speculate(trie: SuffixTrie, node: int, max_depth: int, min_prob: float, budg
         if node_index is None:
             break
         first += 1
-    return Candidate(tokens, parents, score, first)
+    return Candidate(tokens, parents, probs, score, first)
 
 
 class SuffixDrafter(DrafterBase):
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "suffix"
+    free_to_ask = True  # a lookup in two tries: auto asks it every round its lookups' drafts are not used
 
     def __init__(self, num_draft_tokens: int = 16, adaptive: bool = False, config: SuffixConfig = SuffixConfig(),
                  tree: TreeShape | None = None, backoff: bool | None = None,
@@ -137,6 +162,13 @@ class SuffixDrafter(DrafterBase):
         self._seq = -1  # this request's sequence in the store
         self._synced = 0  # committed tokens already in the request's own trie
         self._first = 0  # the most probable path's length in the last draft
+        self._acceptance = [AcceptanceEstimate(decay=self.length.decay) for _ in range(MATCH_BUCKETS)]
+        self._probes = [BackOff(self.length.probe_interval, self.length.max_probe_interval)
+                        for _ in range(MATCH_BUCKETS)]
+        for probes in self._probes:  # a bucket just measured not to pay needs no probe at once
+            probes.restart(probes.start)
+        self._round = 0
+        self._last: tuple[list[int], int, bool] | None = None  # the last draft: tokens, match bucket, a probe
 
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
@@ -161,18 +193,59 @@ class SuffixDrafter(DrafterBase):
         self._sync(committed)
         window = max(self._local.depth, self.store.trie.depth) - 1  # the longest suffix a trie can match
         context = committed[-window:].tolist()
-        self._first = 0
+        self._first, self._last = 0, None
+        self._round += 1
         k = self.length.cap(max_tokens)
         if k == 0:
             return Draft.empty(committed.device)
         best = self._best(context, k, max_tokens)
         if best is None or not best.tokens:
             return Draft.empty(committed.device)
-        self._first = best.first
-        tokens = torch.tensor(best.tokens, dtype=torch.long, device=committed.device)
+        bucket = min(best.match, MATCH_BUCKETS) - 1
+        size, probe = self._worth(bucket, best.first)
+        if size == 0:
+            return Draft.empty(committed.device)
+        self._first = min(best.first, size)
         if self.tree is None:
-            return Draft(tokens=tokens)
+            self._last = (best.tokens[:size], bucket, probe)
+            return Draft(tokens=torch.tensor(best.tokens[:size], dtype=torch.long, device=committed.device))
+        self._last = (best.tokens, bucket, probe)
+        tokens = torch.tensor(best.tokens, dtype=torch.long, device=committed.device)
         return Draft(tokens=tokens, parents=torch.tensor(best.parents, dtype=torch.long, device=committed.device))
+
+    def _continue(self, trie: SuffixTrie, context: Sequence[int], chain: Candidate, depth: int) -> Candidate:
+        """A chain the trie's depth cut short (a pattern of m tokens continues at most trie.depth - m) goes on, up to
+        the `depth` its match allows, from the longest match of the context followed by the chain so far, its path
+        probabilities times the chain's last, while they stay >= `min_token_prob`."""
+        tokens, probs, min_prob = list(chain.tokens), list(chain.probs), self.config.min_token_prob
+        while len(tokens) < depth:
+            window = [*context, *tokens][-(trie.depth - 1):]
+            node = next((n for m in range(len(window), 0, -1)
+                         if (n := trie.find(window[len(window) - m:])) is not None and trie.has_children(n)), None)
+            if node is None:
+                break
+            more = speculate(trie, node, depth - len(tokens), min_prob / probs[-1], depth - len(tokens), 1)
+            if not more.tokens:
+                break
+            tokens += more.tokens
+            probs += [p * probs[-1] for p in more.probs]
+        return replace(chain, tokens=tokens, parents=list(range(-1, len(tokens) - 1)), probs=probs,
+                       score=sum(probs), first=len(tokens))
+
+    def _worth(self, bucket: int, size: int) -> tuple[int, bool]:
+        """(tokens worth drafting of a `size`-token chain from a match in `bucket`, whether it is a probe): the
+        length with the most expected tokens per second under the bucket's measured acceptance and the measured
+        draft and verify costs; 0 where a plain step is faster. A bucket judged not to pay is drafted again as a
+        probe after `probe_interval` rounds, the interval doubling while it keeps losing (its estimate is stale).
+        All `size` tokens with a fixed length (`adaptive` off) and while the costs are unmeasured."""
+        length = self.length
+        if not length.adaptive or not (length.verify.known and length.draft.known):
+            return size, False
+        acceptance = self._acceptance[bucket].value
+        n = best_length(acceptance, length.draft, length.verify_seconds, size, minimum=0)
+        if self._probes[bucket].decide(n > 0, self._round):
+            return (n, False) if n else (size, True)
+        return 0, False
 
     def _best(self, context: Sequence[int], k: int, max_tokens: int) -> Candidate | None:
         """The highest-scoring candidate over both tries and every matched pattern length."""
@@ -195,8 +268,10 @@ class SuffixDrafter(DrafterBase):
                         continue  # cannot beat the best (a score is at most its node count)
                     nodes = depth if topk == 1 else budget  # a chain: its depth
                     candidate = speculate(trie, node, depth, c.min_token_prob, nodes, topk)
+                    if topk == 1 and len(candidate.tokens) < depth and m + len(candidate.tokens) == trie.depth:
+                        candidate = self._continue(trie, context, candidate, depth)
                     if best is None or candidate.score > best.score:
-                        best = candidate
+                        best = replace(candidate, match=m)
             finally:
                 if lock is not None:
                     lock.release()
@@ -209,6 +284,11 @@ class SuffixDrafter(DrafterBase):
         else:  # the cap rule follows the most probable path
             self.length.observe(replace(step, num_draft_tokens=self._first,
                                         num_accepted=min(verdict.num_accepted, self._first)))
+        if self._last is not None and self._last[0] == draft.tokens.tolist():  # not an older draft (auto's shadows)
+            _, bucket, probe = self._last
+            drafted, weight = self._first, PROBE_WEIGHT if probe else 1.0
+            self._acceptance[bucket].observe(drafted, min(verdict.num_accepted, drafted), weight)
+            self._last = None
 
 
 def build(target, draft: None, num_draft_tokens: int, adaptive: bool, tree_budget: int | str = 0, tree_topk: int = 4,
