@@ -138,6 +138,10 @@ class SuffixDrafter(DrafterBase):
         self._synced = 0  # committed tokens already in the request's own trie
         self._first = 0  # the most probable path's length in the last draft
 
+    def shared(self) -> tuple[object, ...]:
+        """The store over outputs: one per served model, shared by every fork."""
+        return (self.store,)
+
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
         self._local = SuffixTrie(self.config.max_tree_depth)
