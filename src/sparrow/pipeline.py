@@ -35,7 +35,6 @@ from sparrow.config import (
     check_top_p,
 )
 from sparrow.decoding.baseline import plain_decode
-from sparrow.decoding.batch import fork_drafter
 from sparrow.decoding.engine import speculative_decode
 from sparrow.decoding.round import Generation
 from sparrow.drafters.base import Drafter
@@ -95,10 +94,8 @@ class Pipeline:
             _compile_draft_runner(drafter)
         self.drafter = drafter
         self.verifier = verifier
-        self._found: tuple[Drafter, list[object]] | None = None  # the drafter, and what a generation with it changes
         self._forks: list[Drafter] = []  # idle copies of the drafter for batched sequences (`sequence`)
         self._grammars: Grammars | None = None  # structured output: made on the first request that asks for it
-        self._stateful(drafter)  # now, while no other thread can be changing the drafter
         if verifier not in ("auto", *VERIFIERS):
             raise UserError(f"unknown verifier {verifier!r}; expected one of: auto, {', '.join(VERIFIERS)}")
 
@@ -195,7 +192,7 @@ class Pipeline:
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             raise UserError(f"unknown option {unknown[0]!r}; expected one of: {', '.join(self.OPTIONS)}")
-        with holding(self._stateful(drafter)):
+        with holding(stateful_objects(self.target.model, drafter)):
             request = self.request(prompt, **options)
             grammar = self.constraint(request)
             generator = None
@@ -232,12 +229,12 @@ class Pipeline:
         if self.compiled:
             raise UserError("a compiled pipeline (compile=True, --compile) runs one generation at a time; batched "
                             "sequences (sparrow serve) need compile=False")
-        with holding(self._stateful(self.drafter)):
+        with holding(stateful_objects(self.target.model, self.drafter)):
             request = self.request(prompt, **options)
             grammar = self.constraint(request)
             drafter = verifier = None
             if self.drafter is not None and not plain:
-                drafter = self._forks.pop() if self._forks else fork_drafter(self.drafter)
+                drafter = self._forks.pop() if self._forks else self.drafter.fork()
                 if drafter.lazy_prefill is not None:  # in a batch, a draft nobody drafts with is never prefilled
                     drafter.lazy_prefill = True
                 verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
@@ -261,18 +258,9 @@ class Pipeline:
         return GenerationResult(token_ids=decoded.token_ids, text=text, finish_reason=decoded.finish_reason,
                                 seconds=time.perf_counter() - seq.started, stats=decoded.stats)
 
-    def _stateful(self, drafter: Drafter | None) -> list[object]:
-        """stateful_objects of the target and `drafter`, found once per drafter (drafters get their models
-        when built; what they make later is their own, and the drafter's lock covers it)."""
-        if drafter is None:
-            return [self.target.model]
-        if self._found is None or self._found[0] is not drafter:
-            self._found = (drafter, stateful_objects(self.target.model, drafter))
-        return self._found[1]
-
     def models(self) -> list[torch.nn.Module]:
-        """Every module this pipeline runs: the target's and those its drafter reaches."""
-        return [o for o in self._stateful(self.drafter) if isinstance(o, torch.nn.Module)]
+        """Every module this pipeline runs: the target's and those its drafter declares (`Drafter.modules`)."""
+        return [o for o in stateful_objects(self.target.model, self.drafter) if isinstance(o, torch.nn.Module)]
 
 
 # --- arguments ------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from test_degenerate import SPECS
 
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
-from sparrow.decoding.batch import Batch, fork_drafter, score_batch, supports_batching
+from sparrow.decoding.batch import Batch, score_batch, supports_batching
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
@@ -145,7 +145,7 @@ def test_a_removed_sequence_leaves_the_others_exact(pair, plain_outputs):
 
 def test_forked_drafters_share_the_models_but_not_the_state(pair):
     drafter = SPECS["draft-model"].build(pair, 4, True, {})
-    fork = fork_drafter(drafter)
+    fork = drafter.fork()
     assert fork is not drafter and fork.draft is not drafter.draft  # its own cache wrapper ...
     assert fork.draft.model is drafter.draft.model  # ... over the same weights
     assert fork.length is not drafter.length

@@ -3,14 +3,12 @@ batch whose shared store holds other requests' outputs), the sampling distributi
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
-from sparrow.decoding.batch import Batch, fork_drafter
+from sparrow.decoding.batch import Batch
 from sparrow.drafters import build_drafter
 from sparrow.drafters.suffix import SuffixConfig, SuffixDrafter, speculate
 from sparrow.drafters.suffix_tree import StoreLimits, SuffixStore, SuffixTrie, matches
@@ -102,9 +100,9 @@ def test_a_match_length_whose_drafts_do_not_pay_drafts_nothing_but_probes():
     assert drafter.propose(long, 16, SamplingConfig(), torch.Generator()).tokens.tolist()[:2] == [52, 53]
 
 
-def test_store_is_shared_by_copies_and_bounded_by_fifo_eviction():
+def test_store_is_shared_by_forks_and_bounded_by_fifo_eviction():
     store = SuffixStore(depth=6, limits=StoreLimits(max_sequences=3, max_tokens=50))
-    assert copy.deepcopy(store) is store
+    assert SuffixDrafter(store=store).fork().store is store
     g = torch.Generator().manual_seed(0)
     for _ in range(40):
         seq = store.start()
@@ -197,7 +195,7 @@ def test_earlier_outputs_make_drafts_for_a_later_request(loaded_target, baseline
 def test_batched_requests_share_one_store_and_keep_their_own_outputs(loaded_target, baselines):
     drafter = build_drafter("suffix", loaded_target, None, 8, adaptive=False)
     pipe = Pipeline(loaded_target, drafter)
-    assert fork_drafter(drafter).store is drafter.store
+    assert drafter.fork().store is drafter.store
     for prompt in PROMPTS:  # earlier requests: their outputs are in the store
         pipe.generate(prompt, max_new_tokens=40)
     before = drafter.store.sequences()

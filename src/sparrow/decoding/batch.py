@@ -28,12 +28,10 @@ import weakref
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from sparrow.decoding.round import Generation, finish, start
-from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_loop import DraftSteps, Forward
-from sparrow.models import LoadedModel
 from sparrow.noise import at
 from sparrow.policy.batch import BatchPolicy
 from sparrow.runtime.cached_model import CachedModel, additive_mask
@@ -259,36 +257,3 @@ class Batch:
 def _select(out: TargetOutput, have: tuple[int, ...], want: tuple[int, ...]) -> TargetOutput:
     hidden = None if out.hidden is None or not want else out.hidden[[have.index(i) for i in want]]
     return TargetOutput(out.logits, hidden)
-
-
-SHARED = (torch.nn.Module, PreTrainedTokenizerBase, LoadedModel, PretrainedConfig, GenerationConfig)
-"""What a forked drafter shares with the original: models, their configs (a capture switches the model's own
-attention implementation), tokenizers."""
-
-
-def fork_drafter(drafter: Drafter) -> Drafter:
-    """A drafter with its own state (caches, policies) that shares `drafter`'s models and tokenizers."""
-    memo: dict[int, object] = {}
-    seen: set[int] = set()
-    stack: list[tuple[object, int]] = [(drafter, 0)]
-    while stack:
-        obj, depth = stack.pop()
-        if id(obj) in seen or depth > 8:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, SHARED):
-            memo[id(obj)] = obj
-            if isinstance(obj, LoadedModel):
-                memo[id(obj.model)] = obj.model
-                memo[id(obj.tokenizer)] = obj.tokenizer
-            continue
-        if isinstance(obj, dict):
-            children = list(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            children = list(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-            children = list(vars(obj).values())
-        else:
-            continue
-        stack.extend((child, depth + 1) for child in children)
-    return copy.deepcopy(drafter, memo)

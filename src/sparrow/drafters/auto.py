@@ -47,6 +47,7 @@ tokens do not depend on what was drafted (`sparrow.noise`), while an unseeded on
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -58,7 +59,7 @@ import torch
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
-from sparrow.drafters.base import DrafterBase
+from sparrow.drafters.base import DrafterBase, distinct
 from sparrow.drafters.registry import REGISTRY
 from sparrow.drafters.vocab import DraftVocab, resolve_draft_vocab
 from sparrow.errors import UserError
@@ -182,6 +183,21 @@ class AutoDrafter(DrafterBase):
         self._switch_seconds = 0.0  # of this round's draft seconds: a lazy prefill and a catch-up (not drafting)
 
     # --- Drafter protocol ----------------------------------------------------------------------
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return distinct(module for candidate in self.candidates.values() for module in candidate.modules())
+
+    def shared(self) -> tuple[object, ...]:
+        """Its candidates' shared objects, and the last generation's target runner (the fork's prefill replaces
+        it)."""
+        return distinct((*(obj for c in self.candidates.values() for obj in c.shared()), self._target))
+
+    def fork(self) -> AutoDrafter:
+        """A copy of its statistics and policy state over forks of its candidates (each sharing what it
+        declares), sharing the last generation's target runner."""
+        memo: dict[int, object] = {id(c): c.fork() for c in self.candidates.values()}
+        memo.update((id(obj), obj) for obj in distinct((self._target,)))
+        return copy.deepcopy(self, memo)
+
     @contextmanager
     def watch_prefill(self, target: CachedModel) -> Iterator[None]:
         """Every candidate's context around the target's prefill (e.g. a sparse candidate's query capture)."""
@@ -349,7 +365,7 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
             with warnings.catch_warnings():  # a set measured to lose comes back disabled: left out below
                 warnings.simplefilter("ignore")
                 skipper = make("layer-skip", None, **heads)
-            if getattr(skipper, "enabled", True):
+            if skipper.enabled:
                 candidates.append(skipper)
         except ValueError:  # no tuned skip set for this target (or a quantized target)
             pass

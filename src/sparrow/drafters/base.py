@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import copy
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
+import torch
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
@@ -84,6 +86,18 @@ class Drafter(Protocol):
         """A context the engine runs the target's prefill inside (drafters that read what that forward computes,
         e.g. its queries: sparse, visual-prune); a no-op by default."""
 
+    enabled: bool
+    """False: it drafts nothing (a layer-skip set measured to lose decodes plainly), so auto leaves it out."""
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        """Every module it runs or changes (its draft model and views of it, a head, the target itself for
+        self-drafters, its candidates' for auto): a generation holds their locks (`sparrow.locks`), and a fork
+        shares them. () for model-free drafters."""
+
+    def fork(self) -> Drafter:
+        """A drafter with its own per-generation state (caches, policies) that shares this one's modules, their
+        configs, its tokenizers and its process-wide stores (a batch runs one fork per sequence)."""
+
 
 class DrafterBase:
     """The defaults of the Drafter protocol's optional members: a drafter with none of them."""
@@ -100,9 +114,31 @@ class DrafterBase:
     propose_steps: Callable[[Tensor, int, SamplingConfig, Randomness], DraftSteps] | None = None
     free_to_ask: bool = False
     grammar: Constraint = FREE
+    enabled: bool = True
 
     def catch_up(self, committed: Tensor) -> None:
         pass
 
     def watch_prefill(self, target: CachedModel) -> AbstractContextManager:
         return nullcontext()
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return ()
+
+    def shared(self) -> tuple[object, ...]:
+        """What a fork shares besides `modules()` and their configs: process-wide stores, read-only tables over
+        tokenizers, and the target runner of the last generation (the fork's prefill replaces it)."""
+        return ()
+
+    def fork(self) -> Drafter:
+        """A deep copy that keeps `modules()`, the configs of every module in them (a query capture switches a
+        decoder layer's own config) and `shared()` as they are."""
+        modules = self.modules()
+        configs = [sub.config for module in modules for sub in module.modules() if "config" in vars(sub)]
+        return copy.deepcopy(self, {id(obj): obj for obj in (*modules, *configs, *self.shared())})
+
+
+def distinct(objects: Iterable[object]) -> tuple:
+    """`objects` without repeats (by identity) and without None, in order."""
+    found = {id(obj): obj for obj in objects if obj is not None}
+    return tuple(found.values())

@@ -106,6 +106,12 @@ class CrossVocabDrafter(DrafterBase):
         self._target_special = {self.target_vocab.pieces[i] for i in self.target_vocab.special} - {b""}
         self._start([])
 
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.draft.model,)
+
+    def shared(self) -> tuple[object, ...]:
+        return (self.target_vocab, self.draft_vocab)  # read-only tables over the two tokenizers
+
     # --- state ---------------------------------------------------------------------------------
     def _start(self, committed: list[int]) -> None:
         """Bring the whole of `committed` into the draft's vocabulary and prefill the draft with it."""

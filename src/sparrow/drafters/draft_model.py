@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
-from sparrow.drafters.base import DrafterBase
+from sparrow.drafters.base import DrafterBase, distinct
 from sparrow.drafters.draft_loop import DraftSteps, Forward, draft_chain, drive
 from sparrow.drafters.kv.draft_kv import draft_kv_config, with_draft_kv
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
@@ -69,6 +69,10 @@ class DraftModelDrafter(DrafterBase):
         self.grammar: Constraint = FREE
         """Structured output (`sparrow.grammar.guiding`): chains draft only what the grammar allows (not with a
         reduced draft vocabulary, whose -inf rows could leave no allowed token)."""
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        """The draft model, and the reduced-head view its runner drafts through (with a draft vocabulary)."""
+        return distinct((self.draft_model, self.draft.model))
 
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()

@@ -134,6 +134,9 @@ class EagleDrafter(DrafterBase):
         self.tree_policy = TreePolicy() if tree is not None and adaptive else None
         self._forwards = 0
 
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.head,)
+
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         if out is None or out.hidden is None:
             raise UserError("the eagle drafter needs the target's hidden states at prefill (run it through the engine)")

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from sparrow.config import GREEDY, SamplingConfig
-from sparrow.drafters.base import DrafterBase
+from sparrow.drafters.base import DrafterBase, distinct
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
 from sparrow.drafters.vocab import DraftVocab, reduced_head_view, resolve_draft_vocab
@@ -366,6 +366,13 @@ class LayerSkipDrafter(DrafterBase):
         self.enabled = enabled  # False: every draft is empty (plain decoding)
         self.sample_drafts = sample_drafts  # False: argmax drafts also at temperature > 0 (q = 1 rule)
         self.target: CachedModel | None = None
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        """The target, and the skipping view of it that drafts (in the target's own cache)."""
+        return (self.model, self.view)
+
+    def shared(self) -> tuple[object, ...]:
+        return distinct((self.target,))  # the last generation's target runner, whose cache it drafts in
 
     def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:
         if target.model is not self.model:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
-from sparrow.drafters.base import DrafterBase
+from sparrow.drafters.base import DrafterBase, distinct
 from sparrow.drafters.draft_loop import draft_chain, drive
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree
 from sparrow.errors import UserError
@@ -80,6 +80,12 @@ class LongSpecDrafter(DrafterBase):
         c, w = self.head.config, self.head.weight
         kv = w.new_zeros(c.num_key_value_heads, 0, c.head_dim)
         return WindowCache(kv, kv.clone(), torch.zeros(0, dtype=torch.long, device=w.device))
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.head,)
+
+    def shared(self) -> tuple[object, ...]:
+        return distinct((self.target,))  # the last generation's target runner, whose cache it reads
 
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         if target is None:

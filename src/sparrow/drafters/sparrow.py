@@ -65,6 +65,9 @@ class SparrowDrafter(DrafterBase):
                                             torch.arange(self.fed, self.fed + m, device=text.device)[text]])
         self.fed += m
 
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.head,)
+
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         if out is None or out.hidden is None:
             raise UserError("the Sparrow head needs the target's hidden states at prefill (run it through the engine)")

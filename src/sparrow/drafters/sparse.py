@@ -29,7 +29,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from sparrow.config import SamplingConfig
 from sparrow.drafters import visual_prune
-from sparrow.drafters.base import DrafterBase
+from sparrow.drafters.base import DrafterBase, distinct
 from sparrow.drafters.draft_loop import autoregressive_draft
 from sparrow.drafters.kv import compress as kv_compress
 from sparrow.drafters.kv.chunk_retrieval import ChunkRetrieval, RetrievalSlots
@@ -100,6 +100,12 @@ class SparseDrafter(DrafterBase):
     def watch_prefill(self, target: CachedModel) -> QueryCapture:
         """The context the engine runs the target's prefill in: it records that forward's queries."""
         return self.capture
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.model,)  # the target, which drafts from a selection of its own KV
+
+    def shared(self) -> tuple[object, ...]:
+        return distinct((self._target,))  # the last generation's target runner, whose cache it selects from
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, target: CachedModel, out: TargetOutput | None = None) -> None:

@@ -170,6 +170,10 @@ class SuffixDrafter(DrafterBase):
         self._round = 0
         self._last: tuple[list[int], int, bool] | None = None  # the last draft: tokens, match bucket, a probe
 
+    def shared(self) -> tuple[object, ...]:
+        """The store over outputs: one per served model, shared by every fork."""
+        return (self.store,)
+
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
         self._local = SuffixTrie(self.config.max_tree_depth)

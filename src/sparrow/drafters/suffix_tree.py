@@ -168,8 +168,8 @@ class StoreLimits:
 
 
 class SuffixStore:
-    """The process-wide trie over earlier outputs, shared by every copy of one drafter (the requests of one
-    server model): `copy.deepcopy` returns the store itself. Thread-safe. Bounded by `StoreLimits`: beyond
+    """The process-wide trie over earlier outputs, shared by every fork of one drafter (the requests of one
+    server model; `SuffixDrafter.shared`). Thread-safe. Bounded by `StoreLimits`: beyond
     them the oldest sequences (FIFO by start) are evicted; a sequence alone over `max_tokens` stops growing."""
 
     def __init__(self, depth: int, limits: StoreLimits = StoreLimits()) -> None:
@@ -179,9 +179,6 @@ class SuffixStore:
         self._next = 0
         self._tokens = 0
         self._lock = threading.Lock()
-
-    def __deepcopy__(self, memo: dict) -> SuffixStore:
-        return self  # shared: forks of a drafter (batched requests) read and feed one store
 
     @property
     def enabled(self) -> bool:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sparrow.drafters.base import distinct
 from sparrow.drafters.draft_model import DraftModelDrafter
 from sparrow.drafters.kv.draft_kv import DraftKVConfig, draft_kv_config, with_draft_kv
 from sparrow.drafters.kv.selection import attention_scores
@@ -251,6 +252,10 @@ class VisualPruneDrafter(DraftModelDrafter):
     def watch_prefill(self, target: CachedModel) -> QueryCapture:
         """The context the engine runs the target's prefill in: it records that forward's queries."""
         return self.capture
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        """The draft model, and the target, whose attention the query capture switches."""
+        return distinct((*super().modules(), self.target_model))
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:

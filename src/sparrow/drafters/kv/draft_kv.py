@@ -128,13 +128,18 @@ class DraftKV:
         self.selector = config.selector(model)
         self.capture = QueryCapture(model, config.queries)  # also refuses attention other than sdpa
         self.pool: dict[int, tuple[Tensor, Tensor]] = {}  # retrieval: layer -> dynamic heads' span KV [h, L, d]
-        self.retrieval = (ChunkRetrieval(model, self.selector, lambda layer, heads: self.pool[layer],
+        self.retrieval = (ChunkRetrieval(model, self.selector, self._pooled,
                                          config.retrieve_every) if config.retrieve_every else None)
         self.dropped = 0  # prompt entries the compaction removed from the runner's cache
         self.prompt_length = 0  # sequence positions of the prefilled prompt (rewinds never go below)
         self.kept: tuple[Tensor, ...] = ()  # per layer [kv_heads, m] kept entries (pre-compaction cache indices)
         self.span = (0, 0)  # the visual span in the pre-compaction cache
         self._round_start = False  # the next forward is a round's first (it follows a rewind)
+
+    def _pooled(self, layer: int, heads: Tensor) -> tuple[Tensor, Tensor]:
+        """The span KV of `layer`'s dynamic heads (`heads`), kept aside at prefill. A method, not a closure: a copy
+        of this runner (a drafter's fork) retrieves from its own pool."""
+        return self.pool[layer]
 
     @property
     def model(self) -> torch.nn.Module:
