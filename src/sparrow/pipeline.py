@@ -39,7 +39,7 @@ from sparrow.decoding.engine import speculative_decode
 from sparrow.decoding.round import Generation
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_model import DraftModelDrafter
-from sparrow.drafters.registry import REGISTRY, build_drafter, check_compile, check_drafter_args
+from sparrow.drafters.registry import REGISTRY, build_drafter, check_compile, check_drafter_args, check_quant_args
 from sparrow.drafters.requirements import check_models
 from sparrow.errors import UserError
 from sparrow.grammar import FREE, Constraint, Grammars, GrammarSpec, guiding
@@ -47,7 +47,6 @@ from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from sparrow.models.quantization import (
     AUTO,
-    check_quant_args,
     draft_format,
     parse_quant,
     quantized_copy,
@@ -320,13 +319,14 @@ def _draft_spec(drafter: str, draft: str | LoadedModel | None, num_draft_tokens:
     or will be, on; it stays "auto" for a draft model until `_quantized` sees the loaded draft)."""
     entry = REGISTRY.get(drafter)  # None: "none"
     needs_draft = entry is not None and entry.takes_draft_model
+    copy = entry is not None and entry.quantized_copy  # quantized-self: drafts with a quantized copy of the target
     where = next(target.model.parameters()).device if isinstance(target, LoadedModel) else device
-    compute = None  # quantized-self's copy computes in the target's dtype
-    if drafter == "quantized-self":
+    compute = None  # the copy computes in the target's dtype
+    if copy:
         compute = (next(target.model.parameters()).dtype if isinstance(target, LoadedModel)
                    else resolve_dtype(dtype, where))
-    draft_quant = resolve_draft_quant(draft_quant, drafter, needs_draft, where, compute)
-    if drafter == "quantized-self" and draft_quant is not None:
+    draft_quant = resolve_draft_quant(draft_quant, copy, needs_draft, where, compute)
+    if copy and draft_quant is not None:
         drafter_options.setdefault("bits", draft_quant)
     check_drafter_args(drafter, num_draft_tokens, drafter_options)
     if isinstance(draft, str) and draft == "default":  # the drafter's own default (none for self-drafters)
@@ -406,9 +406,10 @@ def with_speculative_config(config: Mapping[str, Any] | str | None, drafter: str
 
 def _target_quant(quant: str | None, drafter: str) -> str | None:
     """--quant parsed ('none' -> None); 'auto' stays until `target_format` sees the loaded target, except for
-    quantized-self, which drafts with a quantized copy of a dense target."""
+    a drafter drafting with a quantized copy of a dense target (quantized-self)."""
     quant = parse_quant(quant, "quant", auto=True)
-    return None if quant == AUTO and drafter == "quantized-self" else quant
+    entry = REGISTRY.get(drafter)
+    return None if quant == AUTO and entry is not None and entry.quantized_copy else quant
 
 
 def _quantized(loaded: LoadedModel, quant: str | None, keep_dense: bool = False) -> LoadedModel:

@@ -244,7 +244,7 @@ def test_cli_options_are_checked_before_loading():
         draft_kv="hybridkv", draft_kv_budget=64, retrieve_every=2)
     assert video_drafter_options("visual-prune", "auto", 0.5, "topk", None) == dict(
         drop_rate=0.5, draft_kv="topk", draft_kv_budget=None)
-    for args, message in [(("prompt-lookup", "auto", None, "topk", None), "keep a visual KV cache of their own"),
+    for args, message in [(("prompt-lookup", "auto", None, "topk", None), "sparse or visual-prune only"),
                           (("draft-model", "auto", None, "topk", None, 1), "needs --draft-kv hybridkv"),
                           (("draft-model", "auto", None, "hybridkv", None, 0), "integer >= 1"),
                           (("sparse", "auto", None, "h2o", None), "unknown --draft-kv")]:

@@ -342,8 +342,8 @@ def test_draft_quant_auto_and_none_parse_for_drafts_only():
     with pytest.raises(UserError, match=r"invalid quant 'auto': expected one of int8, int4, w8a8"):
         parse_quant("auto", "quant")
     with pytest.raises(UserError, match=r"invalid draft_quant 'int3': expected one of auto, none, int8"):
-        resolve_draft_quant("int3", "draft-model", True, "cpu")
-    assert resolve_draft_quant("auto", "prompt-lookup", False, "cpu") is None  # no draft model to quantize
+        resolve_draft_quant("int3", False, True, "cpu")
+    assert resolve_draft_quant("auto", False, False, "cpu") is None  # no draft model to quantize
     with pytest.raises(UserError, match="draft_quant needs a draft model"):
         sparrow_load_checks("prompt-lookup", "int8")
 
@@ -388,8 +388,8 @@ def test_resolve_draft_quant_before_loading(monkeypatch, drafter, expected):
     from sparrow.models.quantization import resolve_draft_quant
 
     machine(monkeypatch, BF16_CPU, FAST_INT4)
-    has_model = REGISTRY[drafter].takes_draft_model
-    assert resolve_draft_quant("auto", drafter, has_model, "cpu") == expected
+    entry = REGISTRY[drafter]
+    assert resolve_draft_quant("auto", entry.quantized_copy, entry.takes_draft_model, "cpu") == expected
 
 
 # --- a measurement a busy machine cannot poison ---------------------------------------------------------

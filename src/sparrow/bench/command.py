@@ -12,11 +12,11 @@ from sparrow.bench.data import load_questions, shortest_per_task
 from sparrow.bench.methods import needs_cross_draft, needs_draft, parse_methods
 from sparrow.bench.report import write_report
 from sparrow.bench.runner import BenchConfig, Models, Runner
-from sparrow.drafters.registry import REGISTRY, check_drafter_args
+from sparrow.drafters.registry import REGISTRY, check_drafter_args, check_quant_args, takers
 from sparrow.errors import UserError
 from sparrow.heads.layout import find_head
 from sparrow.models import load_model, resolve_device, resolve_dtype
-from sparrow.models.quantization import check_quant_args, parse_quant, quantized_copy
+from sparrow.models.quantization import parse_quant, quantized_copy
 from sparrow.runtime.hardware import choose_draft_quant
 
 DEFAULT_METHODS = "plain,draft-model,prompt-lookup,hf-plain,hf-assisted,hf-prompt-lookup"
@@ -57,22 +57,24 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
     check_drafter_args("none", k)
     for name, options in (drafter_options or {}).items():
         check_drafter_args(name, k, options)
-    if head is not None and "eagle" not in method_list:
-        raise UserError("--head applies to the eagle method only: add eagle to --methods")
-    if "eagle" in method_list and head is None:  # the head shipped in the package or trained for a preset target
+    headed = [name for name in takers("head") if name in method_list]  # methods that draft with a trained head
+    if head is not None and not headed:
+        raise UserError(f"--head applies to the {' / '.join(takers('head'))} method only: add it to --methods")
+    if headed and head is None:  # the head shipped in the package or trained for a preset target
 
         found = find_head(target)
         if found is None:
-            raise UserError(f"--head is needed by the eagle method: no head is shipped or trained for {target!r} (a "
-                            "head directory, e.g. from `sparrow train head`)")
+            raise UserError(f"--head is needed by the {headed[0]} method: no head is shipped or trained for "
+                            f"{target!r} (a head directory, e.g. from `sparrow train head`)")
         head = str(found)
     compute = resolve_dtype(dtype, device)
     parse_quant(quant, "quant")
     draft_quant = parse_quant(draft_quant, "draft_quant", auto=True)
     if draft_quant == "auto":  # recorded as the format it resolved to
         draft_quant = choose_draft_quant(resolve_device(device), dtype=compute)[0]
-    if quant is not None and "quantized-self" in method_list:
-        check_quant_args("quantized-self", quant, None, False)  # raises: it needs an unquantized target
+    if quant is not None:  # raises for a method that needs an unquantized target
+        for name in method_list:
+            check_quant_args(name if name in REGISTRY else "none", quant, None, False)
     config = BenchConfig(target=target, draft=draft if any(map(needs_draft, method_list)) else None,
                          cross_draft=cross_draft if any(map(needs_cross_draft, method_list)) else None, dtype=dtype,
                          k=k, adaptive=adaptive, max_new_tokens=max_new_tokens, turns=2 if all_turns else 1,

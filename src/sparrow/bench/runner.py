@@ -30,7 +30,7 @@ from sparrow.bench.methods import (
     parse_methods,
 )
 from sparrow.bench.peers import run_peer
-from sparrow.drafters.registry import REGISTRY
+from sparrow.drafters.registry import REGISTRY, takers
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline, load
@@ -112,10 +112,10 @@ def build_pipelines(methods: Sequence[str], models: Models, config: BenchConfig)
         entry = REGISTRY.get(name)
         draft = models.cross_draft if needs_cross_draft(method) else models.draft
         has_model = entry is not None and entry.takes_draft_model
-        draft_quant = config.draft_quant if has_model or name == "quantized-self" else None
+        draft_quant = config.draft_quant if entry is not None and entry.drafts_with_model else None
         pipe = load(models.target, drafter=name, draft=draft if has_model else None, num_draft_tokens=config.k,
                             adaptive=config.adaptive, progress=False, draft_quant=draft_quant,
-                            **({"head": config.head} if name == "eagle" else {}),
+                            **({"head": config.head} if name in takers("head") else {}),
                             **config.drafter_options.get(name, {}))
         if config.quant is not None and pipe.drafter is not None:  # a quantized target: k follows the cost curve
             follow_cost_curve(pipe.drafter, pipe.runner)

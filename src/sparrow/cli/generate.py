@@ -21,7 +21,7 @@ from sparrow.cli._common import (
     with_speculative_config,
 )
 from sparrow.config import check_max_new_tokens, check_seed, check_temperature, check_top_k, check_top_p
-from sparrow.drafters.registry import REGISTRY, check_drafter_args, drafter_names
+from sparrow.drafters.registry import REGISTRY, check_applies, check_drafter_args, drafter_names
 from sparrow.errors import UserError
 
 
@@ -411,14 +411,11 @@ def tree_record(drafter: Any, tree: dict[str, int | str]) -> dict[str, int | str
 
 
 def head_options(drafter: str, head: str | None, draft_device: str | None = None) -> dict[str, str]:
-    """Validate --head (a path) and --draft-device (for --drafter eagle only); the drafter options they turn into."""
-    if draft_device is not None and drafter != "eagle":
-        raise UserError(f"--draft-device applies to --drafter eagle only, not {drafter!r}")
-    if head is None:
-        return {}
-    if drafter != "eagle":
-        raise UserError(f"--head applies to --drafter eagle only, not {drafter!r}")
-    return {"head": head} | ({"draft_device": draft_device} if draft_device is not None else {})
+    """Validate --head (a path) and --draft-device against the drafter; the drafter options they turn into."""
+    options = {key: value for key, value in (("head", head), ("draft_device", draft_device)) if value is not None}
+    for option in options:
+        check_applies(drafter, "--" + option.replace("_", "-"), option)
+    return options
 
 
 def tree_options(budget: str, topk: int, depth: int) -> dict[str, int | str]:
@@ -441,10 +438,7 @@ def draft_vocab_options(drafter: str, value: str) -> dict[str, int | str]:
     size = parse_draft_vocab(value, "--draft-vocab")
     if size is None:
         return {}
-    accepted = REGISTRY[drafter].options() if drafter in REGISTRY else ()
-    if accepted is not None and "draft_vocab" not in accepted:
-        raise UserError(f"--draft-vocab applies to drafters with a draft LM head (draft-model, quantized-self, "
-                        f"layer-skip, and auto's draft model), not {drafter!r}")
+    check_applies(drafter, "--draft-vocab", "draft_vocab")  # drafters with a draft LM head
     return {"draft_vocab": size}
 
 
@@ -467,14 +461,12 @@ def video_drafter_options(drafter: str, verify: str, drop_rate: float | None, dr
         raise UserError(f"unknown verifier {verify!r}; expected one of: auto, {', '.join(VERIFIERS)}")
     options: dict = {}
     if drop_rate is not None:
-        if drafter != "visual-prune":
-            raise UserError("--drop-rate applies to --drafter visual-prune only")
+        check_applies(drafter, "--drop-rate", "drop_rate")
         visual_budget(1, drop_rate)
         options["drop_rate"] = drop_rate
     if draft_kv is not None or draft_kv_budget is not None or retrieve_every is not None:
-        if drafter not in ("sparse", "visual-prune", "draft-model"):
-            raise UserError(f"--draft-kv/--draft-kv-budget/--retrieve-every apply to drafters that keep a visual KV "
-                            f"cache of their own (sparse, visual-prune, draft-model with a VLM draft), not {drafter!r}")
+        # drafters that keep a visual KV cache of their own (sparse, visual-prune, draft-model with a VLM draft)
+        check_applies(drafter, "--draft-kv/--draft-kv-budget/--retrieve-every", "draft_kv")
         if draft_kv is not None and draft_kv not in SELECTORS:
             raise UserError(f"unknown --draft-kv {draft_kv!r}; expected one of: {', '.join(SELECTORS)}")
         if draft_kv_budget is not None and draft_kv_budget < 1:

@@ -76,7 +76,7 @@ class Drafter(Protocol):
     """Structured output: the grammar its drafts should stay inside (the pipeline sets it per request); drafters
     that ignore it are cut at the grammar by the engine, which is still lossless, only slower."""
     free_to_ask: bool
-    """Proposing costs next to nothing (n-gram lookup in the text), so auto asks it every round."""
+    """Proposing costs next to nothing (a lookup in the text: prompt lookup, suffix), so auto asks it every round."""
 
     def catch_up(self, committed: Tensor) -> None:
         """Feed the tokens committed while another drafter drafted (auto switching to this one) in one forward;

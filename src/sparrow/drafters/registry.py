@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparrow.drafters.base import Drafter
 from sparrow.errors import UserError
+from sparrow.models.quantization import AUTO, parse_quant
 
 if TYPE_CHECKING:
     from sparrow.models import LoadedModel
@@ -46,11 +47,18 @@ class DrafterEntry:
     default_draft: str | None = None  # the draft model `sparrow.load(draft="default")` picks
     config: type | str | None = None  # for a builder taking **options: the dataclass whose fields they are
     compiles: bool = True  # runs on a compiled target (static KV cache); False: compile=True is refused up front
+    quantized_copy: bool = False  # drafts with a quantized copy of the target, in the format --draft-quant names
+    dense_target: str | None = None  # why it needs an unquantized target (--quant is refused); None: any target
 
     @property
     def takes_draft_model(self) -> bool:
         """The builder receives the draft model (it needs one, or uses one when given)."""
         return self.needs_draft_model or self.uses_draft_model
+
+    @property
+    def drafts_with_model(self) -> bool:
+        """It runs a model of its own to draft (a draft model, or the quantized copy), so --draft-quant applies."""
+        return self.takes_draft_model or self.quantized_copy
 
     @property
     def builder(self) -> Callable[..., Drafter]:
@@ -75,7 +83,10 @@ REGISTRY: dict[str, DrafterEntry] = {
     ),
     "prompt-lookup": DrafterEntry("sparrow.drafters.prompt_lookup:build", default_num_draft_tokens=16),
     "suffix": DrafterEntry("sparrow.drafters.suffix:build", default_num_draft_tokens=16),
-    "quantized-self": DrafterEntry("sparrow.drafters.quantized_self:build_quantized_self", default_num_draft_tokens=8),
+    "quantized-self": DrafterEntry(
+        "sparrow.drafters.quantized_self:build_quantized_self", default_num_draft_tokens=8, quantized_copy=True,
+        dense_target="it drafts with a quantized copy of it; drop --quant, or use --drafter draft-model with "
+                     "--draft-quant"),
     "cross-vocab": DrafterEntry(
         "sparrow.drafters.cross_vocab:build",
         default_num_draft_tokens=8,
@@ -94,7 +105,8 @@ REGISTRY: dict[str, DrafterEntry] = {
         "sparrow.drafters.visual_prune:build", default_num_draft_tokens=8, uses_draft_model=True, compiles=False
     ),  # sparse and visual-prune read the target's prefill queries, which a static cache's prefill never records
     "layer-skip": DrafterEntry(
-        "sparrow.drafters.layer_skip:build_layer_skip", default_num_draft_tokens=None, compiles=False
+        "sparrow.drafters.layer_skip:build_layer_skip", default_num_draft_tokens=None, compiles=False,
+        dense_target="its skip sets are tuned on the dense model; drop --quant",
     ),  # drafts in the target's own cache, which it crops per layer
     "eagle": DrafterEntry("sparrow.drafters.eagle:build", default_num_draft_tokens=6),  # option head=PATH
 }
@@ -105,23 +117,25 @@ class OptionRule:
     """A generation option beside the drafter's name, declared once: what `sparrow.load` receives for it (a
     small example value, used by tests/test_matrix.py to run every drafter x option) and which drafters it
     applies to. A drafter whose builder accepts `drafter_option` takes it; `needs_draft`: drafters running a
-    draft model (or quantized-self's copy); `refused_with`: drafters that refuse it whatever their builder
-    says. Anything else is refused before a model loads."""
+    draft model (or a quantized copy of the target); `dense_target`: not for drafters that need an unquantized
+    target. Anything else is refused before a model loads."""
 
     name: str
     load_options: Mapping[str, Any]  # keyword arguments of sparrow.load
     drafter_option: str | None = None
     needs_draft: bool = False
-    refused_with: tuple[str, ...] = ()
+    dense_target: bool = False  # it quantizes the target
     lossy: bool = False  # the output may differ from the target's (checked to run, not to be exact)
 
     def applies(self, drafter: str) -> bool:
-        if drafter == NONE or drafter in self.refused_with:
+        if drafter == NONE:
             return False
         entry = REGISTRY[drafter]
+        if self.dense_target and entry.dense_target is not None:
+            return False
         if self.load_options.get("compile") and not entry.compiles:
             return False
-        if self.needs_draft and not (entry.takes_draft_model or drafter == "quantized-self"):
+        if self.needs_draft and not entry.drafts_with_model:
             return False
         if self.drafter_option is not None:
             accepted = entry.options()
@@ -134,7 +148,7 @@ OPTION_RULES: tuple[OptionRule, ...] = (
     OptionRule("draft-vocab", {"draft_vocab": 64}, drafter_option="draft_vocab"),
     OptionRule("draft-kv", {"draft_kv": "topk", "draft_kv_budget": 8}, drafter_option="draft_kv"),
     OptionRule("quantized-draft", {"draft_quant": "int8"}, needs_draft=True),
-    OptionRule("quantized-target", {"quant": "int8"}, refused_with=("quantized-self", "layer-skip")),
+    OptionRule("quantized-target", {"quant": "int8"}, dense_target=True),
     OptionRule("compile", {"compile": True}),  # not for drafters registered with compiles=False
     OptionRule("loose", {"verifier": "loose"}, lossy=True),
 )
@@ -165,6 +179,34 @@ def check_drafter_args(name: str, num_draft_tokens: int | None, options: Mapping
     if unknown:
         raise UserError(f"drafter {name!r} does not accept option {', '.join(map(repr, unknown))}; "
                          f"its options: {', '.join(accepted) or 'none'}")
+
+
+def takers(option: str) -> tuple[str, ...]:
+    """The registered drafters whose builder takes `option`."""
+    return tuple(name for name, entry in REGISTRY.items() if option in (entry.options() or ()))
+
+
+def check_applies(name: str, flag: str, option: str) -> None:
+    """Refuse `flag` (the CLI's spelling of the drafter option `option`) for drafter `name` if it does not take it,
+    naming the drafters that do (before any model is loaded)."""
+    accepted = () if name == NONE or name not in REGISTRY else REGISTRY[name].options()
+    if accepted is not None and option not in accepted:
+        names = takers(option)
+        listed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+        raise UserError(f"{flag} applies to --drafter {listed} only, not {name!r}")
+
+
+def check_quant_args(name: str, quant: str | None, draft_quant: str | None, has_draft_model: bool) -> None:
+    """Cheap validation of --quant / --draft-quant for drafter `name`, run before any model is loaded."""
+    quant = parse_quant(quant, "quant", auto=True)
+    parse_quant(draft_quant, "draft_quant", auto=True)
+    entry = REGISTRY.get(name)  # None: "none"
+    quantized_copy = entry is not None and entry.quantized_copy
+    if entry is not None and entry.dense_target is not None and quant is not None \
+            and not (quant == AUTO and quantized_copy):  # auto: the dense target its copy needs
+        raise UserError(f"drafter {name!r} needs an unquantized target ({entry.dense_target})")
+    if draft_quant is not None and not has_draft_model and not quantized_copy:
+        raise UserError(f"draft_quant needs a draft model, and drafter {name!r} has none")
 
 
 def build_drafter(name: str, target: LoadedModel, draft: LoadedModel | None = None,

@@ -77,16 +77,16 @@ def parse_quant(quant: str | int | None, argument: str = "quant", auto: bool = F
     raise UserError(f"invalid {argument} {quant!r}: expected one of {', '.join(names)}")
 
 
-def resolve_draft_quant(draft_quant: str | int | None, drafter: str, has_draft_model: bool,
+def resolve_draft_quant(draft_quant: str | int | None, quantized_copy: bool, has_draft_model: bool,
                         device: str | torch.device | None, dtype: torch.dtype | None = None) -> str | None:
     """--draft-quant checked before any model is loaded. 'auto' becomes None for a drafter without a draft model,
-    the format sparrow.runtime.hardware measured fastest for one row on `device` in `dtype` (the target's) for
-    quantized-self (None: its int4 default), and stays 'auto' for a draft model (`draft_format` settles it once the
-    draft is loaded)."""
+    the format sparrow.runtime.hardware measured fastest for one row on `device` in `dtype` (the target's) for a
+    drafter drafting with a quantized copy of the target (`quantized_copy`: quantized-self; None: its int4 default),
+    and stays 'auto' for a draft model (`draft_format` settles it once the draft is loaded)."""
     fmt = parse_quant(draft_quant, "draft_quant", auto=True)
     if fmt != AUTO:
         return fmt
-    if drafter == "quantized-self":
+    if quantized_copy:
         return choose_draft_quant(device, dtype=dtype)[0]
     return AUTO if has_draft_model else None
 
@@ -127,20 +127,6 @@ def target_format(model: nn.Module, quant: str | None, compile: bool = False) ->
     takes = any(kernel_takes(kind, m.out_features, m.in_features, DEFAULT_GROUP_SIZE, weight.device)
                 for m in model.modules() if type(m) is nn.Linear)
     return fmt if takes else None
-
-
-def check_quant_args(drafter: str, quant: str | None, draft_quant: str | None, has_draft_model: bool) -> None:
-    """Cheap validation of --quant / --draft-quant, run before any model is loaded."""
-    quant = parse_quant(quant, "quant", auto=True)
-    parse_quant(draft_quant, "draft_quant", auto=True)
-    if quant not in (None, AUTO) and drafter == "quantized-self":
-        raise UserError("drafter 'quantized-self' drafts with a quantized copy of an unquantized target; "
-                         "drop --quant (or use --drafter draft-model with --draft-quant)")
-    if quant is not None and drafter == "layer-skip":
-        raise UserError("drafter 'layer-skip' needs an unquantized target (its skip sets are tuned on the dense "
-                         "model); drop --quant")
-    if draft_quant is not None and not has_draft_model and drafter != "quantized-self":
-        raise UserError(f"draft_quant needs a draft model, and drafter {drafter!r} has none")
 
 
 """Children of one module that read the same input in the architectures sparrow runs (an attention's
@@ -386,7 +372,6 @@ def summary(model: nn.Module) -> dict[str, object]:
 __all__ = [
     "QUANT_BITS",
     "W8A8",
-    "check_quant_args",
     "QuantizedLinear",
     "DynamicInt8Linear",
     "QuantizationInfo",
