@@ -35,7 +35,7 @@ from sparrow.config import (
     check_top_p,
 )
 from sparrow.decoding.baseline import plain_decode
-from sparrow.decoding.engine import speculative_decode
+from sparrow.decoding.engine import decode
 from sparrow.decoding.round import Generation
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_model import DraftModelDrafter
@@ -56,6 +56,7 @@ from sparrow.models.quantization import (
 from sparrow.noise import PositionalNoise
 from sparrow.policy.measure import follow_cost_curve
 from sparrow.runtime.batch_invariant import exact_copy, is_exact, source
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.compiled import traceable
 from sparrow.runtime.runner import runner_for
 from sparrow.speculative_config import given_arguments, merged
@@ -187,26 +188,18 @@ class Pipeline:
 
     def _run(self, prompt: PromptInput, options: dict[str, Any], drafter: Drafter | None,
              on_text: OnText | None = None) -> GenerationResult:
+        self._check_options(options)
         # The locks cover tokenizing and detokenizing too: the tokenizer is shared with every pipeline on the model.
-        unknown = sorted(set(options) - set(self.OPTIONS))
-        if unknown:
-            raise UserError(f"unknown option {unknown[0]!r}; expected one of: {', '.join(self.OPTIONS)}")
         with holding(stateful_objects(self.target.model, drafter)):
-            request = self.request(prompt, **options)
-            grammar = self.constraint(request)
-            generator = None
-            if request.seed is not None:
-                generator = PositionalNoise(request.seed, self.runner.device)  # repeats however rounds are chunked
-            stopper = Stopper(request.stopping, self.tokenizer, on_text)
+            gen = self._generation(self.request(prompt, **options), self.runner, drafter, on_text)
             start = time.perf_counter()
             try:
                 if drafter is not None:
-                    verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
-                    with guiding(drafter, grammar):
-                        decoded = speculative_decode(self.runner, drafter, verifier, request.prompt,
-                                                     request.sampling, stopper, generator, grammar=grammar)
+                    with guiding(drafter, gen.grammar):
+                        decoded = decode(gen)
                 else:
-                    decoded = plain_decode(self.runner, request.prompt, request.sampling, stopper, generator, grammar)
+                    decoded = plain_decode(self.runner, gen.prompt, gen.sampling, gen.stopper, gen.generator,
+                                           gen.grammar)
             except BaseException:
                 # An error (or Ctrl-C) mid-round leaves a half-updated cache. Every generation starts with a
                 # prefill that replaces the target's cache and the drafter's state, so the pipeline stays
@@ -214,7 +207,7 @@ class Pipeline:
                 self.runner.cache = None
                 raise
             seconds = time.perf_counter() - start
-            return GenerationResult(token_ids=decoded.token_ids, text=stopper.text(),
+            return GenerationResult(token_ids=decoded.token_ids, text=gen.stopper.text(),
                                     finish_reason=decoded.finish_reason, seconds=seconds, stats=decoded.stats)
 
     def sequence(self, prompt: PromptInput, *, on_text: OnText | None = None, plain: bool = False,
@@ -222,24 +215,38 @@ class Pipeline:
         """A generation to run in a `sparrow.decoding.batch.Batch` (the same options as `generate`): its own cache over
         the target, and a copy of the drafter that shares its models (None with plain=True). Give it back with
         `release` once it finished; `result` turns it into a GenerationResult."""
-        unknown = sorted(set(options) - set(self.OPTIONS))
-        if unknown:
-            raise UserError(f"unknown option {unknown[0]!r}; expected one of: {', '.join(self.OPTIONS)}")
+        self._check_options(options)
         if self.compiled:
             raise UserError("a compiled pipeline (compile=True, --compile) runs one generation at a time; batched "
                             "sequences (sparrow serve) need compile=False")
         with holding(stateful_objects(self.target.model, self.drafter)):
             request = self.request(prompt, **options)
-            grammar = self.constraint(request)
-            drafter = verifier = None
+            drafter = None
             if self.drafter is not None and not plain:
                 drafter = self._forks.pop() if self._forks else self.drafter.fork()
                 if drafter.lazy_prefill is not None:  # in a batch, a draft nobody drafts with is never prefilled
                     drafter.lazy_prefill = True
-                verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
-                drafter.grammar = grammar  # drafts only what the grammar allows (until `release`)
+            gen = self._generation(request, runner_for(self.target.model), drafter, on_text)
+            if drafter is not None:
+                drafter.grammar = gen.grammar  # drafts only what the grammar allows (until `release`)
+        return gen
+
+    def _check_options(self, options: Mapping[str, Any]) -> None:
+        unknown = sorted(set(options) - set(self.OPTIONS))
+        if unknown:
+            raise UserError(f"unknown option {unknown[0]!r}; expected one of: {', '.join(self.OPTIONS)}")
+
+    def _generation(self, request: Request, runner: CachedModel, drafter: Drafter | None,
+                    on_text: OnText | None) -> Generation:
+        """The one place a request becomes a Generation (`generate`, `generate_plain` and `sequence`): its grammar
+        state, verifier (None for plain decoding), randomness (positional for a seeded request, so it repeats
+        however rounds are chunked) and stopping rules, on `runner`."""
+        grammar = self.constraint(request)  # compiled here: a bad schema is refused before anything runs
+        verifier = None
+        if drafter is not None:
+            verifier = build_verifier(self.verifier, request.sampling, tokenizer=self.tokenizer)
         generator = PositionalNoise(request.seed, self.runner.device) if request.seed is not None else None
-        return Generation(runner_for(self.target.model), drafter, verifier, request.prompt, request.sampling,
+        return Generation(runner, drafter, verifier, request.prompt, request.sampling,
                           Stopper(request.stopping, self.tokenizer, on_text), generator, grammar=grammar)
 
     def release(self, seq: Generation) -> None:

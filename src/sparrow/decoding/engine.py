@@ -41,14 +41,20 @@ def speculative_decode(target: CachedModel, drafter: Drafter, verifier: Verifier
     (the adaptive policies compare them); False measures only what the host waited for.
     grammar: structured output (`sparrow.grammar`): lossless relative to plain decoding of the masked target.
     """
+    return decode(Generation(target, drafter, verifier, prompt, sampling, stopper, generator, grammar=grammar),
+                  sync_timing)
+
+
+def decode(gen: Generation, sync_timing: bool = True) -> Decoded:
+    """Run `gen` (a fresh Generation with a drafter and a verifier) to its end: `speculative_decode`'s loop."""
+    target, drafter, sampling, stopper, grammar = gen.target, gen.drafter, gen.sampling, gen.stopper, gen.grammar
     device, layers = target.device, drafter.hidden_layers
-    gen = Generation(target, drafter, verifier, prompt, sampling, stopper, generator, grammar=grammar)
     # 0. Prefill, then the first token; invariant from here on: the target's cache == committed[:-1].
     start(gen, sync_timing)
     while not gen.done:
         t0 = now(device, sync_timing)
         # 1. Draft a chain or a tree; never more nodes than the budget allows, since each round adds a target token.
-        noise = at(generator, gen.committed.numel())  # positional noise: offset 0 is the first draft position
+        noise = at(gen.generator, gen.committed.numel())  # positional noise: offset 0 is the first draft position
         max_tokens = stopper.remaining - 1
         draft = drafter.propose(gen.committed, max_tokens, sampling, noise)
         assert draft.tokens.numel() <= max_tokens, (drafter.name, draft.tokens.numel(), max_tokens)
