@@ -530,7 +530,7 @@ def main():
         out = llm.generate([TokensPrompt(prompt_token_ids=p["ids"])], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - start
         m, c = out.metrics, out.outputs[0]
-        spec = getattr(c, "spec_decode_metrics", None)
+        spec = c.spec_decode_metrics
         print(json.dumps({"id": p["id"], "token_ids": list(c.token_ids), "seconds": seconds,
                           "ttft_seconds": m.first_token_latency, "decode_seconds": m.last_token_ts - m.first_token_ts,
                           "input_tokens": len(out.prompt_token_ids), "spec": spec.to_dict() if spec else None}),
