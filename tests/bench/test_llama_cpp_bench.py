@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "llama_cpp.py"
 spec = importlib.util.spec_from_file_location("llama_cpp_bench", PATH)
 lc = importlib.util.module_from_spec(spec)
+sys.path.insert(0, str(PATH.parent))  # its `common` import, as when run as a script
 sys.modules["llama_cpp_bench"] = lc  # dataclasses look their module up
 spec.loader.exec_module(lc)
 
@@ -209,7 +211,6 @@ def test_cli_defaults_are_the_foundation_setup() -> None:
 
 
 def test_spec_bench_quick_prompts_are_the_quick_questions_first_turns():
-    sys.path.insert(0, str(PATH.parent))
     from common import load_prompts
 
     from sparrow.bench.data import DEFAULT_DATA, read_questions, shortest_per_task
@@ -219,3 +220,91 @@ def test_spec_bench_quick_prompts_are_the_quick_questions_first_turns():
     assert [p["prompt"] for p in prompts] == [q.turns[0] for q in questions] and len(prompts) == 6
     assert len({p["kind"] for p in prompts}) == 6 and len({p["id"] for p in prompts}) == 6
     assert load_prompts(Path("spec-bench-quick"), [prompts[2]["id"]]) == [prompts[2]]
+
+
+def test_vllm_configs_name_plain_ngram_and_draft_model_per_length() -> None:
+    assert lc.vllm_configs([3, 8]) == {"vllm-plain": (None, None), "vllm-spec-ngram-3": ("ngram", 3),
+                                       "vllm-spec-ngram-8": ("ngram", 8), "vllm-spec-draft-3": ("draft_model", 3),
+                                       "vllm-spec-draft-8": ("draft_model", 8)}
+    assert lc.reference_config("vllm-spec-draft-8") == "vllm-plain"
+    assert lc.reference_config("vllm-plain") is None
+
+
+def test_vllm_speculative_config_per_method(tmp_path: Path) -> None:
+    assert lc.vllm_speculative(None, None, tmp_path) is None
+    assert lc.vllm_speculative("ngram", 8, tmp_path) == {"method": "ngram", "num_speculative_tokens": 8}
+    assert lc.vllm_speculative("draft_model", 3, tmp_path) == {"method": "draft_model", "model": str(tmp_path),
+                                                               "num_speculative_tokens": 3}
+
+
+def test_vllm_env_binds_the_threads_sizes_the_kv_cache_and_preloads_what_exists(tmp_path: Path) -> None:
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    (tmp_path / "tcmalloc.so").write_bytes(b"")
+    libraries = (tmp_path / "tcmalloc.so", tmp_path / "missing.so", Path("lib") / "libiomp5.so")
+    env = lc.vllm_env(tmp_path, [0, 1], {"PATH": "/bin", "LD_PRELOAD": "/x.so"}, libraries)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["LD_PRELOAD"] == f"{tmp_path}/tcmalloc.so:{tmp_path}/lib/libiomp5.so:/x.so" and env["PATH"] == "/bin"
+    assert "LD_PRELOAD" not in lc.vllm_env(tmp_path / "none", [3], {}, (Path("lib") / "libiomp5.so",))
+
+
+def test_vllm_row_drops_the_eos_and_reads_the_acceptance() -> None:
+    out = {"id": "code-1", "token_ids": [5, 6, 7, 9], "seconds": 2.0, "ttft_seconds": 0.5, "decode_seconds": 1.0,
+           "input_tokens": 20, "spec": {"num_draft_tokens": 8, "num_accepted_draft_tokens": 6,
+                                        "mean_acceptance_length": 2.5}}
+    r = lc.vllm_row("vllm-spec-draft-8", 8, out, {"tokens": 20}, eos={9})
+    assert (r["engine"], r["new_tokens"], r["token_ids"]) == ("vllm", 3, [5, 6, 7])
+    assert r["tokens_per_second"] == pytest.approx(1.5) and r["decode_tokens_per_second"] == pytest.approx(2.0)
+    assert (r["drafted"], r["accepted"], r["acceptance_rate"], r["mean_accepted_tokens"]) == (8, 6, 0.75, 2.5)
+    assert r["prompt_tokens_match"] and r["prefill_seconds"] == 0.5
+    plain = lc.vllm_row("vllm-plain", None, {**out, "spec": None, "input_tokens": 19}, {"tokens": 20}, eos={9})
+    assert plain["acceptance_rate"] is None and plain["drafted"] is None and not plain["prompt_tokens_match"]
+
+
+def test_vllm_rows_only_when_its_venv_exists(tmp_path: Path, capsys) -> None:
+    args = lc.parse_args(["run", "--vllm-venv", str(tmp_path), "--openvino-venv", str(tmp_path)])
+    wanted = lc.wanted_configs(args)
+    assert wanted["vllm"] == [] and wanted["openvino"] == [] and "no vLLM rows" in capsys.readouterr().out
+    named = lc.wanted_configs(lc.parse_args(["run", "--configs", "vllm-plain,llama.cpp-plain"]))
+    assert named["vllm"] == ["vllm-plain"] and named["llama.cpp"] == ["llama.cpp-plain"] and named["sparrow"] == []
+
+
+def test_report_has_a_table_per_prompt_set_each_with_its_own_ratio() -> None:
+    rows = [{**row("llama.cpp", "llama.cpp-plain", "code", 10.0), "set": "foundation"},
+            {**row("vllm", "vllm-plain", "code", 5.0), "set": "foundation"},
+            {**row("llama.cpp", "llama.cpp-plain", "humaneval", 20.0), "set": "humaneval"},
+            {**row("vllm", "vllm-plain", "humaneval", 30.0), "set": "humaneval"}]
+    parts = lc.render_report(rows).split("\n\n")
+    assert parts[1] == "**foundation** (1 prompts)" and parts[3] == "**humaneval** (1 prompts)"
+    assert "| vllm | vllm-plain | 5.00 | **5.00** | n/a | 0.50x |" in parts[2]
+    assert "| vllm | vllm-plain | 30.00 | **30.00** | n/a | 1.50x |" in parts[4]
+    assert "humaneval" not in parts[2]
+
+
+def test_prompt_sets_tag_each_prompt_and_read_humaneval(tmp_path: Path) -> None:
+    from common import load_prompt_sets
+
+    lines = [json.dumps({"question_id": i, "category": "code", "turns": [f"Complete the code.\ndef f{i}():\n"]})
+             for i in range(4)]
+    (tmp_path / "humaneval.jsonl").write_text("\n".join(lines) + "\n")
+    prompts = load_prompt_sets(["foundation", "humaneval"], eagle_data=tmp_path, code_questions=2)
+    assert [p["id"] for p in prompts if p["set"] == "humaneval"] == ["humaneval-0", "humaneval-1"]
+    assert {p["kind"] for p in prompts if p["set"] == "humaneval"} == {"humaneval"}
+    assert len([p for p in prompts if p["set"] == "foundation"]) == 6
+    assert prompts[-1]["prompt"] == "Complete the code.\ndef f1():\n"
+    only = load_prompt_sets(["spec-bench-quick", "humaneval"], ["humaneval-1"], eagle_data=tmp_path)
+    assert [p["id"] for p in only] == ["humaneval-1"]
+
+
+@pytest.mark.parametrize("names,message", [(["code"], "unknown prompt set"), (["humaneval"], "no HumanEval questions")])
+def test_prompt_sets_refuse_unknown_names_and_missing_data(tmp_path: Path, names, message) -> None:
+    from common import load_prompt_sets
+
+    with pytest.raises(SystemExit, match=message):
+        load_prompt_sets(names, eagle_data=tmp_path)
+
+
+def test_cli_set_flags() -> None:
+    args = lc.parse_args(["run", "--set", "foundation,humaneval", "--code-questions", "3", "--vllm-eager"])
+    assert (args.set, args.code_questions, args.vllm_eager) == ("foundation,humaneval", 3, True)
+    assert lc.parse_args(["vllm-setup"]).command == "vllm-setup"
