@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from common import hf_generate, load_prompts, render_speedup_table
 
+from sparrow.drafters import build_drafter
 from sparrow.models import load_model
-from sparrow.pipeline import Pipeline, build_drafter
+from sparrow.pipeline import Pipeline
 
 HERE = Path(__file__).parent
 BASELINE = {"sparrow-cross-vocab": "sparrow-plain", "sparrow-cross-vocab-fixed": "sparrow-plain",

@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
+from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel, load_model
 from sparrow.models.quantization import quantized_copy
-from sparrow.pipeline import Pipeline, build_drafter
+from sparrow.pipeline import Pipeline
 from sparrow.policy.measure import follow_cost_curve
 
 HERE = Path(__file__).parent

@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 
 from sparrow.cli import app
 from sparrow.drafters import build_drafter
+from sparrow.loading import load
 from sparrow.models import LoadedModel
-from sparrow.pipeline import Pipeline, load
+from sparrow.pipeline import Pipeline
 
 
 @pytest.fixture(scope="module")
@@ -198,12 +199,12 @@ def test_cli_internal_errors_keep_their_traceback(monkeypatch):
 @pytest.fixture
 def no_loading(monkeypatch):
     """sparrow.load's loader replaced by a failure: a test passes only where the refusal comes before loading."""
-    import sparrow.pipeline
+    import sparrow.loading
 
     def fail(*args, **kwargs):
         raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr(sparrow.pipeline, "load_model", fail)
+    monkeypatch.setattr(sparrow.loading, "load_model", fail)
 
 
 def config_only(directory, config) -> str:

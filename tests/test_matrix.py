@@ -13,7 +13,7 @@ from conftest import tiny_gemma3, tiny_model
 from vlm_models import byte_tokenizer, moving_squares, tiny_processor, tiny_vlm
 
 import sparrow
-import sparrow.pipeline
+import sparrow.loading
 from sparrow.drafters.registry import OPTION_RULES, REGISTRY, OptionRule
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel
@@ -73,7 +73,7 @@ def refusal_before_loading(drafter: str, rule: OptionRule | None, target: str = 
         raise Loaded
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(sparrow.pipeline, "load_model", no_loading)
+    patch.setattr(sparrow.loading, "load_model", no_loading)
     try:
         sparrow.load(target, drafter=drafter, draft=draft, **options, **(rule.load_options if rule else {}))
     except UserError as e:

@@ -11,14 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sparrow.config import GREEDY, SamplingConfig, StoppingConfig
-    from sparrow.pipeline import Pipeline, PipelineCache, load
+    from sparrow.loading import PipelineCache, load
+    from sparrow.pipeline import Pipeline
     from sparrow.types import Draft, GenerationResult, GenerationStats, Prompt, Verdict
 
     PIPELINES: PipelineCache
 
 _LAZY = {
     **dict.fromkeys(("GREEDY", "SamplingConfig", "StoppingConfig"), "sparrow.config"),
-    **dict.fromkeys(("Pipeline", "PipelineCache", "load"), "sparrow.pipeline"),
+    **dict.fromkeys(("PipelineCache", "load"), "sparrow.loading"),
+    "Pipeline": "sparrow.pipeline",
     **dict.fromkeys(("Draft", "GenerationResult", "GenerationStats", "Prompt", "Verdict"), "sparrow.types"),
 }
 
@@ -27,7 +29,7 @@ def __getattr__(name: str) -> Any:
     if name == "PIPELINES":
         # What `generate` keeps: the 4 most recently used pipelines and the models they run (shared between them).
         # `sparrow.PIPELINES.clear()` frees them.
-        from sparrow.pipeline import PipelineCache  # lazily, as every name here (see the module docstring)
+        from sparrow.loading import PipelineCache  # lazily, as every name here (see the module docstring)
 
         return globals().setdefault("PIPELINES", PipelineCache(size=4))
     if name in _LAZY:

@@ -353,7 +353,7 @@ def test_quant_auto_picks_the_targets_format_by_the_measurement(target, monkeypa
             accepted += result.stats.num_accepted_tokens
         assert accepted > 0
         assert sparrow.load(target, drafter="quantized-self", quant="auto").runner.model is target.model  # dense
-        from sparrow.pipeline import PipelineCache
+        from sparrow.loading import PipelineCache
 
         cached = PipelineCache().get(target, drafter="none", quant="auto")
         assert cached.runner.model.sparrow_quantization.name == "w8a8"

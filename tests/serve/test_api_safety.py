@@ -24,8 +24,9 @@ from conftest import perturbed, tiny_model, tiny_tokenizer
 import sparrow
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
+from sparrow.loading import PipelineCache
 from sparrow.models import LoadedModel
-from sparrow.pipeline import Pipeline, PipelineCache
+from sparrow.pipeline import Pipeline
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "Paris is the capital",
            "Speculative decoding drafts", "The dog sleeps.", "return a + b", "print(i * i)"]
@@ -106,7 +107,7 @@ def test_sparrow_generate_from_many_threads(monkeypatch, target):
     """The one-call API shares its cached pipelines between threads; k varies per call."""
     cache = PipelineCache(size=2)
     monkeypatch.setattr(sparrow, "PIPELINES", cache)
-    monkeypatch.setattr("sparrow.pipeline.load_model", lambda spec, **kw: target)
+    monkeypatch.setattr("sparrow.loading.load_model", lambda spec, **kw: target)
     # adaptive=False: an adaptive draft length follows measured timings, and with it the random draws of a
     # seeded sampled request (its output distribution is the same, its exact tokens are not).
     options = dict(target="tiny", draft="tiny", dtype="float32", device="cpu", adaptive=False)
@@ -211,7 +212,7 @@ def counted_loads(monkeypatch, target):
         loads.append(spec)
         return LoadedModel(model=tiny_model("llama", seed=len(loads)), tokenizer=target.tokenizer, name=spec)
 
-    monkeypatch.setattr("sparrow.pipeline.load_model", load_model)
+    monkeypatch.setattr("sparrow.loading.load_model", load_model)
     return loads
 
 

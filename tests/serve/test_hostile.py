@@ -158,13 +158,13 @@ def row_id(argv: tuple[str, ...]) -> str:
 def test_hostile_cli_input(model_dir, argv, code, match, kind, monkeypatch):
     if kind == EARLY:  # loading a model now would be a validation gap: make it an internal error
         import sparrow.bench.command
+        import sparrow.loading
         import sparrow.models
-        import sparrow.pipeline
 
         def no_loading(*args, **kwargs):
             raise AssertionError("a model was loaded before the arguments were checked")
 
-        for module in (sparrow.models, sparrow.pipeline, sparrow.bench.command):  # every module that loads one
+        for module in (sparrow.models, sparrow.loading, sparrow.bench.command):  # every module that loads one
             monkeypatch.setattr(module, "load_model", no_loading)
     result = invoke(argv, model_dir)
     assert result.exit_code == code, result.output

@@ -35,7 +35,8 @@ def test_loose_is_registered_lossy_and_never_auto():
 def test_pipeline_default_verifier_is_lossless():
     import inspect
 
-    from sparrow.pipeline import Pipeline, load
+    from sparrow.loading import load
+    from sparrow.pipeline import Pipeline
 
     assert inspect.signature(load).parameters["verifier"].default == "auto"
     assert inspect.signature(Pipeline).parameters["verifier"].default == "auto"

@@ -32,8 +32,9 @@ from sparrow.bench.methods import (
 from sparrow.bench.peers import run_peer
 from sparrow.drafters.registry import REGISTRY, takers
 from sparrow.errors import UserError
+from sparrow.loading import load
 from sparrow.models import LoadedModel
-from sparrow.pipeline import Pipeline, load
+from sparrow.pipeline import Pipeline
 from sparrow.policy.measure import follow_cost_curve
 from sparrow.runtime.cached_model import CachedModel
 
