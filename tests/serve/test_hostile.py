@@ -183,7 +183,7 @@ def test_hostile_cli_input(model_dir, argv, code, match, kind, monkeypatch):
 
 
 def deep_inside_torch(error: BaseException):
-    """A stand-in for the decoding loop (sparrow.decoding.engine.speculative_decode) that fails with `error`."""
+    """A stand-in for the decoding loop (`sparrow.decoding.engine.decode`) that fails with `error`."""
 
     def decode(*args, **kwargs):
         raise error
@@ -202,7 +202,7 @@ def deep_inside_torch(error: BaseException):
 def test_internal_errors_exit_1_with_traceback_and_a_bug_line(model_dir, error, monkeypatch):
     import sparrow.pipeline
 
-    monkeypatch.setattr(sparrow.pipeline, "speculative_decode", deep_inside_torch(error))
+    monkeypatch.setattr(sparrow.pipeline, "decode", deep_inside_torch(error))
     result = invoke(gen("hi"), model_dir)
     assert result.exit_code == 1, result.output
     lines = result.stderr.rstrip("\n").splitlines()
@@ -247,7 +247,7 @@ def test_debug_shows_the_traceback_of_a_user_error_and_keeps_exit_2(model_dir):
 def test_user_errors_raised_inside_are_one_line(model_dir, error, match, monkeypatch):
     import sparrow.pipeline
 
-    monkeypatch.setattr(sparrow.pipeline, "speculative_decode", deep_inside_torch(error))
+    monkeypatch.setattr(sparrow.pipeline, "decode", deep_inside_torch(error))
     result = invoke(gen("hi"), model_dir)
     assert result.exit_code == 2, result.output
     check_user_error(result.stdout, result.stderr, match, early=False)
@@ -256,7 +256,7 @@ def test_user_errors_raised_inside_are_one_line(model_dir, error, match, monkeyp
 def test_ctrl_c_exits_130_quietly(model_dir, monkeypatch):
     import sparrow.pipeline
 
-    monkeypatch.setattr(sparrow.pipeline, "speculative_decode", deep_inside_torch(KeyboardInterrupt()))
+    monkeypatch.setattr(sparrow.pipeline, "decode", deep_inside_torch(KeyboardInterrupt()))
     result = invoke(gen("hi"), model_dir)
     assert result.exit_code == 130, result.output
     assert "Traceback" not in result.output and "error" not in result.output
@@ -267,7 +267,8 @@ SPARROW = Path(sys.executable).with_name("sparrow")
 INJECT = """import sparrow.pipeline
 def decode(*args, **kwargs):
     raise {error}
-sparrow.pipeline.speculative_decode = decode
+assert hasattr(sparrow.pipeline, "decode")
+sparrow.pipeline.decode = decode
 from sparrow.cli import app
 app(prog_name="sparrow")
 """

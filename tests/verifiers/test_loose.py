@@ -179,7 +179,7 @@ def test_cli_loose_is_labelled_lossy(model_dir):
     (["--verify", "sloppy"], "unknown verifier"),
     (["--drop-rate", "0.5"], "--drop-rate applies to --drafter visual-prune"),
     (["--drafter", "visual-prune", "--drop-rate", "1.5"], "--drop-rate must be in [0, 1)"),
-    (["--drafter", "prompt-lookup", "--draft-kv", "mm-shiftkv"], "apply to drafters that keep a visual KV"),
+    (["--drafter", "prompt-lookup", "--draft-kv", "mm-shiftkv"], "draft-model, sparse or visual-prune only"),
     (["--drafter", "sparse", "--draft-kv", "snapkv"], "unknown --draft-kv"),
     (["--drafter", "sparse", "--draft-kv-budget", "0"], "--draft-kv-budget"),
 ])
