@@ -18,24 +18,23 @@ BUDGETS = [30, 7, 41, 19, 25]
 
 def run_batch(pipe: Pipeline, policy: BatchPolicy | None = None, join_after: int = 2, plain: bool = False,
               **options) -> list:
-    """The PROMPTS in one batch (the last two join after `join_after` steps); the results in PROMPTS order."""
+    """The PROMPTS in one batch (the last two join after `join_after` steps); the results in PROMPTS order. The
+    requests that join together prefill together (`Batch.add`: one shared target forward for each group)."""
     batch = Batch(pipe.target.model, policy or BatchPolicy(adaptive=False))
     gens: list[Generation] = []
 
-    def start(i: int) -> None:
-        gen = pipe.sequence(PROMPTS[i], max_new_tokens=BUDGETS[i], plain=plain, **options)
-        batch.add(gen)
-        gens.append(gen)
+    def start(indices: range) -> None:
+        joining = [pipe.sequence(PROMPTS[i], max_new_tokens=BUDGETS[i], plain=plain, **options) for i in indices]
+        batch.add(*joining)
+        gens.extend(joining)
 
-    for i in range(3):
-        start(i)
+    start(range(3))
     steps = 0
     while len(batch) or len(gens) < len(PROMPTS):
         batch.step()
         steps += 1
         if steps == join_after:
-            for i in range(3, len(PROMPTS)):
-                start(i)
+            start(range(3, len(PROMPTS)))
     results = [pipe.result(gen) for gen in gens]
     for gen in gens:
         pipe.release(gen)

@@ -1,9 +1,10 @@
 """Batched speculative decoding (sparrow.decoding.batch): each generation in a batch is exactly what it would be alone.
 
 a) Greedy, float32, tiny Llama: every drafter (chains, and trees where it drafts them) x verifier runs five
-   prompts of different lengths and budgets in one batch, two of them joining after two steps; each output
-   equals plain greedy decoding token for token, and drafts were accepted. The same with plain decoding in
-   a batch, with the draft cap of the batch policy, and with sequences leaving early (removed).
+   prompts of different lengths and budgets in one batch, two of them joining after two steps (requests that join
+   together prefill in one shared target forward); each output equals plain greedy decoding token for token, and
+   drafts were accepted. The same with plain decoding in a batch, with the draft cap of the batch policy, and with
+   sequences leaving early (removed). A shared prefill gives each prompt its own prefill's rows and cache.
 b) Sampling: seeded requests in a batch give the tokens they give alone; unseeded requests (rejection
    sampling) in a mixed batch follow the target's joint distribution of two tokens, checked against the
    exact table of a tiny 8-token model; accepting every draft (a known-wrong rule) fails the same check.
@@ -22,12 +23,12 @@ from test_degenerate import SPECS
 
 from sparrow import sampling as S
 from sparrow.config import SamplingConfig
-from sparrow.decoding.batch import Batch, score_batch, supports_batching
+from sparrow.decoding.batch import Batch, measure_rows, prefill_groups, prefill_together, score_batch, supports_batching
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 from sparrow.policy.batch import BatchPolicy
-from sparrow.types import Verdict
+from sparrow.types import Prompt, Verdict
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -141,6 +142,77 @@ def test_a_removed_sequence_leaves_the_others_exact(pair, plain_outputs):
     for i, gen in enumerate(gens):
         if i != 1:
             assert pipe.result(gen).token_ids == plain_outputs[i]
+
+
+def count_forwards(model: torch.nn.Module) -> Counter:
+    """Counts the model's forwards (until `del model.forward`)."""
+    calls = Counter()
+    forward = model.forward
+
+    def counted(*args, **kwargs):
+        calls["forwards"] += 1
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    return calls
+
+
+@pytest.mark.parametrize("label", ["draft-model", "sparse"])
+def test_requests_that_join_together_prefill_in_one_target_forward(pair, plain_outputs, label):
+    """Three prompts of different lengths: one shared target prefill forward (a drafter that watches the target's
+    prefill, sparse, prefills alone), and each output is its plain output."""
+    pipe = Pipeline(pair[0], SPECS[label].build(pair, 4, False, {}))
+    batch = Batch(pipe.target.model, BatchPolicy(adaptive=False))
+    gens = [pipe.sequence(p, max_new_tokens=n) for p, n in zip(PROMPTS[:3], BUDGETS[:3])]
+    calls = count_forwards(pair[0].model)
+    try:
+        batch.add(*gens)
+    finally:
+        del pair[0].model.forward
+    assert calls["forwards"] == (1 if label == "draft-model" else 3)
+    assert all(gen.prefill_seconds > 0 and gen.committed.numel() == gen.prompt.input_ids.numel() + 1 for gen in gens)
+    while len(batch):
+        batch.step()
+    assert [pipe.result(gen).token_ids for gen in gens] == plain_outputs[:3]
+    for gen in gens:
+        pipe.release(gen)
+
+
+def test_a_shared_prefill_gives_each_prompt_its_own_prefill(pair):
+    """Left-padded prompts in one forward: each runner's last-row logits, every prompt row's hidden states and its
+    cache equal its own prefill's (float32)."""
+    from sparrow.runtime.cached_model import CachedModel
+
+    model, layers = pair[0].model, (0, 1, 2)
+    prompts = [pair[0].tokenizer(p, return_tensors="pt").input_ids[0] for p in PROMPTS]
+    shared = [CachedModel(model) for _ in prompts]
+    outs = prefill_together(model, shared, prompts, layers)
+    for runner, prompt, out in zip(shared, prompts, outs):
+        alone = CachedModel(model)
+        expected = alone.prefill(Prompt(prompt), layers)
+        assert out.logits.shape == expected.logits.shape and out.hidden.shape == expected.hidden.shape
+        torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.hidden, expected.hidden, rtol=1e-4, atol=1e-4)
+        assert runner.length == alone.length == prompt.numel()
+        for mine, theirs in zip(runner.cache.layers, alone.cache.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(mine.values, theirs.values, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_groups_keep_padding_and_size_bounded():
+    assert prefill_groups([5, 4, 6]) == [[1, 0, 2]]  # similar lengths: one forward, shortest first
+    assert prefill_groups([3, 100, 4, 50]) == [[0, 2], [3, 1]]  # 3 x 50 > 2 x 57 padded positions: a new group
+    assert prefill_groups([3000, 3000]) == [[0], [1]]  # 6000 positions > MAX_PREFILL_TOKENS: alone
+    assert prefill_groups([]) == []
+
+
+def test_measure_rows_times_batched_one_token_forwards(pair):
+    """The seed of a served batch's draft cost table: a forward of one token in each of n rows, per n."""
+    points = measure_rows(pair[1].model, rows=(1, 2, 4), context=8)
+    assert [n for n, _ in points] == [1, 2, 4] and all(seconds > 0 for _, seconds in points)
+    policy = BatchPolicy()
+    policy.seed([(1, 0.01)], points)
+    assert policy.draft.known
 
 
 def test_forked_drafters_share_the_models_but_not_the_state(pair):

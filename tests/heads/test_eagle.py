@@ -339,11 +339,10 @@ def test_a_batch_of_eagle_sequences_equals_plain(target, trained, baselines, sha
     head, _ = trained["eagle3"]
     pipe = Pipeline(target, build_drafter("eagle", target, None, 4, head=head, **(TREE if shape == "tree" else {})))
     batch = Batch(target.model, BatchPolicy(adaptive=False))
-    gens = []
-    for prompt in PROMPTS:
-        gens.append(pipe.sequence(prompt, max_new_tokens=NEW_TOKENS))
-        batch.add(gens[-1])
-        batch.step()  # sequences join a running batch
+    gens = [pipe.sequence(prompt, max_new_tokens=NEW_TOKENS) for prompt in PROMPTS]
+    batch.add(gens[0])
+    batch.step()
+    batch.add(*gens[1:])  # join a running batch together: one shared prefill, each head gets its own rows
     while len(batch):
         batch.step()
     results = [pipe.result(gen) for gen in gens]

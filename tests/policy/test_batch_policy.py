@@ -6,14 +6,15 @@ from __future__ import annotations
 from conftest import tiny_model
 
 from sparrow.policy.batch import BatchPolicy, CostTable
+from sparrow.policy.estimates import AcceptanceEstimate
 from sparrow.policy.measure import measure_batch_cost
 
 
 class Seq:
-    """What BatchPolicy reads of a generation: its acceptance."""
+    """What BatchPolicy reads of a generation: its acceptance (here the prior alone: geometric)."""
 
     def __init__(self, acceptance: float) -> None:
-        self.acceptance = type("A", (), {"value": acceptance})()
+        self.acceptance = AcceptanceEstimate(prior=acceptance)
 
 
 def cpu_like_policy() -> BatchPolicy:
@@ -42,6 +43,48 @@ def test_a_batch_that_stops_drafting_probes_now_and_then():
     assert caps.count(0) >= 34 and 2 <= len(probes) <= 5, caps
     assert all(b - a >= 4 for a, b in zip(probes, probes[1:]))
     assert probes[2] - probes[1] > probes[1] - probes[0]
+
+
+def compute_bound_verify() -> list[tuple[int, float]]:
+    """A bfloat16 target on 2 CPU cores: verification is compute-bound early (0.25 s for 1 token, 0.8 s for 16)."""
+    return [(1, 0.25), (16, 0.80), (64, 2.5)]
+
+
+INT4_DRAFT = [(1, 0.02), (8, 0.06)]  # a draft position: 20 ms for one row, 60 ms for 8 (it grows with rows)
+
+
+def test_the_cap_weighs_drafting_against_a_plain_step_with_measured_batched_costs():
+    """Two sequences: drafting pays; eight: a plain step of 8 tokens beats drafting one token each (k = 1: 16
+    tokens verified, 8 rows drafting), so the cap is 0 (a plain step) from the first decision on."""
+    policy = BatchPolicy()
+    policy.seed(compute_bound_verify(), INT4_DRAFT)
+    assert policy.draft.known
+    assert policy.cap([Seq(0.8)] * 2, [8] * 2) > 0
+    eight = [Seq(0.6)] * 8
+    assert policy.rate(eight, [8] * 8, 0) > max(policy.rate(eight, [8] * 8, k) for k in range(1, 9))
+    fresh = BatchPolicy()
+    fresh.seed(compute_bound_verify(), INT4_DRAFT)
+    assert [fresh.cap(eight, [8] * 8) for _ in range(3)] == [0, 0, 0]  # no blind first step; probes come later
+
+
+def test_an_unseeded_draft_cost_would_draft_blindly():
+    """Negative control: with the draft's cost unknown (counted as 0) the same batch of eight drafts."""
+    policy = BatchPolicy()
+    policy.seed(compute_bound_verify())
+    assert not policy.draft.known and policy.cap([Seq(0.6)] * 8, [8] * 8) > 0
+
+
+def test_the_cap_uses_observed_accepted_lengths():
+    """Allowed 8, the drafters stop after 3 tokens (their confidence exit), all accepted: the per-token rate is ~1,
+    so the geometric model expects ~9 tokens of a cap of 8; observed, a cap of 8 yields ~4, and the cap is 3."""
+    policy = BatchPolicy()
+    policy.seed([(1, 0.100), (16, 0.110), (64, 0.400)], [(1, 0.004), (4, 0.005)])
+    observed = Seq(0.8)
+    for _ in range(50):
+        observed.acceptance.observe(3, 3, reach=8)
+    geometric = Seq(observed.acceptance.value)
+    assert observed.acceptance.tokens(8) < 5 < 8.5 < geometric.acceptance.tokens(8)
+    assert policy.cap([observed] * 4, [8] * 4) == 3 < policy.cap([geometric] * 4, [8] * 4)
 
 
 def test_cost_table_interpolates_decayed_bin_means():

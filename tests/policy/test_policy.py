@@ -14,7 +14,7 @@ import torch
 
 from sparrow.config import SamplingConfig
 from sparrow.drafters.draft_loop import autoregressive_draft
-from sparrow.policy.estimates import BackOff, Decayed, DecayedLine, best_length, expected_tokens
+from sparrow.policy.estimates import AcceptanceEstimate, BackOff, Decayed, DecayedLine, best_length, expected_tokens
 from sparrow.policy.length import LengthPolicy
 from sparrow.types import StepStats
 
@@ -56,6 +56,36 @@ def test_expected_tokens():
     assert expected_tokens(0.5, 1) == pytest.approx(1.5)
     assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert expected_tokens(0.9, 8) == pytest.approx((1 - 0.9 ** 9) / 0.1)
+
+
+def test_expected_tokens_follow_the_observed_accepted_lengths_where_geometric_overestimates():
+    """Drafts of 8 on a mix of easy and hard text: every other round accepts all 8, the others none. Observed:
+    5 tokens a round (9 or 1); the geometric model (a = 8 / 9 per token) predicts ~5.9."""
+    estimate = AcceptanceEstimate(decay=0.99)
+    for i in range(400):
+        estimate.observe(8, 8 if i % 2 else 0)
+    geometric = expected_tokens(estimate.value, 8)
+    assert geometric > 5.8
+    assert estimate.tokens(8) == expected_tokens(estimate, 8) == pytest.approx(5.0, abs=0.1)
+    assert estimate.tokens(2) == pytest.approx(2.0, abs=0.05)  # 1 + 1/2 + 1/2
+    assert estimate.tokens(0) == 1.0
+
+
+def test_a_draft_that_stops_short_of_its_cap_counts_as_failed_there():
+    """Allowed 8, the drafter stops after 3 (all accepted): a cap of 8 yields 4 tokens, not more."""
+    estimate = AcceptanceEstimate(decay=0.99)
+    for _ in range(400):
+        estimate.observe(3, 3, reach=8)
+    assert estimate.tokens(8) == pytest.approx(4.0, abs=0.15)  # the prior weighs 2 rounds at position 4
+    assert estimate.tokens(3) == pytest.approx(4.0, abs=0.05)
+
+
+def test_without_observations_the_estimate_is_the_geometric_prior():
+    estimate = AcceptanceEstimate(prior=0.7)
+    assert all(estimate.tokens(k) == pytest.approx(expected_tokens(0.7, k)) for k in range(10))
+    estimate.observe(2, 2)  # beyond the positions observed: the (updated) geometric rate
+    a = estimate.value
+    assert estimate.rate(5) == a and estimate.rate(1) > a
 
 
 def test_best_length_follows_acceptance_and_costs():

@@ -304,6 +304,15 @@ def test_a_full_queue_answers_429(pipe):
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
 
 
+def test_the_batch_policy_knows_both_costs_before_the_first_step(pipe):
+    """Before serving, the verify cost of 1..64 tokens and the draft model's cost per position for 1, 2, 4 rows
+    (max_batch 4) are measured: the first batched steps do not draft blindly."""
+    with live_server(pipe, max_batch=4) as (_, scheduler):
+        wait_for(lambda: scheduler.policy.draft.known, why=lambda: "for the draft cost table's seed")
+        assert scheduler.policy.verify.known
+        assert sorted(scheduler.policy.draft.bins) == [1, 2, 3]  # bit lengths of 1, 2, 4 rows
+
+
 def test_concurrent_requests_share_batches_and_each_equals_its_single_output(pipe):
     """Different prompts and lengths at once, some arriving while others run: each answer equals plain greedy
     decoding of its prompt alone, and batch steps really held several requests."""

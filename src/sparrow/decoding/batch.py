@@ -34,6 +34,7 @@ from sparrow.decoding.round import Generation, finish, start
 from sparrow.drafters.draft_loop import DraftSteps, Forward
 from sparrow.noise import at
 from sparrow.policy.batch import BatchPolicy
+from sparrow.policy.measure import DUMMY_ID_STRIDE
 from sparrow.runtime.cached_model import CachedModel, additive_mask
 from sparrow.timing import now
 from sparrow.tree import TreeLayout
@@ -41,19 +42,21 @@ from sparrow.types import Draft, TargetOutput
 
 
 class BatchedKV:
-    """The `cache` of one batched scoring forward: layer i's `update` appends row b's first n_b new
-    keys and values to sequence b's own cache and returns all rows' caches, right-padded to one length."""
+    """The `cache` of one batched forward: layer i's `update` appends row b's n_b new keys and values (from
+    position offsets[b] of the forward's rows: 0 for right padding) to sequence b's own cache and returns all rows'
+    caches, right-padded to one length."""
 
-    def __init__(self, caches: list, new: list[int]) -> None:
+    def __init__(self, caches: list, new: list[int], offsets: list[int] | None = None) -> None:
         self.caches, self.new = caches, new
+        self.offsets = offsets or [0] * len(new)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always given; the mask is 4-D
 
     def update(self, keys: Tensor, values: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """keys, values: [B, heads, Q, d] -> [B, heads, max_b(length_b + n_b), d]."""
-        rows = [cache.layers[layer_idx].update(keys[b:b + 1, :, :n], values[b:b + 1, :, :n])
-                for b, (cache, n) in enumerate(zip(self.caches, self.new))]
+        rows = [cache.layers[layer_idx].update(keys[b:b + 1, :, o:o + n], values[b:b + 1, :, o:o + n])
+                for b, (cache, n, o) in enumerate(zip(self.caches, self.new, self.offsets))]
         if len(rows) == 1:  # one sequence: its own cache, as it is (no padded copy)
             return rows[0]
         # Several: a padded copy of every row's cache, each step (a paged or slotted cache would avoid it)
@@ -139,6 +142,84 @@ def forward_batch(model: PreTrainedModel, runners: list[CachedModel], inputs: li
     return outputs
 
 
+MAX_PREFILL_TOKENS = 4096
+"""At most this many positions (rows x the longest prompt) in one shared prefill forward; a longer prompt prefills
+alone."""
+PREFILL_PADDING = 2.0
+"""A shared prefill's positions are at most this many times its prompts' tokens (similar lengths go together)."""
+
+
+def prefill_groups(prompts: list[int]) -> list[list[int]]:
+    """Indices of prompts (their lengths) that prefill together: by increasing length, a group grows while its
+    padded size (rows x the longest) stays within PREFILL_PADDING x its tokens and MAX_PREFILL_TOKENS."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for i in sorted(range(len(prompts)), key=prompts.__getitem__):
+        n = prompts[i]
+        rows = len(groups[-1]) + 1 if groups else 0
+        if groups and rows * n <= min(PREFILL_PADDING * (tokens + n), MAX_PREFILL_TOKENS):
+            groups[-1].append(i)
+            tokens += n
+        else:
+            groups.append([i])
+            tokens = n
+    return groups
+
+
+@torch.inference_mode()
+def prefill_together(model: PreTrainedModel, runners: list[CachedModel], prompts: list[Tensor],
+                     hidden_layers: tuple[int, ...] = ()) -> list[TargetOutput]:
+    """One forward of `model` over several prompts ([n_b] int64), each into runners[b]'s emptied cache -> per
+    runner what `runners[b].prefill` gives: the last prompt row's logits ([1, vocab]) and the hidden states of every
+    prompt row. The prompts are left-padded, so every row's last prompt token is the forward's last position and
+    only that position goes through the LM head; row b's padding positions see only its key 0 and are not cached."""
+    assert len(runners) == len(prompts) > 0
+    device = runners[0].device
+    new = [p.numel() for p in prompts]
+    q = max(new)
+    ids = torch.zeros(len(prompts), q, dtype=torch.long, device=device)
+    pos = torch.zeros(len(prompts), q, dtype=torch.long, device=device)
+    allowed = torch.zeros(len(prompts), q, q, dtype=torch.bool, device=device)
+    for b, (tokens, n) in enumerate(zip(prompts, new)):
+        pad = q - n
+        ids[b, pad:], pos[b, pad:] = tokens.to(device), torch.arange(n, device=device)
+        allowed[b, pad:, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        allowed[b, :pad, 0] = True
+    for runner in runners:
+        runner.clear()
+    dtype = next(model.parameters()).dtype
+    cache = BatchedKV([runner.cache for runner in runners], new, [q - n for n in new])
+    out = model(input_ids=ids, cache=cache, use_cache=True, position_ids=pos, logits_to_keep=1,
+                attention_mask=additive_mask(allowed, dtype)[:, None], output_hidden_states=bool(hidden_layers))
+    outputs = []
+    for b, n in enumerate(new):
+        hidden = torch.stack([out.hidden_states[i][b, q - n:] for i in hidden_layers]) if hidden_layers else None
+        outputs.append(TargetOutput(out.logits[b, -1:], hidden))
+    return outputs
+
+
+def measure_rows(model: PreTrainedModel, rows: tuple[int, ...] = (1, 2, 4, 8), context: int = 32,
+                 vocab: int | None = None, repeats: int = 2) -> list[tuple[int, float]]:
+    """Seconds of one `forward_batch` of one token in each of n rows (each after its own short context), for each
+    n: what a draft position costs n sequences drafting together (`draft_together`), the first points of a batch's
+    draft cost table (`sparrow.policy.batch.BatchPolicy.seed`). The fastest of `repeats` runs after a warm-up."""
+    runners = [CachedModel(model) for _ in range(max(rows))]
+    device = runners[0].device
+    ids = torch.arange(context + 1) * DUMMY_ID_STRIDE % (vocab or runners[0].vocab_size)
+    prefill_together(model, runners, [ids[:context]] * len(runners))
+    points = []
+    for n in rows:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = now(device)
+            forward_batch(model, runners[:n], [ids[context:]] * n)
+            times.append(now(device) - t0)
+            for runner in runners[:n]:
+                runner.rewind(context)
+        points.append((n, min(times[1:])))
+    return points
+
+
 MAX_SHARED_CATCH_UP = 8
 """A draft forward of more tokens than this (a draft catching up after plain steps) runs alone: in a shared
 forward every other row would be padded to its length."""
@@ -189,16 +270,39 @@ class Batch:
     def __len__(self) -> int:
         return len(self.running)
 
-    def add(self, seq: Generation) -> None:
-        """Prefill `seq` (its target cache, its drafter) and choose its first token (which may finish it)."""
-        seq.started = time.perf_counter()
-        start(seq)
-        if seq.drafter is not None and seq.drafter.length is not None:  # what its drafter learnt so far:
-            seq.acceptance = copy.deepcopy(seq.drafter.length.acceptance)  # the budget's first estimate
-        if not seq.done:
-            self.running.append(seq)
-        else:
-            seq.target.cache = None
+    def add(self, *seqs: Generation) -> None:
+        """Prefill `seqs` (their target caches, their drafters) and choose each one's first token (which may finish
+        it). Text prompts of similar lengths prefill in one shared target forward (`prefill_together`); a prompt
+        with media, or whose drafter watches the target's prefill, prefills alone."""
+        for seq in seqs:
+            seq.started = time.perf_counter()
+        shareable = [seq for seq in seqs if not seq.prompt.model_inputs
+                     and (seq.drafter is None or not seq.drafter.watches_prefill)]
+        prefilled: dict[int, tuple[TargetOutput, float]] = {}
+        for group in prefill_groups([seq.prompt.input_ids.numel() for seq in shareable]):
+            if len(group) < 2:
+                continue
+            members = [shareable[i] for i in group]
+            device = members[0].target.device
+            t0 = now(device)
+            layers = tuple(sorted({i for seq in members if seq.drafter is not None for i in seq.drafter.hidden_layers}))
+            outs = prefill_together(self.model, [seq.target for seq in members],
+                                    [seq.prompt.input_ids for seq in members], layers)
+            seconds = now(device) - t0  # each waited for the whole forward
+            for seq, out in zip(members, outs):
+                if seq.drafter is not None and layers != seq.drafter.hidden_layers:
+                    out = _select(out, layers, seq.drafter.hidden_layers)
+                prefilled[id(seq)] = out, seconds
+        for seq in seqs:
+            out, seconds = prefilled.get(id(seq), (None, 0.0))
+            start(seq, prefilled=out)  # alone where `out` is None
+            seq.prefill_seconds += seconds
+            if seq.drafter is not None and seq.drafter.length is not None:  # what its drafter learnt so far:
+                seq.acceptance = copy.deepcopy(seq.drafter.length.acceptance)  # the budget's first estimate
+            if not seq.done:
+                self.running.append(seq)
+            else:
+                seq.target.cache = None
 
     def remove(self, seq: Generation) -> None:
         """Drop a running sequence (its client went away); its cache goes with it."""
@@ -243,10 +347,15 @@ class Batch:
         self.policy.observe(sum(len(d) + 1 for d in drafts), verify_seconds, drafting,
                             max(len(d) for d in drafts), phase)
         finished = []
-        for seq, draft, out, base, seconds, allowed in zip(seqs, drafts, outs, bases, draft_seconds, masks):
+        for seq, draft, out, base, seconds, allowed, limit in zip(seqs, drafts, outs, bases, draft_seconds, masks,
+                                                                   limits):
             if seq.drafter is not None and layers and layers != seq.drafter.hidden_layers:
                 out = _select(out, layers, seq.drafter.hidden_layers)  # the layers its drafter asked for
-            finish(seq, draft, out, allowed, base, seconds, lambda: verify_seconds)  # 3.-5.: its own rule and state
+            step = finish(seq, draft, out, allowed, base, seconds, lambda: verify_seconds)  # 3.-5.: its own rule, state
+            # what a cap of this length yields: a chain that stopped short of it failed there; a tree's nodes are
+            # not draft positions
+            reach = min(len(draft), step.num_accepted + 1) if draft.is_tree else max(min(cap, limit), len(draft))
+            seq.acceptance.observe(len(draft), step.num_accepted, reach=reach)
             if seq.done:
                 finished.append(seq)
         for seq in finished:

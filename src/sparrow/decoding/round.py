@@ -49,7 +49,7 @@ class Generation:
     steps: list[StepStats] = field(default_factory=list)
     prefill_seconds: float = 0.0
     started: float = 0.0  # perf_counter when a batch took it (`Batch.add`)
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # for a batch's draft budget
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a batch's: its drafts' acceptance
     grammar: Constraint = FREE  # structured output: its own grammar state (`sparrow.grammar`)
 
     @property
@@ -61,15 +61,19 @@ class Generation:
                        GenerationStats.from_steps(self.steps, self.prefill_seconds))
 
 
-def start(gen: Generation, sync_timing: bool = True) -> None:
+def start(gen: Generation, sync_timing: bool = True, prefilled: TargetOutput | None = None) -> None:
     """0. Prefill: the target prefills the prompt (inside the drafter's `watch_prefill`), the drafter gets the
     prompt and the target's outputs, and the first token is chosen from the last prompt row (which may finish it).
-    sync_timing: as `speculative_decode`'s, for the prefill seconds."""
+    sync_timing: as `speculative_decode`'s, for the prefill seconds. prefilled: what the target's prefill gave when
+    the caller ran it (a batch prefills joining generations in one forward, `sparrow.decoding.batch.prefill_together`:
+    the target's cache holds the prompt, the drafter asks for no `watch_prefill`); its seconds are the caller's."""
     device = gen.target.device
     begin = now(device, sync_timing)
     layers = gen.drafter.hidden_layers if gen.drafter is not None else ()
-    with gen.drafter.watch_prefill(gen.target) if gen.drafter is not None else nullcontext():
-        out = gen.target.prefill(gen.prompt, layers)  # cache: prompt; from here on cache == committed[:-1]
+    out = prefilled
+    if out is None:
+        with gen.drafter.watch_prefill(gen.target) if gen.drafter is not None else nullcontext():
+            out = gen.target.prefill(gen.prompt, layers)  # cache: prompt; from here on cache == committed[:-1]
     if gen.drafter is not None:
         gen.drafter.prefill(gen.prompt, gen.target, out)
     first = S.choose(masked(out.logits[-1], gen.grammar.allowed()), gen.sampling,
@@ -101,8 +105,6 @@ def finish(gen: Generation, draft: Draft, out: TargetOutput, allowed: Tensor | N
     step = StepStats(len(draft), verdict.num_accepted, draft_seconds, verify_seconds(), tree=draft.is_tree,
                      first_branch=not draft.is_tree or on_first_branch(draft.parents, nodes))
     gen.steps.append(step)
-    if len(draft):
-        gen.acceptance.observe(len(draft), verdict.num_accepted)
     # 5. Feedback: the target's outputs for the committed rows [root, *path] and the round's timings.
     if gen.drafter is not None:
         gen.drafter.observe(draft, verdict, out.rows(torch.cat([nodes.new_zeros(1), nodes + 1])), step)

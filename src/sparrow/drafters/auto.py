@@ -198,6 +198,10 @@ class AutoDrafter(DrafterBase):
         memo.update((id(obj), obj) for obj in distinct((self._target,)))
         return copy.deepcopy(self, memo)
 
+    @property
+    def watches_prefill(self) -> bool:
+        return any(candidate.watches_prefill for candidate in self.candidates.values())
+
     @contextmanager
     def watch_prefill(self, target: CachedModel) -> Iterator[None]:
         """Every candidate's context around the target's prefill (e.g. a sparse candidate's query capture)."""

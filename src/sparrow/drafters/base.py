@@ -86,6 +86,10 @@ class Drafter(Protocol):
         """A context the engine runs the target's prefill inside (drafters that read what that forward computes,
         e.g. its queries: sparse, visual-prune); a no-op by default."""
 
+    watches_prefill: bool
+    """Whether `watch_prefill` records the target's prefill forward; a batch then prefills its request alone
+    (a shared prefill forward of several prompts is not one prompt's forward)."""
+
     enabled: bool
     """False: it drafts nothing (a layer-skip set measured to lose decodes plainly), so auto leaves it out."""
 
@@ -113,6 +117,7 @@ class DrafterBase:
     lazy_prefill: bool | None = None
     propose_steps: Callable[[Tensor, int, SamplingConfig, Randomness], DraftSteps] | None = None
     free_to_ask: bool = False
+    watches_prefill: bool = False
     grammar: Constraint = FREE
     enabled: bool = True
 

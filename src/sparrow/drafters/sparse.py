@@ -64,6 +64,7 @@ def _check_count(name: str, value: int, minimum: int) -> None:
 class SparseDrafter(DrafterBase):
     hidden_layers: tuple[int, ...] = ()  # reads no target hidden states
     name = "sparse"
+    watches_prefill = True  # its capture records the target's prefill queries
 
     def __init__(self, model: PreTrainedModel, num_draft_tokens: int = 8, adaptive: bool = False,
                  budget: int | float = DEFAULT_BUDGET, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW,

@@ -224,6 +224,7 @@ class VisualPruneDrafter(DraftModelDrafter):
     """Draft model (or the target itself) prefilled on the visual tokens the target attends to most."""
 
     name = "visual-prune"
+    watches_prefill = True  # its capture records the target's prefill queries
 
     def __init__(self, target_model: torch.nn.Module, draft_model: torch.nn.Module, num_draft_tokens: int = 8,
                  adaptive: bool = False, drop_rate: float = DEFAULT_DROP_RATE, mass: float = DEFAULT_MASS,

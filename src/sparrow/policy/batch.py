@@ -1,10 +1,12 @@
 """The draft budget of a batch step (`sparrow.decoding.batch.Batch`): how many tokens every sequence may draft.
 
 A step of B sequences that drafts k tokens each costs k draft positions of B sequences plus one verify forward of
-T = sum(k_b + 1) tokens, and commits sum E_b[tokens](k) (`sparrow.policy.estimates.expected_tokens`). The step's
-cap is the k with the most tokens per second, from each sequence's acceptance and two cost tables interpolated
-between measured steps (`CostTable`): as the batch grows the verify forward stops being memory-bound, so drafts
-get shorter, and stop where they no longer pay (`BackOff`).
+T = sum(k_b + 1) tokens, and commits sum E_b[tokens](k) (each sequence's accepted lengths as observed,
+`sparrow.policy.estimates.AcceptanceEstimate.tokens`). The step's cap is the k with the most tokens per second,
+k = 0 (a plain step: B tokens for verify(B)) included, from each sequence's acceptance and two cost tables
+interpolated between measured steps (`CostTable`), both seeded by measurements before the first step: a draft
+model's batched forward grows with its rows as the target's does with its tokens, so as the batch grows drafts get
+shorter, and stop where they no longer pay (`BackOff`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sparrow.policy.estimates import AcceptanceEstimate, BackOff, Decayed, expected_tokens
+from sparrow.policy.estimates import AcceptanceEstimate, BackOff, Decayed
 
 
 class Estimated(Protocol):
@@ -32,6 +34,7 @@ class CostTable:
 
     def __post_init__(self) -> None:
         self.bins: dict[int, Decayed] = {}  # bit length of T -> (1, T, seconds)
+        self._points: list[tuple[float, float]] | None = None  # the bins' (T, seconds) means, sorted (until an add)
 
     @property
     def known(self) -> bool:
@@ -39,9 +42,12 @@ class CostTable:
 
     def add(self, tokens: int, seconds: float) -> None:
         self.bins.setdefault(tokens.bit_length(), Decayed(self.decay, (0.0, 0.0, 0.0))).add(1.0, tokens, seconds)
+        self._points = None
 
     def __call__(self, tokens: float) -> float:
-        points = sorted((b.mean(1), b.mean(2)) for b in self.bins.values())
+        if self._points is None:
+            self._points = sorted((b.mean(1), b.mean(2)) for b in self.bins.values())
+        points = self._points
         assert points, "no observation yet"
         if len(points) == 1:
             x, y = points[0]
@@ -71,17 +77,25 @@ class BatchPolicy:
         self.verify = CostTable(self.decay)  # (tokens in the batched forward, seconds)
         self.draft = CostTable(self.decay)  # (sequences drafting, seconds per draft position)
         self.probes = BackOff(self.probe, self.max_probe)
+        self.probes.restart(self.probe)  # the first decisions stand on the seeded costs and the drafters' priors
         self._step = 0
 
-    def seed(self, points: list[tuple[int, float]]) -> None:
-        """Measured (tokens, seconds) of forwards before serving (`sparrow.policy.measure.measure_batch_cost`)."""
+    def seed(self, points: list[tuple[int, float]], draft: list[tuple[int, float]] = ()) -> None:
+        """Measured costs before serving: (tokens, seconds) of target forwards
+        (`sparrow.policy.measure.measure_batch_cost`), and (rows, seconds) of draft-model forwards of one token in
+        each of that many rows (`sparrow.decoding.batch.measure_rows`): a draft position's cost."""
         for tokens, seconds in points:
             self.verify.add(tokens, seconds)
+        for rows, seconds in draft:
+            self.draft.add(rows, seconds)
 
-    def rate(self, seqs: Sequence[Estimated], limits: list[int], k: int) -> float:
-        """Expected tokens per second of a step whose drafts are capped at k (unknown draft costs count as 0)."""
+    def rate(self, seqs: Sequence[Estimated], limits: list[int], k: int,
+             curves: list[list[float]] | None = None) -> float:
+        """Expected tokens per second of a step whose drafts are capped at k (unknown draft costs count as 0).
+        curves: each sequence's `AcceptanceEstimate.curve` up to its limit (computed here when not given)."""
         ks = [min(k, limit) for limit in limits]
-        tokens = sum(expected_tokens(seq.acceptance.value, j) for seq, j in zip(seqs, ks))
+        curves = curves or [seq.acceptance.curve(j) for seq, j in zip(seqs, ks)]
+        tokens = sum(curve[j] for curve, j in zip(curves, ks))
         drafting = sum(1 for j in ks if j)
         seconds = max(ks) * self.draft(drafting) if drafting and self.draft.known else 0.0
         return tokens / max(seconds + self.verify(sum(ks) + len(ks)), 1e-12)
@@ -93,7 +107,8 @@ class BatchPolicy:
         self._step += 1
         if top == 0 or len(seqs) < 2 or not self.adaptive or not self.verify.known:
             return top
-        rates = [self.rate(seqs, limits, k) for k in range(top + 1)]
+        curves = [seq.acceptance.curve(limit) for seq, limit in zip(seqs, limits)]
+        rates = [self.rate(seqs, limits, k, curves) for k in range(top + 1)]
         best = max(range(1, top + 1), key=rates.__getitem__)
         return best if self.probes.decide(rates[best] > rates[0], self._step) else 0
 

@@ -10,21 +10,25 @@ MIN_SPREAD = 0.25
 """Variance of the token counts (tokens^2) under which a line's slope is not identifiable."""
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens committed by a round that drafts k tokens: the accepted prefix plus the bonus token."""
+def expected_tokens(acceptance: float | AcceptanceEstimate, k: int) -> float:
+    """Tokens committed by a round that drafts k tokens: the accepted prefix plus the bonus token. A number: every
+    draft token accepted with that probability given the ones before it (geometric); an estimate: its accepted
+    lengths as observed (`AcceptanceEstimate.tokens`)."""
+    if isinstance(acceptance, AcceptanceEstimate):
+        return acceptance.tokens(k)
     return k + 1.0 if acceptance >= 1.0 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
 def tokens_per_second(
-    acceptance: float, k: int, draft: Callable[[int], float], verify: Callable[[int], float]
+    acceptance: float | AcceptanceEstimate, k: int, draft: Callable[[int], float], verify: Callable[[int], float]
 ) -> float:
     """E[tokens](k) / (draft(k) + verify(k + 1)); k = 0 is a plain decoding step (no draft cost)."""
     seconds = (draft(k) if k else 0.0) + verify(k + 1)
     return expected_tokens(acceptance, k) / max(seconds, 1e-12)
 
 
-def best_length(acceptance: float, draft: Callable[[int], float], verify: Callable[[int], float], max_tokens: int,
-                minimum: int = 1) -> int:
+def best_length(acceptance: float | AcceptanceEstimate, draft: Callable[[int], float], verify: Callable[[int], float],
+                max_tokens: int, minimum: int = 1) -> int:
     """argmax over k in minimum..max_tokens of tokens per second (the shorter on ties; 0 = plain decoding)."""
     return max(range(minimum, max_tokens + 1), key=lambda k: tokens_per_second(acceptance, k, draft, verify))
 
@@ -60,26 +64,62 @@ class Decayed:
 
 @dataclass
 class AcceptanceEstimate:
-    """Per-token acceptance from decayed accept/reject counts, starting from a prior. A round is a run of trials that
-    stops at the first rejection, so acceptance = accepted / (accepted + rejections)."""
+    """Acceptance from decayed counts, starting from a prior: one per-token rate, and the rate at each draft position.
+
+    `value`: a round is a run of trials that stops at the first rejection, so acceptance = accepted / (accepted +
+    rejections), the one rate of a geometric model. It overestimates long drafts where acceptance falls along the
+    draft or varies between rounds (a mix of easy and hard text): `tokens(k)` uses instead the rate q_i at each
+    position i, from the rounds that reached it (accepted >= i - 1 of a draft allowed i tokens or more), each pulled
+    toward `value` by `prior_rounds` rounds' weight, so that E[tokens](k) = 1 + sum_{j<=k} prod_{i<=j} q_i is the
+    geometric one until rounds were observed there."""
 
     prior: float = 0.8
     prior_rounds: float = 2.0  # weight of the prior, in rounds
     decay: float = 0.9  # per observed round, so the estimate follows the text
+    positions: int = 32  # draft positions with their own rate; beyond, `value`
 
     def __post_init__(self) -> None:
         prior = (self.prior * self.prior_rounds, (1 - self.prior) * self.prior_rounds)
         self.counts = Decayed(self.decay, prior)  # (accepted, rejected)
+        self.reached = Decayed(self.decay, (0.0,) * (2 * self.positions))  # per position: (tried, accepted)
 
     @property
     def value(self) -> float:
         accepted, rejected = self.counts.sums
         return accepted / max(accepted + rejected, 1e-12)
 
-    def observe(self, drafted: int, accepted: int, weight: float = 1.0) -> None:
-        """One round; `weight` scales the old evidence beyond the usual decay (1: none)."""
-        if drafted > 0:
-            self.counts.add(accepted, float(accepted < drafted), weight=weight)
+    def observe(self, drafted: int, accepted: int, weight: float = 1.0, reach: int | None = None) -> None:
+        """One round; `weight` scales the old evidence beyond the usual decay (1: none). reach: the draft length the
+        round was allowed (its cap; default what it drafted): a draft that stopped short of it failed there."""
+        if drafted <= 0:
+            return
+        self.counts.add(accepted, float(accepted < drafted), weight=weight)
+        reach = min(drafted if reach is None else reach, self.positions)
+        tried = [float(i < reach and accepted >= i) for i in range(self.positions)]
+        won = [float(i < reach and accepted > i) for i in range(self.positions)]
+        self.reached.add(*tried, *won, weight=weight)
+
+    def rate(self, position: int) -> float:
+        """q at a draft position (1-based): its observed rate, with `value` as a prior of `prior_rounds` rounds."""
+        return self._rates(position)[-1]
+
+    def _rates(self, n: int) -> list[float]:
+        """q at positions 1..n."""
+        prior, sums, p = self.value, self.reached.sums, self.positions
+        return [(sums[p + i] + self.prior_rounds * prior) / (sums[i] + self.prior_rounds) if i < p else prior
+                for i in range(n)]
+
+    def curve(self, n: int) -> list[float]:
+        """[E[tokens](k) for k = 0..n]: `tokens` of every draft length up to n at once."""
+        out, survive = [1.0], 1.0
+        for q in self._rates(n):
+            survive *= q
+            out.append(out[-1] + survive)
+        return out
+
+    def tokens(self, k: int) -> float:
+        """Expected tokens committed by a round allowed k draft tokens (the accepted prefix plus the bonus token)."""
+        return self.curve(k)[-1]
 
 
 @dataclass

@@ -10,7 +10,8 @@ The best length is argmax_k E[tokens](k) / (draft(k) + verify(k + 1)). Everythin
 rounds the engine measured (`StepStats`), never from a drafter's own clock:
 
 * a: decayed Bernoulli counts with a prior. A round is a run of trials that stops at the first
-  rejection, so a = accepted / (accepted + rejections);
+  rejection, so a = accepted / (accepted + rejections); E[tokens](k) itself is taken from the rate at each
+  draft position as observed, with the geometric formula above as its prior (`AcceptanceEstimate.tokens`);
 * draft(k), verify(n): decayed least-squares lines over (tokens, seconds); plain decoding's cost per
   token comes from the rounds that drafted nothing, else from the verify line at n = 1;
 * back-off (`sparrow.policy.estimates.BackOff`, every policy's rule): while drafting does not pay (k = 0 wins),
@@ -101,7 +102,7 @@ class LengthPolicy:
 
     def rate(self, k: int) -> float:
         """Expected tokens per second when drafting k tokens (k = 0: plain decoding)."""
-        return tokens_per_second(self.acceptance.value, k, self.draft, self.verify_seconds)
+        return tokens_per_second(self.acceptance, k, self.draft, self.verify_seconds)
 
     def cap(self, max_tokens: int) -> int:
         """Tokens to draft this round, at most `max_tokens` (0: a plain decoding step)."""
@@ -112,9 +113,9 @@ class LengthPolicy:
             if self.curve is None:
                 k = min(limit, self._cap)
                 if not self.backoff and self.verify.known and self.draft.known:  # (back-off applies it below)
-                    k = min(k, best_length(self.acceptance.value, self.draft, self.verify_seconds, limit))
+                    k = min(k, best_length(self.acceptance, self.draft, self.verify_seconds, limit))
             elif self.verify.known and self.draft.known:
-                k = best_length(self.acceptance.value, self.draft, self.verify_seconds, limit)
+                k = best_length(self.acceptance, self.draft, self.verify_seconds, limit)
         if self.backoff and k and self.verify.known and self.draft.known:  # else: draft, and measure
             rates = [self.rate(j) for j in range(limit + 1)]
             best = max(range(1, limit + 1), key=rates.__getitem__) if self.adaptive else k  # fixed: k or nothing
@@ -139,7 +140,8 @@ class LengthPolicy:
             self.draft.add(drafted, step.draft_seconds)
         if drafted == 0:
             return
-        self.acceptance.observe(drafted, accepted, self.probe_weight if self._probing else 1.0)
+        reach = min(drafted, accepted + 1) if step.tree else None  # a tree's nodes are not draft positions
+        self.acceptance.observe(drafted, accepted, self.probe_weight if self._probing else 1.0, reach)
         if self.adaptive and self.curve is None:
             self._cap = (
                 min(self.max_tokens, self._cap + self.grow) if accepted == drafted else max(1, self._cap - self.shrink)

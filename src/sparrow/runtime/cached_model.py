@@ -61,11 +61,7 @@ class CachedModel:
     def prefill(self, prompt: Prompt, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Reset the cache and run the prompt. Returns the logits of the last prompt row ([1, vocab]) and,
         when asked for, the hidden states of every prompt row ([len(hidden_layers), n, d])."""
-        self.cache = DynamicCache(config=self.model.config)
-        self.position_offset = 0
-        # Sliding-window layers (Gemma-3) drop states beyond the window unless they record the past, and
-        # then could not be rewound once the window is full; rewind() trims them back to the window.
-        self.cache.activate_past_recording()
+        self.clear()
         out = self.model(
             input_ids=prompt.input_ids.to(self.device)[None],
             cache=self.cache,
@@ -76,6 +72,14 @@ class CachedModel:
         )
         self.cache.crop(0)  # sliding-window layers back to their window (a no-op for full-attention layers)
         return self._output(out, hidden_layers)
+
+    def clear(self) -> None:
+        """An empty cache at position 0, which the next forward fills from the start (a prefill)."""
+        self.cache = DynamicCache(config=self.model.config)
+        self.position_offset = 0
+        # Sliding-window layers (Gemma-3) drop states beyond the window unless they record the past, and
+        # then could not be rewound once the window is full; rewind() trims them back to the window.
+        self.cache.activate_past_recording()
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,

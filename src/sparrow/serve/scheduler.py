@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparrow.decoding.batch import Batch, supports_batching
+from sparrow.decoding.batch import Batch, measure_rows, supports_batching
 from sparrow.decoding.round import Generation
 from sparrow.errors import UserError
 from sparrow.locks import holding
@@ -234,9 +234,9 @@ class Scheduler:
         """Continuous batching: between steps, jobs join (up to max_batch) and finished ones leave."""
         pipe = self.pipeline
         assert pipe is not None
-        if not self.policy.verify.known:  # the verify cost's first points, before any request waits on them
-            with holding(pipe.models()):
-                self.policy.seed(measure_batch_cost(pipe.target.model, vocab=len(pipe.tokenizer)))
+        with holding(pipe.models()):  # the costs' first points, before any request waits on them
+            self.policy.seed(measure_batch_cost(pipe.target.model, vocab=len(pipe.tokenizer))
+                             if not self.policy.verify.known else [], self._draft_costs())
         batch = Batch(pipe.target.model, self.policy)
         running: dict[int, Running] = {}  # id(generation) -> its job
         while not self._stopping.is_set():
@@ -261,40 +261,70 @@ class Scheduler:
         for run in running.values():
             pipe.release(run.generation)
 
-    def _admit(self, batch: Batch, running: dict[int, Running]) -> None:
-        """Start waiting jobs while the batch has room (waiting for one when nothing runs)."""
+    def _draft_costs(self) -> list[tuple[int, float]]:
+        """A draft position's measured seconds for 1, 2, 4, ... rows up to max_batch (the draft model's batched
+        forward grows with its rows); none without a draft model that drafts batched, or once known."""
         pipe = self.pipeline
         assert pipe is not None
-        while len(running) < self.max_batch and not self._stopping.is_set():
+        drafters = [] if pipe.drafter is None else [pipe.drafter, *pipe.drafter.candidates.values()]
+        draft = next((d.draft for d in drafters if d.draft is not None), None)
+        if draft is None or self.policy.draft.known or supports_batching(draft.model) is not None:
+            return []
+        rows = tuple(2 ** i for i in range(max(1, self.max_batch).bit_length()))  # 1, 2, 4, ... <= max_batch
+        return measure_rows(draft.model, rows, vocab=len(pipe.tokenizer))
+
+    def _admit(self, batch: Batch, running: dict[int, Running]) -> None:
+        """Start waiting jobs while the batch has room (waiting for one when nothing runs); the jobs that joined
+        since the last step prefill together (`Batch.add`)."""
+        pipe = self.pipeline
+        assert pipe is not None
+        joining: list[Running] = []
+        while len(running) + len(joining) < self.max_batch and not self._stopping.is_set():
             try:
-                job = self._queue.get(timeout=POLL_SECONDS) if not running else self._queue.get_nowait()
+                job = self._queue.get(timeout=POLL_SECONDS) if not running and not joining else self._queue.get_nowait()
             except queue.Empty:
-                return
+                break
             if job.cancelled:
                 continue
             if self.draining:  # taken from the queue just before `drain` emptied it
                 self._refuse(job)
                 continue
-            self.metrics.running.set(len(running) + 1)
+            self.metrics.running.set(len(running) + len(joining) + 1)
             run = Running(job, self)
             try:
                 ids = prompt_ids(pipe, job.work)
                 run.prompt_tokens = len(ids)
-                generation = pipe.sequence(ids, on_text=run.on_text, **options(pipe, job.work, len(ids)))
-                run.generation = generation
-                with holding(pipe.models()):
-                    batch.add(generation)  # prefill; the first token may already finish it
+                run.generation = pipe.sequence(ids, on_text=run.on_text, **options(pipe, job.work, len(ids)))
             except Exception as e:
                 self._fail(job, e)
-                if run.generation is not None:
+                self.metrics.running.set(len(running) + len(joining))
+                continue
+            joining.append(run)
+        if not joining:
+            return
+        try:
+            with holding(pipe.models()):
+                batch.add(*(run.generation for run in joining))  # prefill; a first token may already finish one
+        except Exception:  # the ones not started yet start alone: only a failing request fails
+            for run in joining:
+                if run.generation.committed.numel():  # started
+                    continue
+                try:
+                    with holding(pipe.models()):
+                        batch.add(run.generation)
+                except Exception as e:
+                    self._fail(run.job, e)
                     batch.remove(run.generation)
                     pipe.release(run.generation)
+                    run.generation = None
+        for run in joining:
+            if run.generation is None:
                 continue
-            if generation.done:
+            if run.generation.done:
                 self._finish(run)
             else:
-                running[id(generation)] = run
-            self.metrics.running.set(len(running))
+                running[id(run.generation)] = run
+        self.metrics.running.set(len(running))
 
     def _finish(self, run: Running) -> None:
         pipe = self.pipeline
