@@ -459,24 +459,34 @@ def openvino_job(target: Path, draft: Path | None, k: int | None, threads: int, 
             "threads": threads, "prompts": prompts}
 
 
-def run_openvino(python: Path, job: dict) -> list[dict]:
-    done = subprocess.run([str(python), "-c", OPENVINO_WORKER], input=json.dumps(job), capture_output=True,
-                          text=True)
+def run_worker(name: str, python: Path, script: str, job: dict, env: dict[str, str] | None = None) -> list[dict]:
+    """Run `script` under another venv's `python` with `job` on stdin; its JSON lines (a worker per configuration)."""
+    done = subprocess.run([str(python), "-c", script], input=json.dumps(job), capture_output=True, text=True,
+                          env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"the OpenVINO GenAI worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the {name} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-def openvino_row(config: str, k: int | None, out: dict, prompt: dict, eos: set[int]) -> dict:
-    tokens = [t for t in out["token_ids"] if t not in eos]  # sparrow and llama.cpp count no EOS either
-    n, seconds = len(tokens), out["generate_seconds"]
-    decode = seconds - out["ttft_seconds"]
-    return {"engine": "openvino", "config": config, "draft_max": k, "prompt_tokens": out["input_tokens"],
+def worker_row(engine: str, config: str, k: int | None, out: dict, prompt: dict, eos: set[int], seconds: float,
+               decode: float, weights: str, spec: dict | None = None) -> dict:
+    """A row of an engine run in a worker (OpenVINO, vLLM): EOS dropped as sparrow and llama.cpp count none."""
+    tokens = [t for t in out["token_ids"] if t not in eos]
+    n = len(tokens)
+    drafted, accepted = (spec["num_draft_tokens"], spec["num_accepted_draft_tokens"]) if spec else (None, None)
+    return {"engine": engine, "config": config, "draft_max": k, "prompt_tokens": out["input_tokens"],
             "prompt_tokens_hf": prompt["tokens"], "prompt_tokens_match": out["input_tokens"] == prompt["tokens"],
             "new_tokens": n, "seconds": seconds, "prefill_seconds": out["ttft_seconds"],
             "tokens_per_second": n / seconds, "decode_tokens_per_second": (n - 1) / decode if n > 1 and decode > 0
-            else None, "acceptance_rate": None, "drafted": None, "accepted": None, "mean_accepted_tokens": None,
-            "token_ids": tokens, "weights": OPENVINO_WEIGHTS}
+            else None, "acceptance_rate": accepted / drafted if drafted else None, "drafted": drafted,
+            "accepted": accepted, "mean_accepted_tokens": spec["mean_acceptance_length"] if spec else None,
+            "token_ids": tokens, "weights": weights}
+
+
+def openvino_row(config: str, k: int | None, out: dict, prompt: dict, eos: set[int]) -> dict:
+    seconds = out["generate_seconds"]
+    return worker_row("openvino", config, k, out, prompt, eos, seconds, seconds - out["ttft_seconds"],
+                      OPENVINO_WEIGHTS)
 
 
 def openvino_maker(args: argparse.Namespace) -> Callable[[str], Callable[[dict], dict]]:
@@ -493,7 +503,8 @@ def openvino_maker(args: argparse.Namespace) -> Callable[[str], Callable[[dict],
         prompts = [{"id": "warmup", "ids": ids[args.prompt_list[0]["id"]], "max_new_tokens": 8}]
         prompts += [{"id": p["id"], "ids": ids[p["id"]], "max_new_tokens": args.max_new_tokens}
                     for _ in range(args.repeats) for p in args.prompt_list]
-        outs = iter(run_openvino(python, openvino_job(target, draft if k else None, k, args.threads, prompts))[1:])
+        job = openvino_job(target, draft if k else None, k, args.threads, prompts)
+        outs = iter(run_worker("OpenVINO GenAI", python, OPENVINO_WORKER, job)[1:])
 
         def one(p: dict) -> dict:
             if p.get("warmup"):
@@ -592,26 +603,9 @@ def vllm_job(target: Path, speculative: dict | None, max_model_len: int, enforce
             "enforce_eager": enforce_eager, "prompts": prompts}
 
 
-def run_vllm(python: Path, job: dict, env: dict[str, str]) -> list[dict]:
-    done = subprocess.run([str(python), "-c", VLLM_WORKER], input=json.dumps(job), capture_output=True, text=True,
-                          env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"the vLLM worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-
-
 def vllm_row(config: str, k: int | None, out: dict, prompt: dict, eos: set[int]) -> dict:
-    tokens = [t for t in out["token_ids"] if t not in eos]  # sparrow and llama.cpp count no EOS either
-    n, seconds, decode = len(tokens), out["seconds"], out["decode_seconds"]
-    spec = out["spec"]
-    drafted, accepted = (spec["num_draft_tokens"], spec["num_accepted_draft_tokens"]) if spec else (None, None)
-    return {"engine": "vllm", "config": config, "draft_max": k, "prompt_tokens": out["input_tokens"],
-            "prompt_tokens_hf": prompt["tokens"], "prompt_tokens_match": out["input_tokens"] == prompt["tokens"],
-            "new_tokens": n, "seconds": seconds, "prefill_seconds": out["ttft_seconds"],
-            "tokens_per_second": n / seconds, "decode_tokens_per_second": (n - 1) / decode if n > 1 and decode > 0
-            else None, "acceptance_rate": accepted / drafted if drafted else None, "drafted": drafted,
-            "accepted": accepted, "mean_accepted_tokens": spec["mean_acceptance_length"] if spec else None,
-            "token_ids": tokens, "weights": "bfloat16"}
+    return worker_row("vllm", config, k, out, prompt, eos, out["seconds"], out["decode_seconds"], "bfloat16",
+                      out["spec"])
 
 
 def vllm_maker(args: argparse.Namespace) -> Callable[[str], Callable[[dict], dict]]:
@@ -630,7 +624,7 @@ def vllm_maker(args: argparse.Namespace) -> Callable[[str], Callable[[dict], dic
         prompts += [{"id": p["id"], "ids": ids[p["id"]], "max_new_tokens": args.max_new_tokens}
                     for _ in range(args.repeats) for p in args.prompt_list]
         job = vllm_job(target, vllm_speculative(method, k, draft), args.ctx, args.vllm_eager, prompts)
-        outs = iter(run_vllm(python, job, env)[1:])
+        outs = iter(run_worker("vLLM", python, VLLM_WORKER, job, env)[1:])
 
         def one(p: dict) -> dict:
             if p.get("warmup"):
