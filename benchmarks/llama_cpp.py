@@ -483,6 +483,27 @@ def worker_row(engine: str, config: str, k: int | None, out: dict, prompt: dict,
             "token_ids": tokens, "weights": weights}
 
 
+def worker_prompts(args: argparse.Namespace) -> list[dict]:
+    """A worker's job: a short warm-up on the first prompt, then every prompt `repeats` times (token ids)."""
+    ids = args.prompt_token_ids
+    prompts = [{"id": "warmup", "ids": ids[args.prompt_list[0]["id"]], "max_new_tokens": 8}]
+    return prompts + [{"id": p["id"], "ids": ids[p["id"]], "max_new_tokens": args.max_new_tokens}
+                      for _ in range(args.repeats) for p in args.prompt_list]
+
+
+def replay(outs: list[dict], row: Callable[[dict, dict], dict]) -> Callable[[dict], dict]:
+    """`timed_rows`' per-prompt call over a worker's outputs (already run, in order; the first is the warm-up's)."""
+    results = iter(outs[1:])
+
+    def one(p: dict) -> dict:
+        if p.get("warmup"):
+            return {}
+        out = next(results)
+        assert out["id"] == p["id"]
+        return row(out, p)
+    return one
+
+
 def openvino_row(config: str, k: int | None, out: dict, prompt: dict, eos: set[int]) -> dict:
     seconds = out["generate_seconds"]
     return worker_row("openvino", config, k, out, prompt, eos, seconds, seconds - out["ttft_seconds"],
@@ -499,20 +520,10 @@ def openvino_maker(args: argparse.Namespace) -> Callable[[str], Callable[[dict],
 
     def make(config: str) -> Callable[[dict], dict]:
         k = configs[config]
-        ids = args.prompt_token_ids
-        prompts = [{"id": "warmup", "ids": ids[args.prompt_list[0]["id"]], "max_new_tokens": 8}]
-        prompts += [{"id": p["id"], "ids": ids[p["id"]], "max_new_tokens": args.max_new_tokens}
-                    for _ in range(args.repeats) for p in args.prompt_list]
+        prompts = worker_prompts(args)
         job = openvino_job(target, draft if k else None, k, args.threads, prompts)
-        outs = iter(run_worker("OpenVINO GenAI", python, OPENVINO_WORKER, job)[1:])
-
-        def one(p: dict) -> dict:
-            if p.get("warmup"):
-                return {}
-            out = next(outs)
-            assert out["id"] == p["id"]
-            return openvino_row(config, k, out, p, args.eos_ids)
-        return one
+        outs = run_worker("OpenVINO GenAI", python, OPENVINO_WORKER, job)
+        return replay(outs, lambda out, p: openvino_row(config, k, out, p, args.eos_ids))
     return make
 
 
@@ -619,20 +630,10 @@ def vllm_maker(args: argparse.Namespace) -> Callable[[str], Callable[[dict], dic
 
     def make(config: str) -> Callable[[dict], dict]:
         method, k = configs[config]
-        ids = args.prompt_token_ids
-        prompts = [{"id": "warmup", "ids": ids[args.prompt_list[0]["id"]], "max_new_tokens": 8}]
-        prompts += [{"id": p["id"], "ids": ids[p["id"]], "max_new_tokens": args.max_new_tokens}
-                    for _ in range(args.repeats) for p in args.prompt_list]
+        prompts = worker_prompts(args)
         job = vllm_job(target, vllm_speculative(method, k, draft), args.ctx, args.vllm_eager, prompts)
-        outs = iter(run_worker("vLLM", python, VLLM_WORKER, job, env)[1:])
-
-        def one(p: dict) -> dict:
-            if p.get("warmup"):
-                return {}
-            out = next(outs)
-            assert out["id"] == p["id"]
-            return vllm_row(config, k, out, p, args.eos_ids)
-        return one
+        outs = run_worker("vLLM", python, VLLM_WORKER, job, env)
+        return replay(outs, lambda out, p: vllm_row(config, k, out, p, args.eos_ids))
     return make
 
 
