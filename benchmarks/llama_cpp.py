@@ -87,6 +87,11 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-int4-target+draft-int4": ({"drafter": "draft-model", "dtype": "auto", "quant": "int4",
                                         "draft_quant": "int4"}, False),
     "sparrow-int4-target+prompt-lookup": ({"drafter": "prompt-lookup", "dtype": "auto", "quant": "int4"}, False),
+    # the same with compiled static-cache steps (--compile; exact verification is off with it)
+    "sparrow-plain-int4-compiled": ({"drafter": "prompt-lookup", "dtype": "auto", "quant": "int4", "compile": True},
+                                    True),
+    "sparrow-int4-compiled+prompt-lookup": ({"drafter": "prompt-lookup", "dtype": "auto", "quant": "int4",
+                                             "compile": True}, False),
     "sparrow-draft-model-draft-w8a8": ({"drafter": "draft-model", "dtype": "auto", "draft_quant": "w8a8"}, False),
     # w8a8 targets: int8 weights and per-token int8 activations (fbgemm); float32 between the integer matmuls
     "sparrow-plain-w8a8": ({"drafter": "draft-model", "dtype": "float32", "quant": "w8a8", "draft_quant": "w8a8"},
@@ -671,11 +676,15 @@ def machine_info(threads: int, bins: Path | None, version: str) -> dict:
 
 def timed_rows(configs: Iterable[str], make: Callable[[str], Callable[[dict], dict]], prompts: list[dict],
                repeats: int, meta: dict, sink: Any) -> list[dict]:
-    """Config by config: a warm-up generation, then every prompt `repeats` times; rows are written as they come."""
+    """Config by config: a warm-up generation (of every prompt where sparrow compiles its steps, after compiling every
+    bucket at the prompt's cache capacity), then every prompt `repeats` times; rows are written as they come."""
     rows = []
     for config in configs:
         one = make(config)
-        one({**prompts[0], "warmup": True})
+        start = time.perf_counter()
+        for p in prompts if compiles(config) else prompts[:1]:  # a compiled step compiles per shape: every prompt's
+            one({**p, "warmup": True})
+        meta = {**meta, "warmup_seconds": round(time.perf_counter() - start, 1)}
         for repeat in range(repeats):
             for p in prompts:
                 row = {**meta, **one(p), "prompt_id": p["id"], "kind": p["kind"], "repeat": repeat,
@@ -721,11 +730,18 @@ def sparrow_maker(args: argparse.Namespace) -> Callable[[str], Callable[[dict], 
 
         def one(p: dict) -> dict:
             if p.get("warmup"):
+                if options.get("compile"):  # every bucket's graph at this prompt's capacity
+                    pipe.runner.warm_up(pipe.encode(p["prompt"], chat=True))
                 (pipe.generate_plain if plain else pipe.generate)(p["prompt"], max_new_tokens=8, chat=True)
                 return {}
             return sparrow_row(config, pipe, plain, p, args.max_new_tokens)
         return one
     return make
+
+
+def compiles(config: str) -> bool:
+    """Whether a configuration runs sparrow's compiled steps (`--compile`)."""
+    return bool(SPARROW_CONFIGS.get(config, ({}, False))[0].get("compile"))
 
 
 def check_configs(names: list[str], known: Iterable[str]) -> None:
@@ -855,6 +871,7 @@ def reference_config(config: str) -> str | None:
             "sparrow-draft-model-draft-int4-vocab-auto": "sparrow-plain-auto",
             "sparrow-int4-target+draft-int4": "sparrow-plain-int4",
             "sparrow-int4-target+prompt-lookup": "sparrow-plain-int4",
+            "sparrow-int4-compiled+prompt-lookup": "sparrow-plain-int4-compiled",
             "sparrow-draft-model-draft-w8a8": "sparrow-plain-auto",
             "sparrow-w8a8-target+draft-w8a8": "sparrow-plain-w8a8",
             "sparrow-w8a8-target+draft-w8a8-vocab-auto": "sparrow-plain-w8a8",

@@ -97,6 +97,23 @@ def _logits_close(a, b) -> bool:
     return torch.allclose(a.logits, b.logits, atol=1e-5, rtol=1e-5)
 
 
+def test_warm_up_compiles_before_the_generation(compiled_chain, target):
+    """After `warm_up` at a new capacity (a 300-token prompt: 1024 slots), plain decoding there compiles nothing
+    more and gives the eager path's tokens."""
+    from torch._dynamo.utils import counters
+
+    ids = torch.randint(3, target.model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(4))
+    runner = compiled_chain.runner
+    graphs = counters["stats"]["unique_graphs"]
+    runner.warm_up(Prompt(ids), largest=1)
+    assert runner.capacity == 1024 and runner.length == 0
+    assert counters["stats"]["unique_graphs"] > graphs  # the warm-up compiled the new shape
+    graphs = counters["stats"]["unique_graphs"]
+    got = compiled_chain.generate_plain(ids.tolist(), max_new_tokens=8).token_ids
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert got == Pipeline(target, None).generate_plain(ids.tolist(), max_new_tokens=8).token_ids
+
+
 def test_static_cache_rewind_and_keep_equal_dynamic(target):
     """Eager forwards on the static cache: chain, rewind, tree + keep, hidden states and growing the cache give
     the dynamic cache's logits."""

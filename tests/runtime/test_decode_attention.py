@@ -1,4 +1,4 @@
-"""Decoding-step attention (`sparrow.runtime.attention.decode`): one query row, or several under one mask, packed by KV
+"""Decoding-step attention (`sparrow.runtime.attention.decode`): one query row, or rows under one mask, packed by KV
 head gives transformers' sdpa result; everything else goes to sdpa; a switched model decodes as before, and its
 speculative output equals plain."""
 
@@ -73,24 +73,28 @@ def masks(rows: int, n: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["causal", "tree", "additive"])
-def test_masked_rows_packed_by_kv_head_equal_sdpa(dtype, kind, sdpa_calls):
-    """A verify forward: several rows, one mask for every head (causal over the cache, or a draft tree's)."""
+@pytest.mark.parametrize("rows", [1, 5])
+def test_masked_rows_packed_by_kv_head_equal_sdpa(dtype, kind, rows, sdpa_calls):
+    """A verify forward: several rows, one mask for every head (causal over the cache, or a draft tree's); or one
+    row with a mask over every slot (a step of the static cache, `sparrow.runtime.compiled`: the slots after the
+    row's own are stale and masked)."""
     module = Attention(groups=6)
-    query, key, value = qkv(5, 40, dtype)
-    mask = masks(5, 40)[kind].to(dtype) if kind == "additive" else masks(5, 40)[kind]
+    query, key, value = qkv(rows, 40, dtype)
+    mask = masks(rows, 40)[kind].to(dtype) if kind == "additive" else masks(rows, 40)[kind]
+    if rows == 1:
+        mask = mask.clone()
+        mask[..., 30:] = float("-inf") if kind == "additive" else False
     got, _ = decode_attention.attend(module, query, key, value, mask, scaling=0.2, dropout=0.0)
     assert sdpa_calls == []
     want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.2, dropout=0.0)
-    assert got.shape == want.shape == (1, 5, 12, 32)
+    assert got.shape == want.shape == (1, rows, 12, 32)
     tolerance = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {}
     torch.testing.assert_close(got, want, **tolerance)
 
 
 def test_everything_else_goes_to_sdpa(sdpa_calls):
     query, key, value = qkv(1, 9, torch.float32)
-    mask = torch.ones(1, 1, 1, 9, dtype=torch.bool)
-    cases = [(Attention(6), (query, key, value), mask, {}),  # one row with a mask (a sliding window's)
-             (Attention(6), qkv(3, 3, torch.float32), None, {"is_causal": True}),  # a prefill: causal, no mask
+    cases = [(Attention(6), qkv(3, 3, torch.float32), None, {"is_causal": True}),  # a prefill: causal, no mask
              (Attention(6), qkv(3, 9, torch.float32), masks(3, 9)["causal"].expand(1, 12, 3, 9), {}),  # per head
              (Attention(6), (query, key, value), None, {"dropout": 0.1}),  # training
              (Attention(6), (query, key, value), None, {"position_bias": torch.zeros(1, 1, 1, 9)}),

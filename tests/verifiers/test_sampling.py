@@ -14,6 +14,19 @@ def test_greedy_probs_are_one_hot_argmax():
     assert S.probs(logits, SamplingConfig()).tolist() == [[0, 1, 0], [1, 0, 0]]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_picks_what_argmax_picks_ties_and_nan_included(dtype):
+    """`greedy` (torch.max's indices, the faster reduction) is argmax: the first of tied maxima, and NaN as the
+    maximum; rows of coarse values tie often."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4000, 64, generator=g) * 2).round().to(dtype)  # integers in ~[-8, 8]: many ties per row
+    logits[7, 3] = logits[9, 60] = float("nan")
+    assert (logits == logits.max(-1, keepdim=True).values).sum(-1).gt(1).float().mean() > 0.3  # the ties are there
+    assert torch.equal(S.greedy(logits), logits.argmax(-1))
+    assert torch.equal(S.greedy(logits[5]), logits[5].argmax())  # a single row
+    assert S.greedy(logits)[7] == 3 and S.greedy(logits)[9] == 60
+
+
 def test_temperature_scales_logits():
     logits = torch.tensor([1.0, 2.0, 3.0])
     expected = torch.softmax(logits / 0.5, -1)

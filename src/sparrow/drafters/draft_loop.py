@@ -110,7 +110,7 @@ def draft_chain(request: Callable[[Tensor, int], object], first_token: Tensor, s
 def _choose(logits: Tensor, sampling: SamplingConfig, generator: Randomness, i: int, rows: list[Tensor]) -> Tensor:
     """Draft token i ([1]): the argmax, or a sample of q (appended to `rows`)."""
     if sampling.greedy:
-        return logits.argmax().reshape(1)
+        return S.greedy(logits).reshape(1)
     rows.append(S.probs(logits, sampling))
     return S.sample(rows[-1], at(generator, i)).reshape(1)
 

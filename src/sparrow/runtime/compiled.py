@@ -20,6 +20,11 @@ Compilation (`compile=True`): the step (mask, model forward, counter fix) is one
 default with `freezing`: the weights become graph constants that inductor prepacks for oneDNN's linears (it
 keeps a second, prepacked copy of the weights, and weights changed in place after a compile go unseen). Under
 CUDA graphs the outputs live in graph-owned memory that the next replay overwrites, so they are cloned.
+Every runner compiles its own copy of the step's code, and its graphs skip dynamo's guards on the model's modules
+(checking each parameter cost ~1.4 ms a step on a 1.5B): a module changed after the first compile goes unseen
+(nothing in sparrow changes one; drafters that switch the target's attention are refused with compile).
+Attention packs the query heads that share a KV head as rows of it (`sparrow.runtime.attention.decode`): a
+single query row over the whole static capacity otherwise ran ~10x slower, on copied keys.
 `compile=False` keeps the static cache with eager forwards (no compile time).
 
 Not supported: VLMs (their prefill and positions go through `sparrow.runtime.vision`) and models with
@@ -27,6 +32,9 @@ sliding-window layers (Gemma-3): a static sliding layer is a ring buffer, which 
 """
 
 from __future__ import annotations
+
+import types
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -43,10 +51,10 @@ Q_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 HEADROOM = 256
 """Slots a fresh cache leaves after the prompt (it doubles when they run out)."""
 RECOMPILE_LIMIT = 64
-"""Graphs the step function may hold: dynamo counts them per code object, which every runner shares (target
-and draft: buckets x capacities x hidden-layer choices), and its default (8) would fall back to eager. The
-first compiled runner raises the process-wide `torch._dynamo.config.recompile_limit` to this (never lowers
-it): patching it around each call instead cost milliseconds a step."""
+"""Graphs a runner's step may hold: dynamo counts them per code object (one per runner: buckets x capacities x
+hidden-layer choices), and its default (8) would fall back to eager. The first compiled runner raises the
+process-wide `torch._dynamo.config.recompile_limit` to this (never lowers it): patching it around each call
+instead cost milliseconds a step."""
 
 
 def traceable(model: PreTrainedModel) -> bool:
@@ -78,6 +86,15 @@ def windowed(config: PretrainedConfig) -> bool:
     text = config.get_text_config(decoder=True)
     layer_types = getattr(text, "layer_types", None) or []
     return any(kind != "full_attention" for kind in layer_types) or bool(getattr(text, "use_sliding_window", False))
+
+
+def _own_step(runner: StaticCachedModel) -> Callable:
+    """`runner._step` as a method of its own copy of the code: dynamo keeps its graphs per code object, so no
+    runner's graph ever serves another (their guards skip the modules, see the module doc)."""
+    step = StaticCachedModel._step
+    own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
+                             step.__closure__)
+    return types.MethodType(own, runner)
 
 
 def _bucket(n: int) -> int | None:
@@ -112,8 +129,12 @@ class StaticCachedModel(CachedModel):
         if compile:  # torch.compile takes a mode or inductor options, not both
             dynamo = torch._dynamo.config
             dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-            options = dict(options={"freezing": True}) if self.freeze and mode == "default" else dict(mode=mode)
-            self._step_fn = torch.compile(self._step, dynamic=False, fullgraph=True, **options)
+            inductor = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            if self.freeze and mode == "default":
+                inductor["freezing"] = True
+            else:
+                inductor["mode"] = mode
+            self._step_fn = torch.compile(_own_step(self), dynamic=False, fullgraph=True, options=inductor)
         self._slots: Tensor | None = None  # [capacity] int64: slot indices, for the masks
         self._pads = [torch.tensor(pad, device=self.device) for pad in range(Q_BUCKETS[-1])]  # 0-d step inputs
 
@@ -227,6 +248,20 @@ class StaticCachedModel(CachedModel):
             layer.cumulative_length.sub_(pad)
         hidden = torch.stack([out.hidden_states[i][0] for i in hidden_layers]) if hidden_layers else None
         return out.logits[0], hidden
+
+    @torch.inference_mode()
+    def warm_up(self, prompt: Prompt, hidden_layers: tuple[int, ...] = (), largest: int = Q_BUCKETS[-1]) -> None:
+        """Compile the step of every bucket up to `largest` at the capacity `prompt` allocates (each first call of a
+        shape compiles: tens of seconds on a CPU, which would otherwise fall inside a generation); the cache is left
+        empty."""
+        self.prefill(prompt)
+        start = self._length
+        for bucket in Q_BUCKETS:
+            if bucket > largest or start + bucket > self.capacity:
+                break
+            self.forward(prompt.input_ids[-1:].expand(bucket).contiguous(), hidden_layers=hidden_layers)
+            self.rewind(start)
+        self.rewind(0)
 
     # --- rollback ------------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from sparrow import tree
 from sparrow.config import SamplingConfig
+from sparrow.sampling import greedy
 from sparrow.types import Draft, Verdict
 
 
@@ -29,7 +30,7 @@ class GreedyVerifier:
     ) -> Verdict:
         n = len(draft)
         assert target_logits.ndim == 2 and target_logits.shape[0] == n + 1, (tuple(target_logits.shape), n)
-        choice = target_logits.argmax(-1)  # [n + 1]: the target's token after each row
+        choice = greedy(target_logits)  # [n + 1]: the target's token after each row
         if draft.parents is None:
             return verify_chain(draft.tokens.to(choice.device), choice)
         return verify_tree(draft.tokens.to(choice.device), draft.parents.to(choice.device), choice)
