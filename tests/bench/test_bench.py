@@ -321,3 +321,23 @@ def test_pyproject_ships_the_question_set_as_package_data():
     patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["sparrow"]
     for name in ("question.jsonl", "LICENSE", "NOTICE"):
         assert any(fnmatch(f"bench/spec_bench/{name}", p) for p in patterns), name
+
+
+def test_bench_refuses_what_the_models_configs_rule_out_before_loading(data, tmp_path, monkeypatch):
+    """As `sparrow generate` does (`check_models`): sparse drafting on a target with sliding-window layers is refused
+    from its config.json alone, in one line, and no model loads."""
+    from transformers import Gemma3TextConfig
+
+    target = tmp_path / "windowed"
+    Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=16, sliding_window=8).save_pretrained(target)
+
+    def no_loading(config, progress=True):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(sparrow.bench.command, "load_models", no_loading)
+    result = CliRunner().invoke(app, ["bench", "--target", str(target), "--methods", "sparse", "--data", str(data),
+                                      "--out", str(tmp_path / "out"), "--no-progress", "--dtype", "float32"])
+    assert result.exit_code != 0 and "a model was loaded" not in result.output
+    assert "drafter 'sparse' needs a target whose layers all use full attention" in result.output
+    assert "Traceback" not in result.output

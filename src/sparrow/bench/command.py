@@ -13,6 +13,7 @@ from sparrow.bench.methods import needs_cross_draft, needs_draft, parse_methods
 from sparrow.bench.report import write_report
 from sparrow.bench.runner import BenchConfig, Models, Runner
 from sparrow.drafters.registry import REGISTRY, check_drafter_args, check_quant_args, takers
+from sparrow.drafters.requirements import check_models
 from sparrow.errors import UserError
 from sparrow.heads.layout import find_head
 from sparrow.models import load_model, resolve_device, resolve_dtype
@@ -75,6 +76,10 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
     if quant is not None:  # raises for a method that needs an unquantized target
         for name in method_list:
             check_quant_args(name if name in REGISTRY else "none", quant, None, False)
+    for name in (m for m in method_list if m in REGISTRY):  # what the models' config.json rules out, as sparrow.load
+        options = {**(drafter_options or {}).get(name, {}), **({"head": head} if name in headed else {})}
+        drafting = cross_draft if needs_cross_draft(name) else draft if needs_draft(name) else None
+        check_models(name, options, target, drafting, device=device, quant=quant, draft_quant=draft_quant)
     config = BenchConfig(target=target, draft=draft if any(map(needs_draft, method_list)) else None,
                          cross_draft=cross_draft if any(map(needs_cross_draft, method_list)) else None, dtype=dtype,
                          k=k, adaptive=adaptive, max_new_tokens=max_new_tokens, turns=2 if all_turns else 1,
