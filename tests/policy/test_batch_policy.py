@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from conftest import tiny_model
 
+from sparrow.decoding.batch import measure_rows
 from sparrow.policy.batch import BatchPolicy, CostTable
 from sparrow.policy.estimates import AcceptanceEstimate
-from sparrow.policy.measure import measure_batch_cost
 
 
 class Seq:
@@ -97,11 +97,25 @@ def test_cost_table_interpolates_decayed_bin_means():
     assert table(16) == 0.4 and table(32) > 0.4  # the last segment's slope beyond the last bin
 
 
-def test_measure_batch_cost_times_the_lengths_that_fit():
-    """The seed of a served batch's verify table: one timed forward per length that fits the context."""
-    model = tiny_model("llama", seed=0)  # a 1024-token context
-    points = measure_batch_cost(model, tokens=(1, 16, 1000), context=32)
-    assert [n for n, _ in points] == [1, 16] and all(seconds > 0 for _, seconds in points)
+def test_a_served_batch_seeds_its_verify_table_with_batched_steps():
+    """The seed of a served batch's verify table (`Scheduler._verify_costs`): one-token forwards of 1, 2, 4 rows."""
+    model = tiny_model("llama", seed=0)
+    points = measure_rows(model, (1, 2, 4), context=32)
+    assert [n for n, _ in points] == [1, 2, 4] and all(seconds > 0 for _, seconds in points)
     policy = BatchPolicy()
     policy.seed(points)
     assert policy.verify.known
+
+
+def test_no_probe_where_even_whole_drafts_would_not_pay():
+    """32 sequences on a compute-bound target: verifying 2 tokens each costs more than twice a plain step, so no
+    acceptance could make drafting pay, and the policy never probes (a probe costs a drafting step and the drafts'
+    catch-up); with four sequences whole drafts would pay, and a batch accepting nothing still probes."""
+    policy = BatchPolicy()
+    policy.seed([(1, 0.25), (32, 1.0), (64, 2.2), (256, 9.0)], [(1, 0.02), (32, 0.2)])
+    many = [Seq(0.0)] * 32
+    assert not policy.could_pay(many, [8] * 32, policy.rate(many, [8] * 32, 0))
+    assert [policy.cap(many, [8] * 32) for _ in range(40)] == [0] * 40
+    few = [Seq(0.0)] * 4
+    assert policy.could_pay(few, [8] * 4, policy.rate(few, [8] * 4, 0))
+    assert any(policy.cap(few, [8] * 4) for _ in range(40))

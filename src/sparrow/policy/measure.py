@@ -1,5 +1,5 @@
-"""Measuring what a forward costs (the only policy code that runs a model): cost curves over draft lengths, and the
-first points of a batch's verify cost table."""
+"""Measuring what a forward costs (the only policy code that runs a model): cost curves over draft lengths (a batch's
+step costs are measured by `sparrow.decoding.batch.measure_rows`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import statistics
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from sparrow.policy.estimates import CostCurve
 from sparrow.runtime.cached_model import CachedModel
@@ -85,24 +84,3 @@ def follow_cost_curve(drafter: Drafter | None, target: CachedModel) -> None:
     policy, draft = drafter.length, drafter.draft
     if policy is not None and policy.adaptive and policy.curve is None and isinstance(draft, CachedModel):
         policy.follow(measure_cost_curve(target, policy.max_tokens, draft))
-
-
-def measure_batch_cost(model: PreTrainedModel, tokens: tuple[int, ...] = (1, 16, 64), context: int = 32,
-                       vocab: int | None = None) -> list[tuple[int, float]]:
-    """Seconds of one forward of n tokens after a short context, for each n (the first points of a batch's verify
-    cost table, `sparrow.policy.batch.BatchPolicy.seed`)."""
-    runner = CachedModel(model)
-    vocab = vocab or runner.vocab_size
-    limit = runner.context_length or 10 ** 9
-    ids = torch.arange(context + max(tokens)) * DUMMY_ID_STRIDE % vocab
-    points = []
-    for n in tokens:
-        if context + n >= limit:
-            continue
-        runner.prefill(Prompt(ids[:context]))
-        runner.forward(ids[context:context + n])  # warm-up
-        runner.rewind(context)
-        start = now(runner.device)
-        runner.forward(ids[context:context + n])
-        points.append((n, now(runner.device) - start))
-    return points

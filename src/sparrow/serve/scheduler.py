@@ -35,7 +35,6 @@ from sparrow.errors import UserError
 from sparrow.locks import holding
 from sparrow.pipeline import Pipeline
 from sparrow.policy.batch import BatchPolicy
-from sparrow.policy.measure import measure_batch_cost
 from sparrow.serve.metrics import Metrics
 from sparrow.text import clean_text
 from sparrow.types import GenerationResult
@@ -235,8 +234,7 @@ class Scheduler:
         pipe = self.pipeline
         assert pipe is not None
         with holding(pipe.models()):  # the costs' first points, before any request waits on them
-            self.policy.seed(measure_batch_cost(pipe.target.model, vocab=len(pipe.tokenizer))
-                             if not self.policy.verify.known else [], self._draft_costs())
+            self.policy.seed(self._verify_costs(), self._draft_costs())
         batch = Batch(pipe.target.model, self.policy)
         running: dict[int, Running] = {}  # id(generation) -> its job
         while not self._stopping.is_set():
@@ -261,6 +259,18 @@ class Scheduler:
         for run in running.values():
             pipe.release(run.generation)
 
+    def _rows(self) -> tuple[int, ...]:
+        """The batch sizes whose steps are timed before serving: 1, 2, 4, ... <= max_batch."""
+        return tuple(2 ** i for i in range(max(1, self.max_batch).bit_length()))
+
+    def _verify_costs(self) -> list[tuple[int, float]]:
+        """A plain batch step's measured seconds for 1, 2, 4, ... rows up to max_batch (once)."""
+        pipe = self.pipeline
+        assert pipe is not None
+        if self.policy.verify.known:
+            return []
+        return measure_rows(pipe.target.model, self._rows(), vocab=len(pipe.tokenizer))
+
     def _draft_costs(self) -> list[tuple[int, float]]:
         """A draft position's measured seconds for 1, 2, 4, ... rows up to max_batch (the draft model's batched
         forward grows with its rows); none without a draft model that drafts batched, or once known."""
@@ -270,8 +280,7 @@ class Scheduler:
         draft = next((d.draft for d in drafters if d.draft is not None), None)
         if draft is None or self.policy.draft.known or supports_batching(draft.model) is not None:
             return []
-        rows = tuple(2 ** i for i in range(max(1, self.max_batch).bit_length()))  # 1, 2, 4, ... <= max_batch
-        return measure_rows(draft.model, rows, vocab=len(pipe.tokenizer))
+        return measure_rows(draft.model, self._rows(), vocab=len(pipe.tokenizer))
 
     def _admit(self, batch: Batch, running: dict[int, Running]) -> None:
         """Start waiting jobs while the batch has room (waiting for one when nothing runs); the jobs that joined
