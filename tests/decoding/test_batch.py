@@ -336,3 +336,33 @@ def test_score_batch_rows_equal_single_forwards(pair):
         alone = gen.target.forward(torch.cat([gen.committed[-1:], draft.tokens]))
         torch.testing.assert_close(out.logits, alone.logits, rtol=1e-4, atol=1e-4)
     assert Counter(len(d) for d in drafts)  # drafts of whatever lengths the drafter chose
+
+
+def test_a_probe_drafts_only_with_drafts_nearly_in_step():
+    """`probe_limits`: drafts within MAX_SHARED_CATCH_UP tokens keep their limit, the rest sit the probe out; when
+    every draft is far behind, the least behind one probes alone; sequences with no drafter or no limit stay at 0."""
+    from types import SimpleNamespace
+
+    from sparrow.decoding.batch import MAX_SHARED_CATCH_UP, probe_limits
+
+    def seq(lag):
+        drafter = None if lag is None else SimpleNamespace(behind=lambda committed, lag=lag: lag)
+        return SimpleNamespace(drafter=drafter, committed=torch.zeros(3))
+
+    near, far = MAX_SHARED_CATCH_UP, MAX_SHARED_CATCH_UP + 1
+    assert probe_limits([seq(1), seq(far), seq(near), seq(None)], [5, 5, 5, 0]) == [5, 0, 5, 0]
+    assert probe_limits([seq(300), seq(far), seq(200)], [5, 4, 5]) == [0, 4, 0]
+    assert probe_limits([seq(None), seq(2)], [3, 0]) == [0, 0]
+
+
+def test_a_lazy_draft_is_far_behind_until_it_drafts(pair):
+    """`DraftModelDrafter.behind`: a draft not prefilled yet lags by the whole committed text; right after a draft,
+    by what that round committed at most."""
+    pipe = Pipeline(pair[0], SPECS["draft-model"].build(pair, 4, False, {}))
+    gen = pipe.sequence(PROMPTS[0], max_new_tokens=8)
+    batch = Batch(pipe.target.model, BatchPolicy(adaptive=False))
+    batch.add(gen)
+    assert gen.drafter.behind(gen.committed) == gen.committed.numel()
+    batch.step()
+    assert 0 <= gen.drafter.behind(gen.committed) <= 5
+    pipe.release(gen)

@@ -38,8 +38,12 @@ def test_the_draft_cap_shrinks_as_the_batch_grows():
 def test_a_batch_that_stops_drafting_probes_now_and_then():
     """Nothing accepted: plain steps, but a probe every few steps (the interval doubling while it loses)."""
     policy = cpu_like_policy()
-    caps = [policy.cap([Seq(0.0)] * 4, [8] * 4) for _ in range(40)]
+    caps, probing = [], []
+    for _ in range(40):
+        caps.append(policy.cap([Seq(0.0)] * 4, [8] * 4))
+        probing.append(policy.probing)  # what the batch reads to probe only with drafts in step
     probes = [i for i, k in enumerate(caps) if k]
+    assert probing == [bool(k) for k in caps]
     assert caps.count(0) >= 34 and 2 <= len(probes) <= 5, caps
     assert all(b - a >= 4 for a, b in zip(probes, probes[1:]))
     assert probes[2] - probes[1] > probes[1] - probes[0]

@@ -259,6 +259,19 @@ def draft_together(steps: dict[int, DraftSteps]) -> dict[int, Draft]:
     return drafts
 
 
+def probe_limits(seqs: list[Generation], limits: list[int]) -> list[int]:
+    """The draft limits of a probe step: only sequences whose draft is within MAX_SHARED_CATCH_UP tokens of their
+    committed text draft (a draft that sat out many plain steps, or never prefilled, would first feed them all: at
+    32 streams a probe of every sequence took 3.4 s, the lazy prefills of 32 drafts, for one step's acceptance); if
+    none is, the least behind one alone."""
+    behind = [seq.drafter.behind(seq.committed) if seq.drafter is not None and limit else None
+              for seq, limit in zip(seqs, limits)]
+    near = [lag is not None and lag <= MAX_SHARED_CATCH_UP for lag in behind]
+    if not any(near) and any(lag is not None for lag in behind):
+        near[min((lag, b) for b, lag in enumerate(behind) if lag is not None)[1]] = True
+    return [limit if ok else 0 for limit, ok in zip(limits, near)]
+
+
 class Batch:
     """Running sequences that share target forwards; they join (`add`) and leave (`step`, `remove`) between steps."""
 
@@ -319,9 +332,11 @@ class Batch:
         t0 = now(device)
         limits = [seq.stopper.remaining - 1 if seq.drafter is not None else 0 for seq in seqs]
         cap = self.policy.cap(seqs, limits)
+        # a probe measures acceptance: not worth a long draft catch-up
+        allowed = probe_limits(seqs, limits) if self.policy.probing else limits
         proposed: dict[int, Draft] = {}
         together: dict[int, DraftSteps] = {}  # drafters that can share their draft forwards (draft models)
-        for b, (seq, limit) in enumerate(zip(seqs, limits)):  # 1. draft: each its own state, forwards shared
+        for b, (seq, limit) in enumerate(zip(seqs, allowed)):  # 1. draft: each its own state, forwards shared
             budget = min(cap, limit)
             noise = at(seq.generator, seq.committed.numel())
             if seq.drafter is None or budget == 0:

@@ -82,6 +82,10 @@ class Drafter(Protocol):
         """Feed the tokens committed while another drafter drafted (auto switching to this one) in one forward;
         a no-op for drafters without a draft model cache."""
 
+    def behind(self, committed: Tensor) -> int:
+        """Committed tokens its draft model would feed before its next draft (a lazy prompt prefill, the rounds it
+        sat out); 0 without a draft model cache. A batch probes only with drafts nearly in step."""
+
     def watch_prefill(self, target: CachedModel) -> AbstractContextManager:
         """A context the engine runs the target's prefill inside (drafters that read what that forward computes,
         e.g. its queries: sparse, visual-prune); a no-op by default."""
@@ -123,6 +127,9 @@ class DrafterBase:
 
     def catch_up(self, committed: Tensor) -> None:
         pass
+
+    def behind(self, committed: Tensor) -> int:
+        return 0
 
     def watch_prefill(self, target: CachedModel) -> AbstractContextManager:
         return nullcontext()

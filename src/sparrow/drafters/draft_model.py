@@ -104,6 +104,11 @@ class DraftModelDrafter(DrafterBase):
         self.draft.forward(committed[valid:-1])
         self._cached = committed[:-1]
 
+    def behind(self, committed: Tensor) -> int:
+        if self._prompt is not None:  # not prefilled yet: the prompt and every token since
+            return committed.numel()
+        return committed.numel() - 1 - self._valid(committed.to(self.draft.device))
+
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: Randomness) -> Draft:
         return drive(self.propose_steps(committed, max_tokens, sampling, generator), Forward.run)

@@ -79,6 +79,7 @@ class BatchPolicy:
         self.probes = BackOff(self.probe, self.max_probe)
         self.probes.restart(self.probe)  # the first decisions stand on the seeded costs and the drafters' priors
         self._step = 0
+        self.probing = False  # whether the last cap was a probe (drafting that does not pay)
 
     def seed(self, points: list[tuple[int, float]], draft: list[tuple[int, float]] = ()) -> None:
         """Measured costs before serving: (tokens, seconds) of batched target forwards of one token in each of that
@@ -103,9 +104,11 @@ class BatchPolicy:
 
     def cap(self, seqs: Sequence[Estimated], limits: list[int]) -> int:
         """Tokens each sequence may draft this step (each also at most its own limit). A sequence alone follows
-        its drafter's own policy, which already weighs its draft and verify costs."""
+        its drafter's own policy, which already weighs its draft and verify costs. `probing` says afterwards
+        whether the cap is a probe."""
         top = max(limits, default=0)
         self._step += 1
+        self.probing = False
         if top == 0 or len(seqs) < 2 or not self.adaptive or not self.verify.known:
             return top
         curves = [seq.acceptance.curve(limit) for seq, limit in zip(seqs, limits)]
@@ -114,7 +117,9 @@ class BatchPolicy:
         pays = rates[best] > rates[0]
         if not pays and not self.could_pay(seqs, limits, rates[0]):
             return 0  # no probe: not even drafts accepted whole would pay at these costs
-        return best if self.probes.decide(pays, self._step) else 0
+        use = self.probes.decide(pays, self._step)
+        self.probing = self.probes.probing
+        return best if use else 0
 
     def could_pay(self, seqs: Sequence[Estimated], limits: list[int], plain: float) -> bool:
         """Whether some cap would beat `plain` tokens per second if every draft were accepted whole. Where none
