@@ -136,7 +136,7 @@ class StaticCachedModel(CachedModel):
     def _compiled(self, one_row: bool) -> Callable:
         """The step, compiled: with CUDA graphs a torch.compile mode (which takes no inductor options); else
         inductor's options: freezing, no guards on the modules, and for one-row steps (every plain token, every
-        draft step) a C++ wrapper around the graph's kernels (-2 ms a step on a 1.5B, Zen 5; compiling takes ~3x
+        draft step) a C++ wrapper around the graph's kernels (~1 ms less a step on an int4 1.5B, Zen 5; compiling ~3x
         as long, so the verify buckets keep the Python wrapper)."""
         step = _own_step(self)
         if self.mode != "default":
