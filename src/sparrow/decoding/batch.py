@@ -260,8 +260,8 @@ def draft_together(steps: dict[int, DraftSteps]) -> dict[int, Draft]:
 
 
 def probe_limits(seqs: list[Generation], limits: list[int]) -> list[int]:
-    """The draft limits of a probe step: only sequences whose draft is within MAX_SHARED_CATCH_UP tokens of their
-    committed text draft (a draft that sat out many plain steps, or never prefilled, would first feed them all: at
+    """The draft limits of a probe step: only sequences whose draft lags at most MAX_SHARED_CATCH_UP tokens behind
+    their committed text draft (a draft that sat out many plain steps, or never prefilled, would first feed them: at
     32 streams a probe of every sequence took 3.4 s, the lazy prefills of 32 drafts, for one step's acceptance); if
     none is, the least behind one alone."""
     behind = [seq.drafter.behind(seq.committed) if seq.drafter is not None and limit else None

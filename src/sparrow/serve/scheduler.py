@@ -35,7 +35,6 @@ from sparrow.errors import UserError
 from sparrow.locks import holding
 from sparrow.pipeline import Pipeline
 from sparrow.policy.batch import BatchPolicy
-from sparrow.runtime.cached_model import CachedModel
 from sparrow.serve.metrics import Metrics
 from sparrow.text import clean_text
 from sparrow.types import GenerationResult
@@ -272,20 +271,16 @@ class Scheduler:
             return []
         return measure_rows(pipe.target.model, self._rows(), vocab=len(pipe.tokenizer))
 
-    def _draft(self) -> CachedModel | None:
-        """The runner of the draft model the pipeline drafts with (auto: its candidates'), or None."""
-        pipe = self.pipeline
-        assert pipe is not None
-        drafters = [] if pipe.drafter is None else [pipe.drafter, *pipe.drafter.candidates.values()]
-        return next((d.draft for d in drafters if d.draft is not None), None)
-
     def _draft_costs(self) -> list[tuple[int, float]]:
         """A draft position's measured seconds for 1, 2, 4, ... rows up to max_batch (the draft model's batched
         forward grows with its rows); none without a draft model that drafts batched, or once known."""
-        draft = self._draft()
+        pipe = self.pipeline
+        assert pipe is not None
+        drafters = [] if pipe.drafter is None else [pipe.drafter, *pipe.drafter.candidates.values()]
+        draft = next((d.draft for d in drafters if d.draft is not None), None)
         if draft is None or self.policy.draft.known or supports_batching(draft.model) is not None:
             return []
-        return measure_rows(draft.model, self._rows(), vocab=len(self.pipeline.tokenizer))
+        return measure_rows(draft.model, self._rows(), vocab=len(pipe.tokenizer))
 
     def _admit(self, batch: Batch, running: dict[int, Running]) -> None:
         """Start waiting jobs while the batch has room (waiting for one when nothing runs); the jobs that joined
