@@ -114,13 +114,17 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     target = load_model(args.target, dtype=args.dtype, progress=False)
-    pipes = {m: sparrow.load(target, drafter="none" if m == "plain" else m, draft=None) for m in METHODS}
+    prefix = args.prefix_cache
+    pipes = {m: sparrow.load(target, drafter="none" if m == "plain" else m, draft=None, prefix_cache=prefix)
+             for m in METHODS}
     for name, options in json.loads(args.variants).items():  # e.g. {"suffix-f2": {"max_spec_factor": 2.0}}
-        pipes[name] = sparrow.load(target, drafter="suffix", draft=None, **options)
+        options = {"drafter": "suffix", **options}  # another drafter: {"lookup-k24": {"drafter": "prompt-lookup", ...}}
+        pipes[name] = sparrow.load(target, draft=None, prefix_cache=prefix, **options)
     if args.baseline:
         from sparrow.pipeline import Pipeline
 
-        pipes[f"suffix@{args.baseline}"] = Pipeline(target, suffix_at(args.baseline).build(target, None, 16, True))
+        pipes[f"suffix@{args.baseline}"] = Pipeline(target, suffix_at(args.baseline).build(target, None, 16, True),
+                                                    prefix_cache=prefix)
     pipes["plain"].generate_plain("Hello", max_new_tokens=4)  # warm-up
     rows = []
     previous: dict[str, str] = {}
@@ -136,7 +140,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             rows.append({"request": i, "kind": request.kind, "method": method, "new_tokens": result.new_tokens,
                          "seconds": result.seconds, "tokens_per_second": result.tokens_per_second,
                          "mean_accepted_tokens": result.stats.mean_accepted_tokens if method != "plain" else None,
-                         "identical": result.token_ids == plain_ids, "repeat": args.repeat})
+                         "identical": result.token_ids == plain_ids, "repeat": args.repeat,
+                         "prefill_seconds": result.stats.prefill_seconds, "prefix_cache": prefix,
+                         "reused_prompt_tokens": pipe.runner.reused})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -215,8 +221,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--variants", default="{}", help='More suffix pipelines: {"name": {options}}.')
+    parser.add_argument("--variants", default="{}",
+                        help='More pipelines: {"name": {options}} (suffix unless the options name a "drafter").')
     parser.add_argument("--baseline", default=None, help="Also run the suffix drafter as committed at this git ref.")
+    parser.add_argument("--prefix-cache", type=int, default=0,
+                        help="Every pipeline keeps the KV of this many tokens of earlier requests (0: off).")
     parser.add_argument("--repeat", type=int, default=0, help="Recorded in the rows (to tell runs apart).")
     parser.add_argument("--out", type=Path, default=None, help="Append the rows (JSONL) here.")
     parser.add_argument("--summary", type=Path, default=None, help="Only print the table of these JSONL rows.")

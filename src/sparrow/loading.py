@@ -33,6 +33,7 @@ from sparrow.models.quantization import (
 from sparrow.pipeline import Pipeline
 from sparrow.policy.measure import follow_cost_curve
 from sparrow.runtime.batch_invariant import exact_copy, source
+from sparrow.runtime.prefix_cache import PrefixCache
 from sparrow.runtime.runner import runner_for
 from sparrow.speculative_config import given_arguments, merged
 
@@ -68,7 +69,7 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
          adaptive: bool = True, verifier: str = "auto", dtype: str = "auto", device: str | None = None,
          progress: bool = True, quant: str | None = None, draft_quant: str | None = None, compile: bool = False,
          speculative_config: Mapping[str, Any] | str | None = None, exact: bool | None = None,
-         **drafter_options) -> Pipeline:
+         prefix_cache: int = 0, **drafter_options) -> Pipeline:
     """Load a target (and a draft model when the drafter needs or uses one) and build a Pipeline.
 
     draft: preset, path or hub id, a LoadedModel, None (no draft), or "default" (qwen2.5-coder-0.5b for
@@ -88,12 +89,17 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     exact: batch-invariant verification (`sparrow.runtime.batch_invariant`): each verify row computed as plain decoding
     computes it, so greedy output equals plain decoding token for token in any dtype; None (default): on for a
     quantized target (quant=), off otherwise and with compile (torch.compile traces its own kernels).
+    prefix_cache: keep the target's KV of up to this many tokens of earlier requests (LRU), so that a prompt that
+    begins like one of them prefills only the rest (vLLM's automatic prefix caching; `sparrow.runtime.prefix_cache`);
+    0 (default): off. A dynamic-cache text target only, with a drafter that reads no target hidden states.
     """
     drafter, draft, num_draft_tokens, drafter_options = with_speculative_config(
         speculative_config, drafter, draft, num_draft_tokens, drafter_options)
     if not isinstance(compile, bool):
         raise UserError(f"compile must be True or False, got {compile!r}")
     resolve_exact(exact, compile)  # refuses exact with compile before any model loads
+    if prefix_cache:  # its value, before any model loads
+        PrefixCache(prefix_cache)
     check_compile(drafter, compile)
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
                                      device, dtype)
@@ -109,7 +115,7 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     target = _quantized(target, quant)
     draft = _quantized(draft, draft_quant, keep_dense=True) if draft is not None else None
     return _build(target, drafter, draft, num_draft_tokens, adaptive, verifier,
-                  _quantized_run(quant, draft_quant, draft), drafter_options, compile, exact)
+                  _quantized_run(quant, draft_quant, draft), drafter_options, compile, exact, prefix_cache)
 
 
 def resolve_exact(exact: bool | None, compiled: bool = False, quant: str | None = None) -> bool:
@@ -156,14 +162,14 @@ def _quantized_run(quant: str | None, draft_quant: str | None, draft: LoadedMode
 
 def _build(target: LoadedModel, drafter: str, draft: LoadedModel | None, num_draft_tokens: int | None,
            adaptive: bool, verifier: str, quantized: bool, drafter_options: dict[str, Any],
-           compiled: bool = False, exact: bool = False) -> Pipeline:
+           compiled: bool = False, exact: bool = False, prefix_cache: int = 0) -> Pipeline:
     """A Pipeline from loaded (and already quantized) models; exact: over the target's batch-invariant copy."""
     if exact:
         target = replace(target, model=exact_copy(target.model))
     built = build_drafter(drafter, target, draft, num_draft_tokens, adaptive, **drafter_options)
     if quantized:  # quantized kernels: k follows the measured cost curve
         follow_cost_curve(built, runner_for(target.model))
-    return Pipeline(target, built, verifier, compiled)
+    return Pipeline(target, built, verifier, compiled, prefix_cache)
 
 
 class PipelineCache:

@@ -44,6 +44,7 @@ from sparrow.noise import PositionalNoise
 from sparrow.runtime.batch_invariant import is_exact
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.compiled import traceable
+from sparrow.runtime.prefix_cache import PrefixCache
 from sparrow.runtime.runner import runner_for
 from sparrow.stopping import OnText, Stopper
 from sparrow.text import clean_text
@@ -69,12 +70,22 @@ class Pipeline:
     """A target, its runner (and KV cache) and a drafter. Safe to share between threads: see the module doc."""
 
     def __init__(self, target: LoadedModel, drafter: Drafter | None, verifier: str = "auto",
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, prefix_cache: int = 0) -> None:
         """compiled: the target, and a draft-model / quantized-self drafter's draft, run on a static KV cache
-        with torch.compile'd steps (`sparrow.runtime.compiled`); one generation at a time (no `sequence`)."""
+        with torch.compile'd steps (`sparrow.runtime.compiled`); one generation at a time (no `sequence`).
+        prefix_cache: keep the target's KV of up to this many tokens of earlier requests, so that a prompt that
+        begins like one of them prefills only the rest (`sparrow.runtime.prefix_cache`; 0: off)."""
         self.target = target
         self.compiled = compiled
         self.runner = runner_for(target.model, compiled)
+        if prefix_cache:
+            if type(self.runner) is not CachedModel:
+                raise UserError("prefix_cache applies to a text model's dynamic KV cache: not with compile=True "
+                                "(--compile) or a vision-language target")
+            if drafter is not None and (drafter.hidden_layers or drafter.watches_prefill):
+                raise UserError(f"prefix_cache does not combine with the {drafter.name!r} drafter: it reads what the "
+                                "target computes over the whole prompt, which a prefix-cached prefill skips")
+            self.runner.prefix_cache = PrefixCache(prefix_cache)
         if compiled:
             _compile_draft_runner(drafter)
         self.drafter = drafter
@@ -192,6 +203,7 @@ class Pipeline:
                 self.runner.cache = None
                 raise
             seconds = time.perf_counter() - start
+            self.runner.hold(gen.prompt.input_ids.tolist() + decoded.token_ids[:-1])  # the cache: committed[:-1]
             return GenerationResult(token_ids=decoded.token_ids, text=gen.stopper.text(),
                                     finish_reason=decoded.finish_reason, seconds=seconds, stats=decoded.stats)
 

@@ -20,15 +20,20 @@ short (a pattern of m tokens continues at most depth - m tokens) goes on from th
 plus the chain, within the same `max_spec_factor x m`. The candidate with the highest score (the sum of its
 nodes' path probabilities: the expected accepted tokens) is drafted.
 
-Whether to draft it at all (adaptive mode): the counts tell what followed a pattern, not how far to trust a
-short one, so each match length (1, 2, 3, >= 4 tokens) keeps its own acceptance estimate, and a round drafts the
-chain length with the most expected tokens per second under it and the measured draft and verify costs:
+How far to draft (adaptive mode): the counts tell what followed a pattern, not how far to trust a short one, so
+sparrow keeps the acceptance of a draft token by the length of the pattern it continues (`MatchRates`; 1, 2, 3,
+4-5, 6-8, 9-15, >= 16 tokens): a draft from an m-token match whose first j tokens were accepted continues a match
+of m + j tokens. The chain is then followed past Arctic's `max_spec_factor x m` allowance, up to the round cap,
+and a round drafts the length with the most expected tokens per second under those rates and the measured draft
+and verify costs:
 
-    n* = argmax_{0 <= n <= len(chain)} E[tokens](a_m, n) / (draft(n) + verify(n + 1))
+    n* = argmax_{0 <= n <= len(chain)} (1 + sum_{i<=n} prod_{j<i} q(m + j)) / (draft(n) + verify(n + 1))
 
-(n* = 0: a plain step). Where a wider verify forward is not free (float32 on a CPU), short matches that the
-target mostly rejects stop costing verify width; a match length judged not to pay is drafted again as a probe
-after a doubling interval, since its estimate goes stale.
+(n* = 0: a plain step). So where a wider verify forward is not free (float32 on a CPU), short matches that the
+target mostly rejects (new text) stop costing verify width, while a short match inside a copy (an edited word,
+then the copy resumes) drafts the long continuation at once, as prompt lookup would, once long matches have
+proved reliable. A match length judged not to pay drafts again as a probe (Arctic's allowance) after a doubling
+interval, since its estimate goes stale.
 
 Drafts are deterministic functions of the committed tokens and the store, so the rejection verifier applies
 the q = 1 rule to them (lossless at any temperature).
@@ -37,7 +42,9 @@ the q = 1 rule to them (lossless at any temperature).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, replace
+from bisect import bisect_right
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Sequence
 
@@ -50,18 +57,50 @@ from sparrow.drafters.suffix_tree import StoreLimits, SuffixStore, SuffixTrie, m
 from sparrow.drafters.tree_draft import TreeShape, resolve_shape
 from sparrow.errors import UserError
 from sparrow.noise import Randomness
-from sparrow.policy.estimates import AcceptanceEstimate, BackOff, best_length
+from sparrow.policy.estimates import BackOff, Decayed, best_length
 from sparrow.policy.length import LengthPolicy
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
-MATCH_BUCKETS = 4
-"""Matches of 1, 2, 3 and >= 4 tokens keep their own acceptance estimates: whether a continuation repeats depends
-mostly on how much context matched (one earlier occurrence of a single token says little; of a 4-token pattern,
-much), which the counts alone do not tell."""
+MATCH_BOUNDS = (1, 2, 3, 4, 6, 9, 16)
+"""The match lengths from which each acceptance rate of `MatchRates` counts (1, 2, 3, 4-5, 6-8, 9-15, >= 16)."""
 PROBE_WEIGHT = 0.2
 """Weight left to a match length's old acceptance evidence when it is drafted again as a probe."""
+
+
+@dataclass
+class MatchRates:
+    """P(a draft token is accepted | the draft tokens before it were), by the length of the pattern it continues.
+
+    Whether a continuation repeats depends mostly on how much context matched (one earlier occurrence of a single
+    token says little; of a 9-token pattern, much), which the counts alone do not tell. A draft from an m-token
+    match whose first j tokens were accepted continues a match of m + j tokens, so every draft position is a
+    trial of its own length's rate. Each rate: decayed (trials, accepted) from a prior of `prior_trials` trials at
+    1 - 1 / (length + 1) (longer matches continue more often)."""
+
+    decay: float = 0.9  # per trial
+    prior_trials: float = 2.0
+    counts: list[Decayed] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.counts = [Decayed(self.decay, (self.prior_trials, self.prior_trials * (1 - 1 / (length + 1))))
+                       for length in MATCH_BOUNDS]
+
+    @staticmethod
+    def bucket(m: int) -> int:
+        """The rate an m-token match counts in (m >= 1)."""
+        return bisect_right(MATCH_BOUNDS, m) - 1
+
+    def rates(self, m: int, n: int) -> list[float]:
+        """The rate at each of the n positions of a draft from an m-token match."""
+        return [self.counts[self.bucket(m + j)].mean() for j in range(n)]
+
+    def observe(self, m: int, drafted: int, accepted: int, weight: float = 1.0) -> None:
+        """One round's draft from an m-token match: position j was tried if the j before it were accepted. `weight`
+        scales the old evidence of the match's own length (a probe's fresh trial stands against a stale estimate)."""
+        for j in range(min(accepted + 1, drafted)):
+            self.counts[self.bucket(m + j)].add(1.0, float(j < accepted), weight=weight if j == 0 else 1.0)
 
 
 @dataclass(frozen=True)
@@ -99,6 +138,7 @@ class Candidate:
     score: float  # sum of the nodes' path probabilities: expected accepted tokens under the counts
     first: int  # length of the most probable path (the chain the length policy follows)
     match: int = 0  # length of the matched pattern
+    allowance: int = 0  # Arctic's depth for it: max_spec_factor x match (within the round's cap)
 
 
 def speculate(trie: SuffixTrie, node: int, max_depth: int, min_prob: float, budget: int, topk: int) -> Candidate:
@@ -162,13 +202,12 @@ class SuffixDrafter(DrafterBase):
         self._seq = -1  # this request's sequence in the store
         self._synced = 0  # committed tokens already in the request's own trie
         self._first = 0  # the most probable path's length in the last draft
-        self._acceptance = [AcceptanceEstimate(decay=self.length.decay) for _ in range(MATCH_BUCKETS)]
-        self._probes = [BackOff(self.length.probe_interval, self.length.max_probe_interval)
-                        for _ in range(MATCH_BUCKETS)]
+        self._rates = MatchRates(decay=self.length.decay)
+        self._probes = [BackOff(self.length.probe_interval, self.length.max_probe_interval) for _ in MATCH_BOUNDS]
         for probes in self._probes:  # a bucket just measured not to pay needs no probe at once
             probes.restart(probes.start)
         self._round = 0
-        self._last: tuple[list[int], int, bool] | None = None  # the last draft: tokens, match bucket, a probe
+        self._last: tuple[list[int], int, bool] | None = None  # the last draft: tokens, match length, a probe
 
     def shared(self) -> tuple[object, ...]:
         """The store over outputs: one per served model, shared by every fork."""
@@ -205,15 +244,14 @@ class SuffixDrafter(DrafterBase):
         best = self._best(context, k, max_tokens)
         if best is None or not best.tokens:
             return Draft.empty(committed.device)
-        bucket = min(best.match, MATCH_BUCKETS) - 1
-        size, probe = self._worth(bucket, best.first)
+        size, probe = self._worth(best)
         if size == 0:
             return Draft.empty(committed.device)
         self._first = min(best.first, size)
         if self.tree is None:
-            self._last = (best.tokens[:size], bucket, probe)
+            self._last = (best.tokens[:size], best.match, probe)
             return Draft(tokens=torch.tensor(best.tokens[:size], dtype=torch.long, device=committed.device))
-        self._last = (best.tokens, bucket, probe)
+        self._last = (best.tokens, best.match, probe)
         tokens = torch.tensor(best.tokens, dtype=torch.long, device=committed.device)
         return Draft(tokens=tokens, parents=torch.tensor(best.parents, dtype=torch.long, device=committed.device))
 
@@ -236,50 +274,62 @@ class SuffixDrafter(DrafterBase):
         return replace(chain, tokens=tokens, parents=list(range(-1, len(tokens) - 1)), probs=probs,
                        score=sum(probs), first=len(tokens))
 
-    def _worth(self, bucket: int, size: int) -> tuple[int, bool]:
-        """(tokens worth drafting of a `size`-token chain from a match in `bucket`, whether it is a probe): the
-        length with the most expected tokens per second under the bucket's measured acceptance and the measured
-        draft and verify costs; 0 where a plain step is faster. A bucket judged not to pay is drafted again as a
-        probe after `probe_interval` rounds, the interval doubling while it keeps losing (its estimate is stale).
-        All `size` tokens with a fixed length (`adaptive` off) and while the costs are unmeasured."""
-        length = self.length
+    def _worth(self, best: Candidate) -> tuple[int, bool]:
+        """(tokens worth drafting of the chain `best`, whether it is a probe): the length with the most expected
+        tokens per second under the rates of its match length (`MatchRates`) and the measured draft and verify
+        costs; 0 where a plain step is faster. A match length judged not to pay drafts again as a probe, within
+        Arctic's allowance, after `probe_interval` rounds, the interval doubling while it keeps losing (its
+        estimate is stale). All of it (within the allowance) with a fixed length (`adaptive` off) and while the
+        costs are unmeasured."""
+        length, size = self.length, best.first
         if not length.adaptive or not (length.verify.known and length.draft.known):
-            return size, False
-        acceptance = self._acceptance[bucket].value
-        n = best_length(acceptance, length.draft, length.verify_seconds, size, minimum=0)
-        if self._probes[bucket].decide(n > 0, self._round):
-            return (n, False) if n else (size, True)
+            return min(size, best.allowance), False
+        rates = self._rates.rates(best.match, size)
+        n = best_length(rates, length.draft, length.verify_seconds, size, minimum=0)
+        if self._probes[MatchRates.bucket(best.match)].decide(n > 0, self._round):
+            return (n, False) if n else (min(size, best.allowance), True)
         return 0, False
 
     def _best(self, context: Sequence[int], k: int, max_tokens: int) -> Candidate | None:
-        """The highest-scoring candidate over both tries and every matched pattern length."""
+        """The highest-scoring candidate over both tries and every matched pattern length, each `max_spec_factor x m`
+        deep (Arctic's rule); with measured costs (adaptive), the chosen chain then goes on up to the round cap `k`
+        for `_worth` to cut (see the module's docstring)."""
         c = self.config
         if self.tree is None:
             budget, topk, depth_cap = k, 1, k
         else:
             budget, topk, depth_cap = min(self.tree.budget, max_tokens), self.tree.topk, min(k, self.tree.depth)
         best: Candidate | None = None
+        source = None
         sources = [(self._local, None)]
         if self.store.enabled:
             sources.append((self.store.trie, self.store.locked()))
         for trie, lock in sources:
-            if lock is not None:
-                lock.acquire()
-            try:
+            with lock if lock is not None else nullcontext():
                 for m, node in matches(trie, context):
                     depth = min(depth_cap, int(c.max_spec_factor * m))
                     if depth < 1 or (best is not None and best.score >= (depth if topk == 1 else budget)):
                         continue  # cannot beat the best (a score is at most its node count)
                     nodes = depth if topk == 1 else budget  # a chain: its depth
-                    candidate = speculate(trie, node, depth, c.min_token_prob, nodes, topk)
-                    if topk == 1 and len(candidate.tokens) < depth and m + len(candidate.tokens) == trie.depth:
-                        candidate = self._continue(trie, context, candidate, depth)
+                    candidate = self._speculate(trie, context, node, m, depth, nodes, topk)
                     if best is None or candidate.score > best.score:
-                        best = replace(candidate, match=m)
-            finally:
-                if lock is not None:
-                    lock.release()
+                        best, source = replace(candidate, match=m, allowance=depth), (trie, lock, node)
+        length = self.length
+        extend = self.tree is None and length.adaptive and length.verify.known and length.draft.known
+        if best is not None and extend and best.first == best.allowance < depth_cap:
+            trie, lock, node = source
+            with lock if lock is not None else nullcontext():
+                longer = self._speculate(trie, context, node, best.match, depth_cap, depth_cap, 1)
+            best = replace(longer, match=best.match, allowance=best.allowance)
         return best
+
+    def _speculate(self, trie: SuffixTrie, context: Sequence[int], node: int, m: int, depth: int, nodes: int,
+                   topk: int) -> Candidate:
+        """`speculate` below the m-token pattern's `node`; a chain the trie's depth cut short goes on (`_continue`)."""
+        candidate = speculate(trie, node, depth, self.config.min_token_prob, nodes, topk)
+        if topk == 1 and len(candidate.tokens) < depth and m + len(candidate.tokens) == trie.depth:
+            candidate = self._continue(trie, context, candidate, depth)
+        return candidate
 
     def observe(self, draft: Draft, verdict: Verdict, out: TargetOutput | None = None,
                 step: StepStats | None = None) -> None:
@@ -289,9 +339,9 @@ class SuffixDrafter(DrafterBase):
             self.length.observe(replace(step, num_draft_tokens=self._first,
                                         num_accepted=min(verdict.num_accepted, self._first)))
         if self._last is not None and self._last[0] == draft.tokens.tolist():  # not an older draft (auto's shadows)
-            _, bucket, probe = self._last
-            drafted, weight = self._first, PROBE_WEIGHT if probe else 1.0
-            self._acceptance[bucket].observe(drafted, min(verdict.num_accepted, drafted), weight)
+            _, match, probe = self._last
+            drafted = self._first
+            self._rates.observe(match, drafted, min(verdict.num_accepted, drafted), PROBE_WEIGHT if probe else 1.0)
             self._last = None
 
 

@@ -3,31 +3,40 @@ estimate of acceptance and cost is made of, and the one back-off rule (`BackOff`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 MIN_SPREAD = 0.25
 """Variance of the token counts (tokens^2) under which a line's slope is not identifiable."""
 
 
-def expected_tokens(acceptance: float | AcceptanceEstimate, k: int) -> float:
+Acceptance = "float | AcceptanceEstimate | Sequence[float]"
+
+
+def expected_tokens(acceptance: Acceptance, k: int) -> float:
     """Tokens committed by a round that drafts k tokens: the accepted prefix plus the bonus token. A number: every
     draft token accepted with that probability given the ones before it (geometric); an estimate: its accepted
-    lengths as observed (`AcceptanceEstimate.tokens`)."""
+    lengths as observed (`AcceptanceEstimate.tokens`); a sequence: the rate at each draft position (1 + sum_j prod_i
+    q_i, as `AcceptanceEstimate.curve`), at least k of them."""
     if isinstance(acceptance, AcceptanceEstimate):
         return acceptance.tokens(k)
+    if isinstance(acceptance, Sequence):
+        total, survive = 1.0, 1.0
+        for q in acceptance[:k]:
+            survive *= q
+            total += survive
+        return total
     return k + 1.0 if acceptance >= 1.0 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
-def tokens_per_second(
-    acceptance: float | AcceptanceEstimate, k: int, draft: Callable[[int], float], verify: Callable[[int], float]
-) -> float:
+def tokens_per_second(acceptance: Acceptance, k: int, draft: Callable[[int], float],
+                      verify: Callable[[int], float]) -> float:
     """E[tokens](k) / (draft(k) + verify(k + 1)); k = 0 is a plain decoding step (no draft cost)."""
     seconds = (draft(k) if k else 0.0) + verify(k + 1)
     return expected_tokens(acceptance, k) / max(seconds, 1e-12)
 
 
-def best_length(acceptance: float | AcceptanceEstimate, draft: Callable[[int], float], verify: Callable[[int], float],
+def best_length(acceptance: Acceptance, draft: Callable[[int], float], verify: Callable[[int], float],
                 max_tokens: int, minimum: int = 1) -> int:
     """argmax over k in minimum..max_tokens of tokens per second (the shorter on ties; 0 = plain decoding)."""
     return max(range(minimum, max_tokens + 1), key=lambda k: tokens_per_second(acceptance, k, draft, verify))

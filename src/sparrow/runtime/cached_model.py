@@ -16,6 +16,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from sparrow.runtime.prefix_cache import PrefixCache
 from sparrow.types import Prompt, TargetOutput
 
 
@@ -37,6 +38,12 @@ class CachedModel:
         self.position_offset = 0
         """Model position = cache index + position_offset for tokens fed after the prefill. 0 unless a drafter
         removed prompt entries from this cache whose positions later tokens must keep (drafters/draft_kv.py)."""
+        self.prefix_cache: PrefixCache | None = None
+        """Earlier sequences' caches to prefill from (`sparrow.runtime.prefix_cache`; None: every prefill is whole)."""
+        self.held: list[int] = []
+        """Token ids whose KV the cache holds at positions 0.. (the prompt after a prefill; `hold` extends it)."""
+        self.reused = 0
+        """Prompt tokens the last prefill took from the prefix cache."""
 
     @property
     def vocab_size(self) -> int:
@@ -61,9 +68,16 @@ class CachedModel:
     def prefill(self, prompt: Prompt, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Reset the cache and run the prompt. Returns the logits of the last prompt row ([1, vocab]) and,
         when asked for, the hidden states of every prompt row ([len(hidden_layers), n, d])."""
-        self.clear()
+        ids = prompt.input_ids.tolist()
+        taken = self._take(ids) if self._reusable(prompt, hidden_layers) else None
+        if taken is None:
+            self.clear()
+            start = 0
+        else:
+            self.cache, start = taken
+            self.position_offset = 0
         out = self.model(
-            input_ids=prompt.input_ids.to(self.device)[None],
+            input_ids=prompt.input_ids[start:].to(self.device)[None],
             cache=self.cache,
             use_cache=True,
             logits_to_keep=1,
@@ -71,15 +85,43 @@ class CachedModel:
             **prompt.model_inputs,
         )
         self.cache.crop(0)  # sliding-window layers back to their window (a no-op for full-attention layers)
+        self.held, self.reused = ids, start
         return self._output(out, hidden_layers)
+
+    def _reusable(self, prompt: Prompt, hidden_layers: tuple[int, ...]) -> bool:
+        """Whether this prefill may start from a kept prefix: a text prompt whose rows' hidden states nobody asked
+        for, on a model without sliding-window layers (their caches cannot be cropped back into the window)."""
+        layer_types = getattr(self.config, "layer_types", None) or []
+        return (self.prefix_cache is not None and not hidden_layers and not prompt.model_inputs
+                and "sliding_attention" not in layer_types)
+
+    def _take(self, ids: list[int]) -> tuple[DynamicCache, int] | None:
+        """Park the current cache (what `held` says it holds) in the prefix cache; take the best one for `ids`."""
+        if self.cache is not None and self.position_offset == 0:
+            held = self.held[:self.length]
+            self.rewind(len(held))
+            self.prefix_cache.park(held, self.cache)
+        self.cache, self.held = None, []
+        return self.prefix_cache.take(ids, self._empty)
+
+    def hold(self, ids: list[int]) -> None:
+        """The cache holds the KV of `ids` (a finished generation's committed tokens but the last), as far as its
+        length goes: what the next prefill parks in the prefix cache."""
+        if self.held == ids[:len(self.held)]:
+            self.held = ids[:self.length]
 
     def clear(self) -> None:
         """An empty cache at position 0, which the next forward fills from the start (a prefill)."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self._empty()
         self.position_offset = 0
+        self.held = []
+
+    def _empty(self) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
         # Sliding-window layers (Gemma-3) drop states beyond the window unless they record the past, and
         # then could not be rewound once the window is full; rewind() trims them back to the window.
-        self.cache.activate_past_recording()
+        cache.activate_past_recording()
+        return cache
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,

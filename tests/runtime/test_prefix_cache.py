@@ -1,0 +1,136 @@
+"""Prefix caching: a prompt that begins like an earlier request's prompt and output prefills only the rest, and the
+output is the one a whole prefill gives, for plain decoding and for every model-free drafter (float32, greedy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import sparrow
+from sparrow.drafters import build_drafter
+from sparrow.drafters.base import DrafterBase
+from sparrow.errors import UserError
+from sparrow.pipeline import Pipeline
+from sparrow.runtime.prefix_cache import MIN_REUSE, PrefixCache
+
+SYSTEM = "You are a careful agent. The tools are read, search and edit; answer with one call. " * 2
+TURNS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of France. Paris is"]
+
+
+def _cache(n: int, seed: int = 0) -> DynamicCache:
+    """A 2-layer cache of n positions (keys and values [1, 2 heads, n, 4])."""
+    g = torch.Generator().manual_seed(seed)
+    cache = DynamicCache()
+    for layer in range(2):
+        cache.update(torch.randn(1, 2, n, 4, generator=g), torch.randn(1, 2, n, 4, generator=g), layer)
+    return cache
+
+
+def test_take_finds_the_longest_shared_prefix_and_the_entries_stay_within_their_bound():
+    cache = PrefixCache(max_tokens=100)
+    a, b = list(range(40)), list(range(30)) + [99] * 10
+    cache.park(a, _cache(40, seed=1))
+    cache.park(b, _cache(40, seed=2))
+    assert cache.tokens == 80
+    original = cache.entries[tuple(a)].layers[1].keys.clone()
+    taken, shared = cache.take(list(range(35)) + [7, 7], DynamicCache)
+    assert shared == 35 and taken.get_seq_length() == 35  # a (35 shared) over b (30): a copy of what is shared
+    torch.testing.assert_close(taken.layers[1].keys, original[..., :35, :], rtol=0, atol=0)
+    taken.layers[1].keys.zero_()
+    assert torch.equal(cache.entries[tuple(a)].layers[1].keys, original)  # the entry stays, untouched
+    assert cache.take(list(range(MIN_REUSE - 1)) + [500], DynamicCache) is None  # too little shared
+    whole, shared = cache.take(b + [5, 6], DynamicCache)
+    assert shared == len(b) and tuple(b) not in cache.entries  # extended whole: the entry itself, taken over
+    _, shared = cache.take(a, DynamicCache)
+    assert shared == len(a) - 1  # the last prompt row is always computed (its logits)
+    for i in range(5):
+        cache.park([i] * 30, _cache(30))
+    assert cache.tokens <= 100 and list(cache.entries)[-1] == (4,) * 30  # oldest evicted first
+    cache.park([1] * (MIN_REUSE - 1), _cache(MIN_REUSE - 1))
+    assert (1,) * (MIN_REUSE - 1) not in cache.entries
+
+
+@pytest.mark.parametrize("bad", [0, -5, True, "1000", 2.5])
+def test_bad_sizes_are_refused(bad):
+    with pytest.raises(UserError, match="prefix_cache"):
+        PrefixCache(bad)
+
+
+@pytest.mark.parametrize("drafter", [None, "suffix", "prompt-lookup"])
+def test_multi_turn_output_equals_whole_prefills_and_reuses_the_earlier_turns(loaded_target, one_thread, drafter):
+    """Each turn's prompt is the conversation so far (earlier prompts and answers) plus a new message: with the
+    prefix cache it prefills only the new message, and its output is the output of a pipeline without one."""
+    def pipeline(prefix_cache: int) -> Pipeline:
+        built = build_drafter(drafter, loaded_target, None, 8) if drafter else None
+        return Pipeline(loaded_target, built, prefix_cache=prefix_cache)
+
+    cached, whole = pipeline(4096), pipeline(0)
+    conversation, accepted, before = SYSTEM, 0, 0
+    for i, turn in enumerate(TURNS):
+        conversation += turn
+        results = []
+        for pipe in (cached, whole):
+            run = pipe.generate if drafter else pipe.generate_plain
+            results.append(run(conversation, max_new_tokens=24))
+        assert results[0].token_ids == results[1].token_ids, (i, drafter)
+        prompt_tokens = cached.encode(conversation).input_ids.numel()
+        if i:  # at least the last prompt came from the cache (and the answer, as far as its text tokenizes alike)
+            assert before - 2 <= cached.runner.reused < prompt_tokens
+        assert whole.runner.reused == 0
+        accepted += results[0].stats.num_accepted_tokens if drafter else 0
+        conversation += results[0].text + " "
+        before = prompt_tokens
+    assert drafter is None or accepted > 0
+
+
+def test_a_request_after_another_prefix_takes_the_best_entry(loaded_target, one_thread):
+    """Two alternating conversations: each turn finds its own conversation's entry, not the most recent one."""
+    pipe, whole = (Pipeline(loaded_target, None, prefix_cache=prefix) for prefix in (4096, 0))
+    conversations = [SYSTEM + "Alpha. ", "Other system text, long enough to be kept as an entry of its own. "]
+    before = [0, 0]  # each conversation's previous prompt length
+    for turn in TURNS:
+        for c in range(2):
+            conversations[c] += turn
+            got, want = (p.generate_plain(conversations[c], max_new_tokens=12) for p in (pipe, whole))
+            assert got.token_ids == want.token_ids
+            assert pipe.runner.reused >= before[c] - 2  # its own conversation's entry, though the other ran last
+            before[c] = len(pipe.encode(conversations[c]).input_ids)
+            conversations[c] += got.text
+    assert min(before) > 3 * MIN_REUSE
+
+
+def test_a_failed_generation_leaves_nothing_stale(loaded_target, one_thread):
+    """A generation stopped mid-way (an error in a callback) drops the cache; the next request prefills whole."""
+    pipe, whole = (Pipeline(loaded_target, build_drafter("suffix", loaded_target, None, 8), prefix_cache=p)
+                   for p in (4096, 0))
+
+    def fail(_text: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pipe.generate(SYSTEM + TURNS[0], max_new_tokens=24, on_text=fail)
+    got = pipe.generate(SYSTEM + TURNS[0], max_new_tokens=24)
+    assert pipe.runner.reused == 0 and got.token_ids == whole.generate(SYSTEM + TURNS[0], max_new_tokens=24).token_ids
+
+
+def test_what_cannot_use_it_is_refused(loaded_target):
+    class ReadsHiddenStates(DrafterBase):  # as EAGLE's heads do, over every prompt row
+        name, hidden_layers = "head", (1,)
+
+    for drafter in (build_drafter("sparse", loaded_target, None, 4), ReadsHiddenStates()):
+        with pytest.raises(UserError, match="prefix_cache does not combine"):
+            Pipeline(loaded_target, drafter, prefix_cache=1024)
+    with pytest.raises(UserError, match="not with compile"):
+        Pipeline(loaded_target, None, compiled=True, prefix_cache=1024)
+    with pytest.raises(UserError, match="prefix_cache must be"):
+        sparrow.load("no-such-model", drafter="suffix", prefix_cache=-1)
+
+
+def test_it_keeps_no_more_than_its_bound(loaded_target, one_thread):
+    pipe = Pipeline(loaded_target, None, prefix_cache=64)
+    for i in range(6):
+        pipe.generate_plain(f"{SYSTEM} request {i}", max_new_tokens=8)
+    cache = pipe.runner.prefix_cache
+    assert cache.tokens <= 64 and all(isinstance(k, tuple) for k in cache.entries)
+    assert all(c.get_seq_length() == len(k) for k, c in cache.entries.items())
