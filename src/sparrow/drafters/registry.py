@@ -82,7 +82,7 @@ REGISTRY: dict[str, DrafterEntry] = {
         default_draft="qwen2.5-coder-0.5b",
     ),
     "prompt-lookup": DrafterEntry("sparrow.drafters.prompt_lookup:build", default_num_draft_tokens=16),
-    "suffix": DrafterEntry("sparrow.drafters.suffix:build", default_num_draft_tokens=16),
+    "suffix": DrafterEntry("sparrow.drafters.suffix:build", default_num_draft_tokens=None),  # max_tree_depth
     "quantized-self": DrafterEntry(
         "sparrow.drafters.quantized_self:build_quantized_self", default_num_draft_tokens=8, quantized_copy=True,
         dense_target="it drafts with a quantized copy of it; drop --quant, or use --drafter draft-model with "

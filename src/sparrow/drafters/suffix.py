@@ -345,12 +345,14 @@ class SuffixDrafter(DrafterBase):
             self._last = None
 
 
-def build(target, draft: None, num_draft_tokens: int, adaptive: bool, tree_budget: int | str = 0, tree_topk: int = 4,
-          tree_depth: int = 8, backoff: bool | None = None, max_tree_depth: int = 24, max_spec_factor: float = 1.0,
-          min_token_prob: float = 0.1, max_cached_requests: int = 10000,
+def build(target, draft: None, num_draft_tokens: int | None, adaptive: bool, tree_budget: int | str = 0,
+          tree_topk: int = 4, tree_depth: int = 8, backoff: bool | None = None, max_tree_depth: int = 24,
+          max_spec_factor: float = 1.0, min_token_prob: float = 0.1, max_cached_requests: int = 10000,
           max_cached_tokens: int = 100_000) -> SuffixDrafter:
     """Registry builder for "suffix"; `tree_budget` > 0 drafts trees ("auto": sized from the target's measured
-    verify cost curve)."""
+    verify cost curve). num_draft_tokens None: max_tree_depth, as vLLM (the adaptive length drafts less where
+    that does not pay)."""
     config = SuffixConfig(max_tree_depth, max_spec_factor, min_token_prob, max_cached_requests, max_cached_tokens)
+    num_draft_tokens = max_tree_depth if num_draft_tokens is None else num_draft_tokens
     tree = resolve_shape(tree_budget, tree_topk, tree_depth, runner_for(target.model))
     return SuffixDrafter(num_draft_tokens, adaptive=adaptive, config=config, tree=tree, backoff=backoff)
