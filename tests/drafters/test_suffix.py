@@ -10,7 +10,7 @@ from sparrow import sampling as S
 from sparrow.config import SamplingConfig
 from sparrow.decoding.batch import Batch
 from sparrow.drafters import build_drafter
-from sparrow.drafters.suffix import SuffixConfig, SuffixDrafter, speculate
+from sparrow.drafters.suffix import MATCH_BOUNDS, MatchRates, SuffixConfig, SuffixDrafter, speculate
 from sparrow.drafters.suffix_tree import StoreLimits, SuffixStore, SuffixTrie, matches
 from sparrow.errors import UserError
 from sparrow.pipeline import Pipeline
@@ -98,6 +98,43 @@ def test_a_match_length_whose_drafts_do_not_pay_drafts_nothing_but_probes():
     long = torch.tensor([5, 9, 50, 51, 52, 53, 6, 7, 5, 9, 50, 51])  # "5 9 50 51" matched: 4 tokens
     drafter.prefill(Prompt(long))
     assert drafter.propose(long, 16, SamplingConfig(), torch.Generator()).tokens.tolist()[:2] == [52, 53]
+
+
+def _measured(drafter: SuffixDrafter) -> SuffixDrafter:
+    """Costs of a float32 CPU (as above): a 2-token verify costs 1.7 plain steps, 13 tokens 2."""
+    for _ in range(3):
+        drafter.length.observe(StepStats(0, 0, 0.0, 0.08))
+        for n, seconds in ((2, 0.135), (4, 0.14), (8, 0.155), (12, 0.16)):
+            drafter.length.observe(StepStats(n, n, 1e-4 * n, seconds))
+    return drafter
+
+
+def test_match_rates_count_each_draft_position_at_the_length_it_continues():
+    rates = MatchRates(prior=0.5, prior_trials=2.0, decay=1.0)
+    rates.observe(1, drafted=6, accepted=2)  # lengths 1 and 2 accepted, 3 rejected, 4.. never tried
+    assert rates.rates(1, 4) == pytest.approx([2 / 3, 2 / 3, 1 / 3, 0.5])
+    rates.observe(9, drafted=3, accepted=3)  # a draft accepted whole: its positions 9, 10, 11, no rejection
+    assert rates.rates(9, 1) == pytest.approx([(1 + 3) / (2 + 3)])
+    assert MatchRates.bucket(1) == 0 and MatchRates.bucket(5) == 3 and MatchRates.bucket(100) == len(MATCH_BOUNDS) - 1
+
+
+def test_a_short_match_inside_a_copy_drafts_the_long_continuation():
+    """An edited word, then the copy resumes: the context's last token matches once (m = 1, Arctic's allowance 1
+    token). Where long matches have proved reliable, the chain goes on to the round cap; where they have not (new
+    text), the same match drafts nothing."""
+    source = list(range(100, 140))
+    context = torch.tensor([*source, 7, *source[:10], 99, source[11]])  # the copy, then an edit at source[10]
+    drafted = {}
+    for reliable in (True, False):
+        drafter = _measured(SuffixDrafter(16, adaptive=True, config=SuffixConfig(max_cached_requests=0)))
+        for accepted in (0, 0, 1, 0):  # 1-token matches: a quarter of their first tokens accepted
+            drafter._rates.observe(1, drafted=1, accepted=accepted)
+            drafter._rates.observe(2, drafted=14, accepted=14 if reliable else 0)  # copies from 2-token matches
+        drafter.prefill(Prompt(context))
+        drafted[reliable] = drafter.propose(context, 16, SamplingConfig(), torch.Generator()).tokens.tolist()
+    long = drafted[True]
+    assert len(long) >= 12 and long == source[12:12 + len(long)]  # the copy, from a 1-token match
+    assert drafted[False] == []
 
 
 def test_store_is_shared_by_forks_and_bounded_by_fifo_eviction():
