@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+COMMIT = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                        text=True).stdout.strip()
 METHODS = ("plain", "prompt-lookup", "suffix")
 
 
@@ -140,7 +142,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             rows.append({"request": i, "kind": request.kind, "method": method, "new_tokens": result.new_tokens,
                          "seconds": result.seconds, "tokens_per_second": result.tokens_per_second,
                          "mean_accepted_tokens": result.stats.mean_accepted_tokens if method != "plain" else None,
-                         "identical": result.token_ids == plain_ids, "repeat": args.repeat,
+                         "identical": result.token_ids == plain_ids, "repeat": args.repeat, "run": args.run,
+                         "target": args.target, "commit": COMMIT,
                          "prefill_seconds": result.stats.prefill_seconds, "prefix_cache": prefix,
                          "reused_prompt_tokens": pipe.runner.reused})
             print(json.dumps(rows[-1]), flush=True)
@@ -226,6 +229,7 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="Also run the suffix drafter as committed at this git ref.")
     parser.add_argument("--prefix-cache", type=int, default=0,
                         help="Every pipeline keeps the KV of this many tokens of earlier requests (0: off).")
+    parser.add_argument("--run", default=None, help="A label recorded in the rows.")
     parser.add_argument("--repeat", type=int, default=0, help="Recorded in the rows (to tell runs apart).")
     parser.add_argument("--out", type=Path, default=None, help="Append the rows (JSONL) here.")
     parser.add_argument("--summary", type=Path, default=None, help="Only print the table of these JSONL rows.")
