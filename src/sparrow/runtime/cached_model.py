@@ -107,7 +107,7 @@ class CachedModel:
     def hold(self, ids: list[int]) -> None:
         """The cache holds the KV of `ids` (a finished generation's committed tokens but the last), as far as its
         length goes: what the next prefill parks in the prefix cache."""
-        if self.held == ids[:len(self.held)]:
+        if self.prefix_cache is not None and self.held == ids[:len(self.held)]:
             self.held = ids[:self.length]
 
     def clear(self) -> None:
