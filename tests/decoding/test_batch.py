@@ -112,6 +112,31 @@ def test_a_draft_is_prefilled_only_once_it_drafts(pair, plain_outputs):
     assert run_batch(pipe)[0].stats.num_accepted_tokens > 0  # the same forks draft once the policy lets them
 
 
+def test_a_step_whose_drafts_catch_up_is_no_measure_of_the_draft_cost(pair, plain_outputs):
+    """The first drafting step prefills every draft lazily (and a draft that sat out steps feeds them first): its
+    phase is timed, but not as a draft position's cost, which it would price far too high (at 8 streams one such step
+    once kept a server from drafting for good). Steps whose drafts are in step are measured."""
+
+    class Recording(BatchPolicy):
+        def observe(self, tokens, seconds, drafting=0, positions=0, draft_seconds=0.0):
+            self.seen.append(drafting)
+            super().observe(tokens, seconds, drafting, positions, draft_seconds)
+
+    policy = Recording(adaptive=False)
+    policy.seen = []
+    pipe = Pipeline(pair[0], SPECS["draft-model"].build(pair, 4, False, {}))
+    batch = Batch(pipe.target.model, policy)
+    gens = [pipe.sequence(p, max_new_tokens=n) for p, n in zip(PROMPTS, BUDGETS)]
+    batch.add(*gens)
+    while len(batch):
+        batch.step()
+    assert policy.seen[0] == 0  # every draft prefilled its prompt in that step
+    assert any(policy.seen[1:])  # in step afterwards: measured
+    assert [pipe.result(gen).token_ids for gen in gens] == plain_outputs
+    for gen in gens:
+        pipe.release(gen)
+
+
 def test_plain_decoding_in_a_batch_equals_plain(pair, plain_outputs):
     pipe = Pipeline(pair[0], SPECS["draft-model"].build(pair, 4, True, {}))
     results = run_batch(pipe, plain=True)

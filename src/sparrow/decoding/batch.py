@@ -334,6 +334,11 @@ class Batch:
         cap = self.policy.cap(seqs, limits)
         # a probe measures acceptance: not worth a long draft catch-up
         allowed = probe_limits(seqs, limits) if self.policy.probing else limits
+        # a draft that first feeds many tokens (a lazy prompt prefill, steps it sat out) makes the phase no measure
+        # of a draft position's cost: at 8 streams one such step (1.85 s, 8 lazy prefills) once priced drafting out
+        # for good, since no probe could pay at that cost and so none ever measured it again
+        catching_up = any(seq.drafter.behind(seq.committed) > MAX_SHARED_CATCH_UP
+                          for seq, limit in zip(seqs, allowed) if seq.drafter is not None and min(cap, limit))
         proposed: dict[int, Draft] = {}
         together: dict[int, DraftSteps] = {}  # drafters that can share their draft forwards (draft models)
         for b, (seq, limit) in enumerate(zip(seqs, allowed)):  # 1. draft: each its own state, forwards shared
@@ -359,7 +364,7 @@ class Batch:
         bases = [seq.target.length for seq in seqs]
         outs = score_batch(self.model, seqs, drafts, layers)  # 2. one shared target forward
         verify_seconds = now(device) - t1
-        self.policy.observe(sum(len(d) + 1 for d in drafts), verify_seconds, drafting,
+        self.policy.observe(sum(len(d) + 1 for d in drafts), verify_seconds, 0 if catching_up else drafting,
                             max(len(d) for d in drafts), phase)
         finished = []
         for seq, draft, out, base, seconds, allowed, limit in zip(seqs, drafts, outs, bases, draft_seconds, masks,
