@@ -259,13 +259,11 @@ def draft_together(steps: dict[int, DraftSteps]) -> dict[int, Draft]:
     return drafts
 
 
-def probe_limits(seqs: list[Generation], limits: list[int]) -> list[int]:
-    """The draft limits of a probe step: only sequences whose draft lags at most MAX_SHARED_CATCH_UP tokens behind
-    their committed text draft (a draft that sat out many plain steps, or never prefilled, would first feed them: at
-    32 streams a probe of every sequence took 3.4 s, the lazy prefills of 32 drafts, for one step's acceptance); if
-    none is, the least behind one alone."""
-    behind = [seq.drafter.behind(seq.committed) if seq.drafter is not None and limit else None
-              for seq, limit in zip(seqs, limits)]
+def probe_limits(behind: list[int | None], limits: list[int]) -> list[int]:
+    """The draft limits of a probe step from how far each sequence's draft lags behind its committed text (None: no
+    drafter, or no limit): only drafts at most MAX_SHARED_CATCH_UP tokens behind draft (a draft that sat out many
+    plain steps, or never prefilled, would first feed them: at 32 streams a probe of every sequence took 3.4 s, the
+    lazy prefills of 32 drafts, for one step's acceptance); if none is, the least behind one alone."""
     near = [lag is not None and lag <= MAX_SHARED_CATCH_UP for lag in behind]
     if not any(near) and any(lag is not None for lag in behind):
         near[min((lag, b) for b, lag in enumerate(behind) if lag is not None)[1]] = True
@@ -332,13 +330,15 @@ class Batch:
         t0 = now(device)
         limits = [seq.stopper.remaining - 1 if seq.drafter is not None else 0 for seq in seqs]
         cap = self.policy.cap(seqs, limits)
+        behind = [seq.drafter.behind(seq.committed) if seq.drafter is not None and min(cap, limit) else None
+                  for seq, limit in zip(seqs, limits)]  # committed tokens each draft would first feed (None: no draft)
         # a probe measures acceptance: not worth a long draft catch-up
-        allowed = probe_limits(seqs, limits) if self.policy.probing else limits
+        allowed = probe_limits(behind, limits) if self.policy.probing else limits
         # a draft that first feeds many tokens (a lazy prompt prefill, steps it sat out) makes the phase no measure
         # of a draft position's cost: at 8 streams one such step (1.85 s, 8 lazy prefills) once priced drafting out
         # for good, since no probe could pay at that cost and so none ever measured it again
-        catching_up = any(seq.drafter.behind(seq.committed) > MAX_SHARED_CATCH_UP
-                          for seq, limit in zip(seqs, allowed) if seq.drafter is not None and min(cap, limit))
+        catching_up = any(lag is not None and lag > MAX_SHARED_CATCH_UP and min(cap, limit)
+                          for lag, limit in zip(behind, allowed))
         proposed: dict[int, Draft] = {}
         together: dict[int, DraftSteps] = {}  # drafters that can share their draft forwards (draft models)
         for b, (seq, limit) in enumerate(zip(seqs, allowed)):  # 1. draft: each its own state, forwards shared
