@@ -203,7 +203,7 @@ class Pipeline:
                 self.runner.cache = None
                 raise
             seconds = time.perf_counter() - start
-            self.runner.hold(gen.prompt.input_ids.tolist() + decoded.token_ids[:-1])  # the cache: committed[:-1]
+            self.runner.hold(gen.prompt.input_ids, decoded.token_ids)
             return GenerationResult(token_ids=decoded.token_ids, text=gen.stopper.text(),
                                     finish_reason=decoded.finish_reason, seconds=seconds, stats=decoded.stats)
 

@@ -68,7 +68,7 @@ class CachedModel:
     def prefill(self, prompt: Prompt, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Reset the cache and run the prompt. Returns the logits of the last prompt row ([1, vocab]) and,
         when asked for, the hidden states of every prompt row ([len(hidden_layers), n, d])."""
-        ids = prompt.input_ids.tolist()
+        ids = prompt.input_ids.tolist() if self.prefix_cache is not None else []  # `held`: for the prefix cache only
         taken = self._take(ids) if self._reusable(prompt, hidden_layers) else None
         if taken is None:
             self.clear()
@@ -104,10 +104,13 @@ class CachedModel:
         self.cache, self.held = None, []
         return self.prefix_cache.take(ids, self._empty)
 
-    def hold(self, ids: list[int]) -> None:
-        """The cache holds the KV of `ids` (a finished generation's committed tokens but the last), as far as its
-        length goes: what the next prefill parks in the prefix cache."""
-        if self.prefix_cache is not None and self.held == ids[:len(self.held)]:
+    def hold(self, prompt: Tensor, output: list[int]) -> None:
+        """A generation of `output` after `prompt` finished: the cache holds the KV of its committed tokens but the
+        last, as far as its length goes, which the next prefill parks in the prefix cache (a no-op without one)."""
+        if self.prefix_cache is None:
+            return
+        ids = prompt.tolist() + output[:-1]
+        if self.held == ids[:len(self.held)]:
             self.held = ids[:self.length]
 
     def clear(self) -> None:
