@@ -34,7 +34,8 @@ from sparrow.heads import load_head, save_head
 from sparrow.heads.factory import new_head
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
-from sparrow.training.data import CorpusSpec, build_corpus, is_held_out, load_corpus, save_corpus
+from sparrow.training.data import (DISTILL_TASKS, CorpusSpec, build_corpus, distill_prompt, is_held_out, load_corpus,
+                                   save_corpus)
 from sparrow.training.features import SHARD_SIZE, CacheIdentity, FeatureCache, target_identity
 from sparrow.training.heads import (
     Features,
@@ -114,6 +115,14 @@ def test_corpus_is_deterministic_split_by_file_and_skips_benchmarks(target, corp
     assert load_corpus(spec(corpus_dir, tokens=999), tmp_path) is None  # another spec: rebuilt
     with pytest.raises(UserError, match="--tokens"):
         spec(corpus_dir, tokens=0)
+
+
+def test_self_distillation_asks_every_kind_of_answer_and_the_same_one_for_a_snippet():
+    snippets = [f"def f{i}(x):\n    return x + {i}\n" for i in range(60)]
+    prompts = [distill_prompt(s) for s in snippets]
+    assert prompts == [distill_prompt(s) for s in snippets]
+    assert {p.split("\n", 1)[0] for p in prompts} == set(DISTILL_TASKS)
+    assert all(s.strip() in p for s, p in zip(snippets, prompts))
 
 
 def test_batched_self_distillation_gives_the_sequential_answers(target):

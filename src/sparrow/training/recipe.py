@@ -10,7 +10,7 @@ latest results survive the process being killed.
 2. the corpus (`sparrow.training.data`): token sequences from offline .py/.md/.rst files (`--data`, default the
    standard library and installed packages), a held-out split by file; then the target's own greedy answers to
    prompts built from the training files (self-distillation), `--distill-batch` prompts a `generate` call, for at
-   most `--distill-share` of the budget; kept in OUT/corpus.safetensors (a resumed run reuses it);
+   most `--distill-share` of the time left after loading; kept in OUT/corpus.safetensors (a resumed run reuses it);
 3. a draft vocabulary: the `--draft-vocab` most frequent target tokens of the training sequences (EOS included);
 4. training: each step draws `--batch-size` sequences, runs the target over them ONLINE (no_grad; its hidden
    states of the head's three layers and its top-k next-token log-probs, nothing cached on disk), then the head's
@@ -213,7 +213,9 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
     if (out / CORPUS).is_file() and state is not None:
         train, held_out, corpus = load_corpus(out / CORPUS)
     else:
-        distill_deadline = min(deadline - reserve, started + settings.distill_share * settings.time_budget)
+        # a share of the time left once the target is loaded (loading took 73 of 480 s on an H200)
+        now = time.monotonic()
+        distill_deadline = now + settings.distill_share * max(0.0, deadline - reserve - now)
         train, held_out, corpus = build_corpus(
             model, tokenizer, settings, distill_deadline, eos,
             lambda split, n: _metrics(out, {"elapsed": time.monotonic() - started, "stage": "distilling",

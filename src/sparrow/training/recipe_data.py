@@ -237,8 +237,8 @@ class RecipeSettings:
     seq_len: int = 512
     distill: int = 4096  # at most this many self-distilled answers (and the time share)
     distill_tokens: int = 256
-    distill_batch: int = 128
-    distill_share: float = 0.25  # of the budget
+    distill_batch: int = 256
+    distill_share: float = 0.25  # of the time left after loading the target
     draft_vocab: int = 16384
     intermediate_size: int | None = 3584  # fits the int8 export in 60 MB for a 1.5B target (None: the target's)
     ttt_steps: int = 6  # = the eagle drafter's default draft length
