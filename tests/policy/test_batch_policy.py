@@ -72,10 +72,30 @@ def test_the_cap_weighs_drafting_against_a_plain_step_with_measured_batched_cost
 
 
 def test_an_unseeded_draft_cost_would_draft_blindly():
-    """Negative control: with the draft's cost unknown (counted as 0) the same batch of eight drafts."""
+    """Negative control: with the draft's cost unknown (counted as 0) a batch of eight drafts where the measured
+    draft cost keeps it plain (acceptance 0.8: drafting one token each 14 % faster than plain at no draft cost,
+    6 % at the measured cost, under the 10 % margin)."""
+    eight = [Seq(0.8)] * 8
     policy = BatchPolicy()
     policy.seed(compute_bound_verify())
-    assert not policy.draft.known and policy.cap([Seq(0.6)] * 8, [8] * 8) > 0
+    assert not policy.draft.known and policy.cap(eight, [8] * 8) > 0
+    seeded = BatchPolicy()
+    seeded.seed(compute_bound_verify(), INT4_DRAFT)
+    assert seeded.cap(eight, [8] * 8) == 0
+
+
+def test_drafting_must_beat_a_plain_step_by_the_margin():
+    """Four sequences whose best cap is 6 % faster than plain by the estimates stay plain (the cost tables are
+    that far off); with no margin they draft."""
+    seqs = [Seq(0.6)] * 4
+    policy = BatchPolicy()
+    policy.seed(compute_bound_verify(), INT4_DRAFT)
+    rates = [policy.rate(seqs, [8] * 4, k) for k in range(9)]
+    assert rates[0] < max(rates[1:]) < rates[0] * 1.1, rates
+    assert policy.cap(seqs, [8] * 4) == 0
+    eager = BatchPolicy(margin=0.0)
+    eager.seed(compute_bound_verify(), INT4_DRAFT)
+    assert eager.cap(seqs, [8] * 4) > 0
 
 
 def test_the_cap_uses_observed_accepted_lengths():
@@ -123,3 +143,16 @@ def test_no_probe_where_even_whole_drafts_would_not_pay():
     few = [Seq(0.0)] * 4
     assert policy.could_pay(few, [8] * 4, policy.rate(few, [8] * 4, 0))
     assert any(policy.cap(few, [8] * 4) for _ in range(40))
+
+
+def test_cost_table_never_prices_more_tokens_lower():
+    """A noisy bin above the next one (16 tokens timed at 0.35 s, 32 at 0.28 s) left the slope beyond the last bin
+    flat: 64 or 96 tokens cost what 32 did. Costs are non-decreasing and the extrapolation is never flatter than
+    the whole table's slope."""
+    table = CostTable()
+    for tokens, seconds in [(1, 0.16), (8, 0.17), (16, 0.35), (32, 0.28)]:
+        table.add(tokens, seconds)
+    costs = [table(t) for t in (1, 8, 16, 24, 32, 64, 96)]
+    assert costs == sorted(costs), costs
+    assert table(64) - table(32) >= (0.35 - 0.16) / 31 * 32 - 1e-9
+    assert table(96) > table(64) > table(32)
