@@ -66,6 +66,21 @@ def test_batched_greedy_equals_plain_for_every_drafter(pair, plain_outputs, labe
         assert sum(r.stats.tree_steps for r in results) > 0
 
 
+@pytest.mark.parametrize("quant", ["int8", "w8a8"])
+def test_a_quantized_target_batched_equals_its_own_plain_decoding(pair, quant):
+    """`sparrow serve --quant`: a batch over a quantized target (float32 activations) gives each sequence the
+    quantized target's own greedy output, with drafts accepted (lossless relative to the quantized target)."""
+    from sparrow.models.quantization import quantize_model
+
+    target, close = pair
+    quantized = LoadedModel(quantize_model(target.model, quant), target.tokenizer, f"tiny-{quant}")
+    alone = Pipeline(quantized, None)
+    expected = [alone.generate_plain(p, max_new_tokens=n).token_ids for p, n in zip(PROMPTS, BUDGETS)]
+    results = run_batch(Pipeline(quantized, build_drafter("draft-model", quantized, close, 4, adaptive=False)))
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.num_accepted_tokens for r in results) > 0, "no draft was accepted: nothing was tested"
+
+
 def test_draft_models_share_their_forwards_and_draft_as_they_would_alone(pair, plain_outputs):
     """Fixed k, greedy: each sequence drafts and accepts exactly what it does alone, with fewer draft forwards."""
     target, close = pair

@@ -37,9 +37,11 @@ from fastapi.testclient import TestClient
 from live import serving
 from typer.testing import CliRunner
 
+import sparrow
 from sparrow.cli import app as cli
 from sparrow.config import StoppingConfig
 from sparrow.drafters import build_drafter
+from sparrow.errors import UserError
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 from sparrow.serve import Scheduler, create_app
@@ -444,9 +446,29 @@ def test_cli_serve_checks_its_flags_before_loading():
     for flags, needle in [(["--max-queue", "0"], "--max-queue"), (["--timeout", "0"], "--timeout"),
                           (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
                           (["--ray", "--shutdown-timeout", "5"], "--shutdown-timeout applies without --ray"),
-                          (["--port", "70000"], "--port"), (["-k", "0"], "-k")]:
+                          (["--port", "70000"], "--port"), (["-k", "0"], "-k"),
+                          (["--quant", "int3"], "invalid quant 'int3': expected one of auto, none, int8")]:
         result = runner.invoke(cli, ["serve", *flags])
         assert result.exit_code == 2 and needle in result.output, (flags, result.output)
+
+
+def test_cli_serve_loads_the_target_in_the_format_asked(monkeypatch):
+    """--quant reaches sparrow.load (the scheduler's loader), as --draft-quant does."""
+    seen = {}
+
+    def load(target, **options):
+        seen.update(options, target=target)
+        raise UserError("loaded")
+
+    class LoadAtOnce:
+        def __init__(self, loader, **options):
+            loader()
+
+    monkeypatch.setattr(sparrow, "load", load)
+    monkeypatch.setattr("sparrow.serve.Scheduler", LoadAtOnce)
+    result = CliRunner().invoke(cli, ["serve", "--target", "tiny", "--quant", "int8", "--draft-quant", "int4"])
+    assert result.exit_code == 2 and "loaded" in result.output, result.output
+    assert (seen["target"], seen["quant"], seen["draft_quant"]) == ("tiny", "int8", "int4")
 
 
 def test_invalid_utf8_in_prompts_and_messages_is_replaced_as_in_the_cli():

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from sparrow.cli._common import (
     DTYPE_HELP,
+    QUANT_HELP,
     SPECULATIVE_CONFIG_HELP,
     DType,
     check_float,
@@ -56,17 +57,7 @@ def generate(
     seed: Annotated[Optional[int], typer.Option(help="Seed of the sampling generator.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
-    quant: Annotated[
-        Optional[str],
-        typer.Option(
-            help="int8|int4 weight-only or w8a8 (CPU: int8 weights and per-token "
-            "int8 activations, fbgemm) target: faster; lossless only relative to "
-            "the quantized target. auto: the format this machine runs a "
-            "verification step fastest (measured, see `sparrow doctor`; dense "
-            "where none pays), again lossless only relative to the target in that "
-            "format; none: dense."
-        ),
-    ] = None,
+    quant: Annotated[Optional[str], typer.Option(help=QUANT_HELP)] = None,
     draft_quant: Annotated[
         str,
         typer.Option(

@@ -19,6 +19,7 @@ import typer
 
 from sparrow.cli._common import (
     DTYPE_HELP,
+    QUANT_HELP,
     SPECULATIVE_CONFIG_HELP,
     DType,
     check_float,
@@ -48,6 +49,7 @@ def serve(
         bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length online, or draft exactly k.")
     ] = True,
     dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
+    quant: Annotated[Optional[str], typer.Option(help=QUANT_HELP)] = None,
     draft_quant: Annotated[
         str,
         typer.Option(
@@ -148,6 +150,9 @@ def serve(
                                                                  {"head": head} if head is not None else {})
     drafter_options.update(head_options(drafter, drafter_options.pop("head", None)))
     check_drafter_args(drafter, k, drafter_options)
+    from sparrow.models.quantization import parse_quant
+
+    parse_quant(quant, "quant", auto=True)  # a bad format is refused before the server starts
     try:
         import uvicorn
 
@@ -166,7 +171,8 @@ def serve(
 
     def load() -> sparrow.Pipeline:
         return sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
-                            dtype=dtype.value, device=device, draft_quant=draft_quant, **drafter_options)
+                            dtype=dtype.value, device=device, quant=quant, draft_quant=draft_quant,
+                            **drafter_options)
 
     if ray:
         import math
