@@ -34,8 +34,15 @@ from sparrow.heads import load_head, save_head
 from sparrow.heads.factory import new_head
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
-from sparrow.training.data import (DISTILL_TASKS, CorpusSpec, build_corpus, distill_prompt, is_held_out, load_corpus,
-                                   save_corpus)
+from sparrow.training.data import (
+    DISTILL_TASKS,
+    CorpusSpec,
+    build_corpus,
+    distill_prompt,
+    is_held_out,
+    load_corpus,
+    save_corpus,
+)
 from sparrow.training.features import SHARD_SIZE, CacheIdentity, FeatureCache, target_identity
 from sparrow.training.heads import (
     Features,
