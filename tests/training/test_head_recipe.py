@@ -153,6 +153,12 @@ def test_the_batched_training_time_test_equals_the_per_sequence_one(target):
     tokens[1, 22:], features[1, 22:] = 7, 5.0  # other padding: the same loss
     second = batched_ttt_loss(head, tokens, lengths, features, ids, logprobs, 3)
     assert torch.equal(first.loss, second.loss) and first.rows == (50, 48, 46) and first.positions == 50
+    wide, wide_lengths = padded(sequences, 64, multiple=48)  # the training batches' shape rounding
+    assert wide.shape == (2, 48) and torch.equal(wide[:, :30], padded(sequences, 64)[0])
+    assert torch.equal(wide_lengths, lengths)
+    third = batched_ttt_loss(head, wide, wide_lengths,
+                             *target_features(target.model, wide, wide_lengths, head.config.target_layers, 8), 3)
+    assert torch.allclose(third.loss, first.loss, rtol=1e-5) and third.rows == first.rows
 
 
 def test_chunks_join_back_and_damage_is_refused(tmp_path):

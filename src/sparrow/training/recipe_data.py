@@ -212,11 +212,13 @@ def load_corpus(path: Path) -> tuple[list[Tensor], list[Tensor], dict[str, Any]]
 
 
 
-def padded(sequences: Sequence[Tensor], limit: int) -> tuple[Tensor, Tensor]:
-    """Sequences (cut to `limit`) right-padded with 0 -> tokens [B, T], lengths [B]."""
+def padded(sequences: Sequence[Tensor], limit: int, multiple: int = 1) -> tuple[Tensor, Tensor]:
+    """Sequences (cut to `limit`) right-padded with 0 -> tokens [B, T], lengths [B]; T is the longest length rounded
+    up to a `multiple` (a few batch shapes instead of one per length, for the GPU's kernels and allocator)."""
     cut = [s[:limit] for s in sequences]
     lengths = torch.tensor([s.numel() for s in cut])
-    tokens = torch.zeros(len(cut), int(lengths.max()), dtype=torch.long)
+    width = -(-int(lengths.max()) // multiple) * multiple
+    tokens = torch.zeros(len(cut), width, dtype=torch.long)
     for row, s in enumerate(cut):
         tokens[row, : s.numel()] = s
     return tokens, lengths
