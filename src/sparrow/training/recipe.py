@@ -72,7 +72,7 @@ EVAL = "eval.json"
 CORPUS = "corpus.safetensors"
 # training batches are padded to a multiple of this many positions: on the H200 the head's step took 0.64 s in the
 # first minute and 0.20 s five minutes later (same shapes of weights and optimiser; again 0.52 s after a resume),
-# the mark of a warming cache of kernels and memory blocks over batches of every length from 2 to 1024
+# probably a warming cache of kernels and memory blocks over batches of every length up to 1024 (unmeasured since)
 PAD_MULTIPLE = 64
 
 
