@@ -132,19 +132,23 @@ class BatchPolicy:
         curves = [seq.acceptance.curve(limit) for seq, limit in zip(seqs, limits)]
         rates = [self.rate(seqs, limits, k, curves) for k in range(top + 1)]
         best = max(range(1, top + 1), key=rates.__getitem__)
-        pays = rates[best] > rates[0] * (1 + self.margin)
+        pays = self.beats(rates[best], rates[0])
         if not pays and not self.could_pay(seqs, limits, rates[0]):
             return 0  # no probe: not even drafts accepted whole would pay at these costs
         use = self.probes.decide(pays, self._step)
         self.probing = self.probes.probing
         return best if use else 0
 
+    def beats(self, rate: float, plain: float) -> bool:
+        """Whether drafting at `rate` tokens per second pays over a plain step's `plain`, by the margin."""
+        return rate > plain * (1 + self.margin)
+
     def could_pay(self, seqs: Sequence[Estimated], limits: list[int], plain: float) -> bool:
-        """Whether some cap would beat `plain` tokens per second if every draft were accepted whole. Where none
-        would, a probe (which measures acceptance) cannot change the decision, and it costs a drafting step plus
-        each draft's catch-up over everything committed since it last ran."""
+        """Whether some cap would beat `plain` tokens per second (by the margin) if every draft were accepted whole.
+        Where none would, a probe (which measures acceptance) cannot change the decision, and it costs a drafting
+        step plus each draft's catch-up over everything committed since it last ran."""
         whole = [[float(j + 1) for j in range(limit + 1)] for limit in limits]
-        return any(self.rate(seqs, limits, k, whole) > plain for k in range(1, max(limits) + 1))
+        return any(self.beats(self.rate(seqs, limits, k, whole), plain) for k in range(1, max(limits) + 1))
 
     def observe(self, tokens: int, seconds: float, drafting: int = 0, positions: int = 0,
                 draft_seconds: float = 0.0) -> None:
