@@ -39,6 +39,7 @@ from sparrow.models import LoadedModel, load_model
 from sparrow.models.quantization import quantized_copy
 from sparrow.pipeline import Pipeline
 from sparrow.policy.measure import follow_cost_curve
+from sparrow.runtime.quant import LONG
 
 HERE = Path(__file__).parent
 ONE_PER_KIND = ("code-prime", "edit-garden", "summary-harbour")
@@ -68,7 +69,7 @@ def _makers(target: LoadedModel, draft: LoadedModel, k: int) -> dict[str, Any]:
 
     def on_quantized(fmt: str) -> Pipeline:
         quantized = quantized_copy(target, fmt)
-        drafter = build_drafter("draft-model", quantized, quantized_copy(draft, fmt, keep_dense=True), k, adaptive=True)
+        drafter = build_drafter("draft-model", quantized, quantized_copy(draft, fmt, dense=LONG), k, adaptive=True)
         follow_cost_curve(drafter, Pipeline(quantized, None).runner)
         return Pipeline(quantized, drafter)
 
@@ -81,7 +82,7 @@ def _makers(target: LoadedModel, draft: LoadedModel, k: int) -> dict[str, Any]:
             target, build_drafter("quantized-self", target, None, k, adaptive=True, bits="int8")
         ),
         "draft-model-bf16": lambda: Pipeline(target, build_drafter("draft-model", target, draft, k)),
-        "draft-model-int4": lambda: lossless(quantized_copy(draft, "int4", keep_dense=True)),
+        "draft-model-int4": lambda: lossless(quantized_copy(draft, "int4", dense=LONG)),
         "draft-model-w8a8": lambda: lossless(quantized_copy(draft, "w8a8")),
         "plain-int8": lambda: Pipeline(quantized_copy(target, "int8"), None),
         "plain-int4": lambda: Pipeline(quantized_copy(target, "int4"), None),

@@ -34,6 +34,7 @@ from sparrow.pipeline import Pipeline
 from sparrow.policy.measure import follow_cost_curve
 from sparrow.runtime.batch_invariant import exact_copy, source
 from sparrow.runtime.prefix_cache import PrefixCache
+from sparrow.runtime.quant import LONG, PREFILL
 from sparrow.runtime.runner import runner_for
 from sparrow.speculative_config import given_arguments, merged
 
@@ -113,7 +114,7 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     quant = target_format(target.model, quant, compile)
     exact = resolve_exact(exact, compile, quant)
     target = _quantized(target, quant)
-    draft = _quantized(draft, draft_quant, keep_dense=True) if draft is not None else None
+    draft = _quantized(draft, draft_quant, LONG) if draft is not None else None
     return _build(target, drafter, draft, num_draft_tokens, adaptive, verifier,
                   _quantized_run(quant, draft_quant, draft), drafter_options, compile, exact, prefix_cache)
 
@@ -146,11 +147,11 @@ def _target_quant(quant: str | None, drafter: str) -> str | None:
     return None if quant == AUTO and entry is not None and entry.quantized_copy else quant
 
 
-def _quantized(loaded: LoadedModel, quant: str | None, keep_dense: bool = False) -> LoadedModel:
-    """`loaded`, or its quantized copy (one per model and bits; keep_dense for drafts: a dense prefill, since
-    a draft never changes the output); quant "auto" (drafts): see `draft_format`."""
+def _quantized(loaded: LoadedModel, quant: str | None, dense: str | None = PREFILL) -> LoadedModel:
+    """`loaded`, or its quantized copy (one per model, bits and `dense`: PREFILL for a target, LONG for a draft,
+    see `quantize_model`); quant "auto" (drafts): see `draft_format`."""
     quant = draft_format(loaded.model, quant)
-    return loaded if quant is None else quantized_copy(loaded, quant, keep_dense=keep_dense)
+    return loaded if quant is None else quantized_copy(loaded, quant, dense=dense)
 
 
 def _quantized_run(quant: str | None, draft_quant: str | None, draft: LoadedModel | None) -> bool:
@@ -236,7 +237,7 @@ class PipelineCache:
                 return pipe
             try:
                 target_model = self._model(target, dtype, device, quant)
-                draft_model = (self._model(draft, dtype, device, draft_quant, keep_dense=True)
+                draft_model = (self._model(draft, dtype, device, draft_quant, LONG)
                                if draft is not None else None)
                 pipe = _build(target_model, drafter, draft_model, num_draft_tokens, adaptive, "auto",
                               _quantized_run(quant, draft_quant, draft_model), options, exact=exact)
@@ -251,16 +252,16 @@ class PipelineCache:
         return pipe
 
     def _model(self, spec: str | LoadedModel, dtype: str, device: str | None, quant: str | None,
-               keep_dense: bool = False) -> LoadedModel:
+               dense_use: str | None = PREFILL) -> LoadedModel:
         """The model as the pipeline runs it (quantized if asked), loaded once while a kept pipeline runs it."""
         if isinstance(spec, LoadedModel):  # the caller's: not ours to keep (its quantized copy is shared anyway)
-            return _quantized(spec, quant, keep_dense)
+            return _quantized(spec, quant, dense_use)
         dense = (spec, resolve_dtype(dtype, device), resolve_device(device), None, False)
-        key = dense if quant is None else (*dense[:3], quant, keep_dense)
+        key = dense if quant is None else (*dense[:3], quant, dense_use)
         if key not in self._models:  # a dense model only quantized from is dropped with the other unused ones
             if dense not in self._models:
                 self._models[dense] = load_model(spec, dtype=dtype, device=device)
-            self._models[key] = _quantized(self._models[dense], quant, keep_dense)
+            self._models[key] = _quantized(self._models[dense], quant, dense_use)
         return self._models[key]
 
     def _drop_unused_models(self) -> None:

@@ -118,10 +118,10 @@ def test_quantized_verify_rows_equal_one_token_steps(tokenizer, quant, dtype):
 # --- speculative == plain through sparrow.load --------------------------------------------------------------
 
 
-def generate_all(pipe: Pipeline) -> tuple[int, int]:
+def generate_all(pipe: Pipeline, prompts: list[str] = PROMPTS) -> tuple[int, int]:
     """Speculative == plain on every prompt; returns (drafted, accepted)."""
     drafted = accepted = 0
-    for prompt in PROMPTS:
+    for prompt in prompts:
         result = pipe.generate(prompt, max_new_tokens=TOKENS)
         assert result.token_ids == pipe.generate_plain(prompt, max_new_tokens=TOKENS).token_ids, prompt
         drafted += result.stats.num_draft_tokens
@@ -152,7 +152,9 @@ def test_quantized_target_speculative_equals_its_plain_decoding(tokenizer, quant
     pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=4, adaptive=False, quant=quant,
                         draft_quant="none")
     assert pipe.target.model.sparrow_quantization.name == quant and is_exact(pipe.target.model)
-    drafted, accepted = generate_all(pipe)
+    long_prompt = "Paris is the capital of France. " * 8 + "Paris is"  # > MAX_ROWS tokens: a dense prefill
+    assert pipe.target.model.lm_head.dense is not None
+    drafted, accepted = generate_all(pipe, [*PROMPTS, long_prompt])
     assert 0 < accepted <= drafted
 
 

@@ -301,12 +301,27 @@ def test_measure_cost_curve_covers_every_length(target):
 
 
 def test_a_draft_copy_prefills_with_the_shared_dense_weights(target):
-    copy = Q.quantized_copy(target, "int4", GROUP, keep_dense=True).model
+    copy = Q.quantized_copy(target, "int4", GROUP, dense=quant.LONG).model
     assert copy.lm_head.dense is target.model.lm_head.weight  # shared, not copied
     long_ids = torch.arange(quant.DENSE_FROM_TOKENS)[None] % 300
     assert torch.equal(copy(long_ids).logits, target.model(long_ids).logits)  # prefill: the dense path
     short_ids = long_ids[:, :4]
     assert not torch.equal(copy(short_ids).logits, target.model(short_ids).logits)  # decode: the int4 kernel
+
+
+def test_a_target_copy_prefills_dense_and_keeps_every_verify_row_on_the_packed_kernel(target):
+    from sparrow.runtime.attention.rowwise import MAX_ROWS
+
+    copy = Q.quantized_copy(target, "int4", GROUP).model  # a target's default: dense=PREFILL
+    packed = Q.quantized_copy(target, "int4", GROUP, dense=None).model
+    assert copy.lm_head.dense is target.model.lm_head.weight and packed.lm_head.dense is None
+    assert Q.weight_bytes(copy) == Q.weight_bytes(packed)  # a decoding step reads the packed weights only
+    prefill = torch.arange(MAX_ROWS + 1)[None] % 300
+    assert torch.equal(copy(prefill).logits, target.model(prefill).logits)  # a prompt's prefill: dense
+    for ids in (prefill[:, :MAX_ROWS], prefill[:, :1].expand(MAX_ROWS + 1, 1)):  # a verify; a batch of steps
+        assert torch.equal(copy(ids).logits, packed(ids).logits)  # the packed kernel, as without dense weights
+    with pytest.raises(Q.UserError, match="dense must be one of"):
+        Q.quantized_copy(target, "int4", GROUP, dense="always")
 
 
 def test_generate_summary_names_the_quantized_target_it_was_identical_to():

@@ -159,11 +159,12 @@ def test_refuses_sliding_window_and_vision_models():
 def test_w8a8_target_is_refused_and_a_w8a8_draft_runs_eagerly(target, draft):
     from sparrow.models.quantization import quantized_copy
     from sparrow.runtime.cached_model import CachedModel
+    from sparrow.runtime.quant import LONG
 
     w8a8_target = quantized_copy(target, "w8a8")
     with pytest.raises(UserError, match="w8a8 models .* cannot be compiled"):
         Pipeline(w8a8_target, None, compiled=True)
-    w8a8_draft = quantized_copy(draft, "w8a8", keep_dense=True)
+    w8a8_draft = quantized_copy(draft, "w8a8", dense=LONG)
     pipe = Pipeline(target, build_drafter("draft-model", target, w8a8_draft, 3, adaptive=False), compiled=True)
     assert isinstance(pipe.runner, StaticCachedModel) and type(pipe.drafter.draft) is CachedModel
 

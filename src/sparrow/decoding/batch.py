@@ -35,6 +35,7 @@ from sparrow.drafters.draft_loop import DraftSteps, Forward
 from sparrow.noise import at
 from sparrow.policy.batch import BatchPolicy
 from sparrow.policy.measure import DUMMY_ID_STRIDE
+from sparrow.runtime.attention.rowwise import MAX_ROWS
 from sparrow.runtime.cached_model import CachedModel, additive_mask
 from sparrow.timing import now
 from sparrow.tree import TreeLayout
@@ -151,13 +152,16 @@ PREFILL_PADDING = 2.0
 
 def prefill_groups(prompts: list[int]) -> list[list[int]]:
     """Indices of prompts (their lengths) that prefill together: by increasing length, a group grows while its
-    padded size (rows x the longest) stays within PREFILL_PADDING x its tokens and MAX_PREFILL_TOKENS."""
+    padded size (rows x the longest) stays within PREFILL_PADDING x its tokens and MAX_PREFILL_TOKENS. Prompts of
+    at most MAX_ROWS tokens group only with each other: alone they run a verify forward's kernels (row-wise
+    attention, a quantized target's packed layers), a longer forward a prefill's (`sparrow.runtime.quant.PREFILL`)."""
     groups: list[list[int]] = []
     tokens = 0
     for i in sorted(range(len(prompts)), key=prompts.__getitem__):
         n = prompts[i]
         rows = len(groups[-1]) + 1 if groups else 0
-        if groups and rows * n <= min(PREFILL_PADDING * (tokens + n), MAX_PREFILL_TOKENS):
+        same_kind = groups and (prompts[groups[-1][0]] > MAX_ROWS) == (n > MAX_ROWS)
+        if same_kind and rows * n <= min(PREFILL_PADDING * (tokens + n), MAX_PREFILL_TOKENS):
             groups[-1].append(i)
             tokens += n
         else:

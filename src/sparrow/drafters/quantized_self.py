@@ -16,6 +16,7 @@ from sparrow.errors import UserError
 from sparrow.models import LoadedModel
 from sparrow.models.quantization import DEFAULT_GROUP_SIZE, quantized_copy
 from sparrow.policy.measure import follow_cost_curve
+from sparrow.runtime.quant import LONG
 from sparrow.runtime.runner import runner_for
 
 DEFAULT_BITS = "int4"
@@ -29,7 +30,7 @@ def build_quantized_self(target: LoadedModel, draft: None, num_draft_tokens: int
     as "draft-model"."""
     if getattr(target.model, "sparrow_quantization", None) is not None:
         raise UserError("drafter 'quantized-self' needs an unquantized target (drop --quant, or use another drafter)")
-    quantized = quantized_copy(target, DEFAULT_BITS if bits is None else bits, group_size, keep_dense=True)
+    quantized = quantized_copy(target, DEFAULT_BITS if bits is None else bits, group_size, dense=LONG)
     runner, draft_runner = runner_for(target.model), runner_for(quantized.model)
     shape = resolve_shape(tree_budget, tree_topk, tree_depth, runner)
     vocab = resolve_draft_vocab(draft_vocab, target, runner.vocab_size)

@@ -289,7 +289,7 @@ def _project(head: nn.Module, ids: Tensor) -> nn.Module:
     if isinstance(head, QuantizedLinear):
         if head.dense is None:
             raise UserError("draft_vocab: the draft's LM head is quantized without its dense weights; "
-                            "quantize the draft with keep_dense=True (as --draft-quant does)")
+                            "quantize the draft with dense=LONG (as --draft-quant does)")
         bias = head.bias[ids] if head.bias is not None else None
         rows = _linear(head.dense[ids], bias)
         takes = kernel_takes(head.bits, ids.numel(), head.in_features, head.group_size, rows.weight.device)

@@ -17,7 +17,9 @@ stay in the model's dtype (the layer casts to the kernel's dtype and back where 
 
 Decoding a quantized copy is *not* the source model: used as a draft (quantized self-draft,
 quantized draft model) the output stays exactly the target's; used as the target (``--quant``),
-speculation is lossless relative to the quantized target only.
+speculation is lossless relative to the quantized target only. A quantized target computes a prompt's
+prefill on the dense weights it was quantized from (``dense=PREFILL``: torch's packed CPU kernels cost ~linear
+in the rows) and every decoding and verify step on the packed kernel: plain and speculative decoding both do.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from sparrow.runtime.attention.rowwise import use_rowwise
 from sparrow.runtime.hardware import choose_draft_quant, choose_target_quant
 from sparrow.runtime.quant import (
     CPU_INT8_K_MULTIPLE,
+    DENSE_USES,
+    LONG,
+    PREFILL,
     W8A8,
     DynamicInt8Linear,
     QuantizedLinear,
@@ -227,10 +232,10 @@ def _save_cached(directory: Path, tensors: dict[str, Tensor]) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / WEIGHTS_FILE))
 
 
-def _quantize_layers(model: nn.Module, take: dict[str, nn.Linear], fmt: str, group_size: int, keep_dense: bool,
+def _quantize_layers(model: nn.Module, take: dict[str, nn.Linear], fmt: str, group_size: int, dense: str | None,
                      cached: dict[str, Tensor] | None) -> nn.Module:
     """A shared copy of `model` with the `take` layers replaced by QuantizedLinear or DynamicInt8Linear
-    (from `cached` if given)."""
+    (from `cached` if given); `dense`: see quantize_model."""
     clone = _shared_copy(model)
     bits = QUANT_BITS[fmt]
     reduce_range = fmt == W8A8 and not _vnni()
@@ -243,9 +248,9 @@ def _quantize_layers(model: nn.Module, take: dict[str, nn.Linear], fmt: str, gro
         elif cached is not None:
             layer = QuantizedLinear(linear.in_features, linear.out_features, bits, group_size,
                                     cached[f"{name}.packed"], cached[f"{name}.scales"], linear.bias,
-                                    linear.weight if keep_dense else None)
+                                    None if dense is None else linear.weight, dense or LONG)
         else:
-            layer = QuantizedLinear.from_linear(linear, bits, group_size, keep_dense)
+            layer = QuantizedLinear.from_linear(linear, bits, group_size, dense)
         _set_module(clone, name, layer)
     return clone
 
@@ -255,7 +260,7 @@ def _buffers(clone: nn.Module, take: dict[str, nn.Linear]) -> dict[str, Tensor]:
 
 
 def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT_GROUP_SIZE,
-                   cache_entry: Path | str | None = None, keep_dense: bool = False,
+                   cache_entry: Path | str | None = None, dense: str | None = PREFILL,
                    report: Callable[[str], None] | None = None) -> nn.Module:
     """A quantized copy of `model` (int8, int4 or w8a8); `model` itself is left untouched.
 
@@ -263,13 +268,21 @@ def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT
     With `cache_entry` (a directory, see sparrow.models.cache), the packed weights are read from it
     when it is intact and matches (bits, group size, dtype, device type, torch version, layer shapes),
     and written to it otherwise; `report` gets the cache's problems (damaged entry rebuilt, cache not
-    writable; default: stderr). With `keep_dense`, forwards of >= DENSE_FROM_TOKENS tokens (prefill)
-    use the source's dense weights: for drafts only (the output of a draft never changes the result),
-    since it keeps the source weights alive and makes the copy's numerics depend on the forward's length.
+    writable; default: stderr).
+
+    `dense`: which long forwards of the int8 / int4 layers run on the source's dense weights (kept alive,
+    shared, memory-mapped where the loader maps the checkpoint; torch's packed CPU kernels cost ~linear in the
+    rows, a 264-token prefill of the int4 1.5B twice the dense bfloat16 one): PREFILL (the default, a target's)
+    a prompt's prefill only, more than MAX_ROWS tokens a sequence, so every decoding and verify row still runs
+    the packed kernel and speculative decoding's output stays the quantized target's; LONG (a draft's, whose
+    output never changes the result) every forward of >= DENSE_FROM_TOKENS tokens; None keeps no dense weight.
+    w8a8 layers keep none (fbgemm's int8 kernel already scales with the rows).
     """
     fmt = parse_quant(quant, "quant")
     if fmt is None:
         raise UserError(f"quant must be one of {', '.join(QUANT_BITS)}")
+    if dense is not None and dense not in DENSE_USES:
+        raise UserError(f"dense must be one of {', '.join(DENSE_USES)} or None, got {dense!r}")
     if fmt == "int4" and group_size not in INT4_GROUP_SIZES:
         raise UserError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     first = next(model.parameters())
@@ -284,14 +297,14 @@ def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT
                          f"int8 on the CPU in_features divisible by {CPU_INT8_K_MULTIPLE})")
     cached = None
     if cache_entry is None:
-        clone = _quantize_layers(model, take, fmt, group_size, keep_dense, None)
+        clone = _quantize_layers(model, take, fmt, group_size, dense, None)
     else:
         entry = Path(cache_entry).expanduser()
         with cache.open_entry(entry, _cache_meta(take, fmt, group_size, first.device), report or _stderr) as slot:
             cached = _load_cached(entry / WEIGHTS_FILE, first.device) if slot.ready else None
             if cached is not None and any(f"{n}.{b}" not in cached for n in take for b in ("packed", "scales")):
                 cached = None
-            clone = _quantize_layers(model, take, fmt, group_size, keep_dense, cached)
+            clone = _quantize_layers(model, take, fmt, group_size, dense, cached)
             if cached is None:
                 slot.commit(lambda directory: _save_cached(directory, _buffers(clone, take)))
     if fmt == W8A8:  # its int8 activations would amplify the last-bit differences of batched attention
@@ -303,7 +316,8 @@ def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT
     return clone.eval()
 
 
-_COPIES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int, bool], nn.Module]] = weakref.WeakKeyDictionary()
+_COPIES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int, str | None], nn.Module]] = \
+    weakref.WeakKeyDictionary()
 
 
 def quantized_cache_entry(loaded: LoadedModel, quant: int | str, group_size: int,
@@ -320,10 +334,10 @@ def quantized_cache_entry(loaded: LoadedModel, quant: int | str, group_size: int
 
 
 def quantized_copy(loaded: LoadedModel, quant: str | int, group_size: int = DEFAULT_GROUP_SIZE,
-                   cache_dir: Path | str | None = None, keep_dense: bool = False,
+                   cache_dir: Path | str | None = None, dense: str | None = PREFILL,
                    report: Callable[[str], None] | None = None) -> LoadedModel:
-    """The quantized copy of `loaded`, built once per (model, bits, group size, keep_dense) in this
-    process, and for presets read from / written to the disk cache. keep_dense: for drafts only.
+    """The quantized copy of `loaded`, built once per (model, bits, group size, dense) in this process, and
+    for presets read from / written to the disk cache. `dense` (PREFILL for a target, LONG for a draft) and
     `report`: see quantize_model."""
     fmt = parse_quant(quant)
     if fmt is None:
@@ -331,11 +345,10 @@ def quantized_copy(loaded: LoadedModel, quant: str | int, group_size: int = DEFA
     if getattr(loaded.model, "sparrow_quantization", None) is not None:
         raise UserError(f"{loaded.name!r} is already quantized ({loaded.model.sparrow_quantization.name})")
     copies = _COPIES.setdefault(loaded.model, {})
-    key = (fmt, group_size, keep_dense)
+    key = (fmt, group_size, dense)
     if key not in copies:
         entry = quantized_cache_entry(loaded, fmt, group_size, cache_dir)
-        copies[key] = quantize_model(loaded.model, fmt, group_size, cache_entry=entry, keep_dense=keep_dense,
-                                     report=report)
+        copies[key] = quantize_model(loaded.model, fmt, group_size, cache_entry=entry, dense=dense, report=report)
         if entry is not None and cache.status(entry).state == "complete":
             with contextlib.suppress(OSError):  # sparrow's first cache format: a bare file beside the entry
                 entry.with_name(entry.name + ".safetensors").unlink(missing_ok=True)
@@ -344,9 +357,13 @@ def quantized_copy(loaded: LoadedModel, quant: str | int, group_size: int = DEFA
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters and buffers a forward reads (tied / shared tensors counted once)."""
+    """Bytes of the parameters and buffers a decoding step reads (tied / shared tensors counted once; the dense
+    weights a quantized layer keeps for long forwards are not)."""
+    dense = {id(m.dense) for m in model.modules() if isinstance(m, QuantizedLinear) and m.dense is not None}
     seen: dict[int, int] = {}
     for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in dense:
+            continue
         seen[t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
 
