@@ -36,10 +36,9 @@ import torch
 
 from sparrow.drafters import build_drafter
 from sparrow.models import LoadedModel, load_model
-from sparrow.models.quantization import quantized_copy
+from sparrow.models.quantization import LONG, quantized_copy
 from sparrow.pipeline import Pipeline
 from sparrow.policy.measure import follow_cost_curve
-from sparrow.runtime.quant import LONG
 
 HERE = Path(__file__).parent
 ONE_PER_KIND = ("code-prime", "edit-garden", "summary-harbour")

@@ -24,6 +24,8 @@ from sparrow.errors import UserError
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from sparrow.models.quantization import (
     AUTO,
+    LONG,
+    PREFILL,
     draft_format,
     parse_quant,
     quantized_copy,
@@ -34,7 +36,6 @@ from sparrow.pipeline import Pipeline
 from sparrow.policy.measure import follow_cost_curve
 from sparrow.runtime.batch_invariant import exact_copy, source
 from sparrow.runtime.prefix_cache import PrefixCache
-from sparrow.runtime.quant import LONG, PREFILL
 from sparrow.runtime.runner import runner_for
 from sparrow.speculative_config import given_arguments, merged
 

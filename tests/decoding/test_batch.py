@@ -81,18 +81,17 @@ def test_a_quantized_target_batched_equals_its_own_plain_decoding(pair, quant):
     assert sum(r.stats.num_accepted_tokens for r in results) > 0, "no draft was accepted: nothing was tested"
 
 
-def test_a_quantized_target_prefills_prompts_either_side_of_max_rows_as_alone(pair):
-    """A quantized target prefills a prompt of more than MAX_ROWS tokens on its dense weights, a shorter one on its
-    packed kernel (`sparrow.runtime.quant.PREFILL`): joining together, each sequence still gets its own plain
-    decoding, drafts accepted."""
+def test_a_quantized_target_prefills_together_with_its_dense_model_as_alone(pair):
+    """A quantized target prefills with its dense source model (`sparrow.models.quantization.PREFILL`), alone and in
+    a shared prefill of prompts of several lengths: each sequence still gets its own plain decoding, drafts
+    accepted."""
     from sparrow.models.quantization import quantize_model
-    from sparrow.runtime.attention.rowwise import MAX_ROWS
 
     target, close = pair
     quantized = LoadedModel(quantize_model(target.model, "int8"), target.tokenizer, "tiny-int8")
     prompts = ["Paris is the capital of France. " * n + "Paris is" for n in (5, 6, 8)]
     lengths = [len(target.tokenizer(p).input_ids) for p in prompts]
-    assert lengths[0] <= MAX_ROWS < lengths[1] and prefill_groups(lengths) == [[0], [1, 2]], lengths
+    assert prefill_groups(lengths) == [[0, 1, 2]], lengths  # one shared prefill
     alone = Pipeline(quantized, None)
     expected = [alone.generate_plain(p, max_new_tokens=12).token_ids for p in prompts]
     pipe = Pipeline(quantized, build_drafter("draft-model", quantized, close, 4, adaptive=False))
@@ -266,8 +265,7 @@ def test_a_shared_prefill_gives_each_prompt_its_own_prefill(pair):
 
 def test_prefill_groups_keep_padding_and_size_bounded():
     assert prefill_groups([5, 4, 6]) == [[1, 0, 2]]  # similar lengths: one forward, shortest first
-    assert prefill_groups([3, 100, 4, 50]) == [[0, 2], [3], [1]]  # 3 x 50 > 2 x 57 padded positions: a new group
-    assert prefill_groups([60, 70, 100]) == [[0], [1, 2]]  # <= MAX_ROWS (64) tokens never pads to a prefill's size
+    assert prefill_groups([3, 100, 4, 50]) == [[0, 2], [3, 1]]  # 3 x 50 > 2 x 57 padded positions: a new group
     assert prefill_groups([3000, 3000]) == [[0], [1]]  # 6000 positions > MAX_PREFILL_TOKENS: alone
     assert prefill_groups([]) == []
 

@@ -93,8 +93,8 @@ def test_reduced_head_logits_equal_the_full_head_on_the_set_and_are_minus_inf_el
 
 @pytest.mark.parametrize("bits", ["int8", "int4", "w8a8"])
 def test_a_quantized_head_stays_quantized_with_the_same_rows(pair, vocab, bits):
-    from sparrow.models.quantization import quantized_copy
-    from sparrow.runtime.quant import LONG, DynamicInt8Linear, QuantizedLinear
+    from sparrow.models.quantization import LONG, quantized_copy
+    from sparrow.runtime.quant import DynamicInt8Linear, QuantizedLinear
 
     quantized = quantized_copy(pair[0], bits, group_size=64, dense=LONG).model
     odd = DraftVocab(vocab.ids[:-8], 320)  # 200 rows: int4 packing needs a multiple of 16, so they stay dense

@@ -16,6 +16,7 @@ from sparrow.models import LoadedModel
 from sparrow.models.quantization import quantize_model
 from sparrow.pipeline import Pipeline
 from sparrow.runtime.batch_invariant import EACH_ROW, PAIR, exact_copy, exact_linear, is_exact, make_exact, probe
+from sparrow.runtime.cached_model import prefill_module
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Prompt
 
@@ -152,8 +153,8 @@ def test_quantized_target_speculative_equals_its_plain_decoding(tokenizer, quant
     pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=4, adaptive=False, quant=quant,
                         draft_quant="none")
     assert pipe.target.model.sparrow_quantization.name == quant and is_exact(pipe.target.model)
-    long_prompt = "Paris is the capital of France. " * 8 + "Paris is"  # > MAX_ROWS tokens: a dense prefill
-    assert pipe.target.model.lm_head.dense is not None
+    assert prefill_module(pipe.target.model) is not pipe.target.model  # prefills with its dense source model
+    long_prompt = "Paris is the capital of France. " * 8 + "Paris is"  # > MAX_ROWS tokens: a batched prefill
     drafted, accepted = generate_all(pipe, [*PROMPTS, long_prompt])
     assert 0 < accepted <= drafted
 

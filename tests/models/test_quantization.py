@@ -301,7 +301,7 @@ def test_measure_cost_curve_covers_every_length(target):
 
 
 def test_a_draft_copy_prefills_with_the_shared_dense_weights(target):
-    copy = Q.quantized_copy(target, "int4", GROUP, dense=quant.LONG).model
+    copy = Q.quantized_copy(target, "int4", GROUP, dense=Q.LONG).model
     assert copy.lm_head.dense is target.model.lm_head.weight  # shared, not copied
     long_ids = torch.arange(quant.DENSE_FROM_TOKENS)[None] % 300
     assert torch.equal(copy(long_ids).logits, target.model(long_ids).logits)  # prefill: the dense path
@@ -309,17 +309,22 @@ def test_a_draft_copy_prefills_with_the_shared_dense_weights(target):
     assert not torch.equal(copy(short_ids).logits, target.model(short_ids).logits)  # decode: the int4 kernel
 
 
-def test_a_target_copy_prefills_dense_and_keeps_every_verify_row_on_the_packed_kernel(target):
-    from sparrow.runtime.attention.rowwise import MAX_ROWS
+def test_a_target_copy_prefills_with_its_dense_source_and_decodes_quantized(target):
+    from sparrow.runtime.cached_model import CachedModel, prefill_module
+    from sparrow.types import Prompt
 
     copy = Q.quantized_copy(target, "int4", GROUP).model  # a target's default: dense=PREFILL
     packed = Q.quantized_copy(target, "int4", GROUP, dense=None).model
-    assert copy.lm_head.dense is target.model.lm_head.weight and packed.lm_head.dense is None
-    assert Q.weight_bytes(copy) == Q.weight_bytes(packed)  # a decoding step reads the packed weights only
-    prefill = torch.arange(MAX_ROWS + 1)[None] % 300
-    assert torch.equal(copy(prefill).logits, target.model(prefill).logits)  # a prompt's prefill: dense
-    for ids in (prefill[:, :MAX_ROWS], prefill[:, :1].expand(MAX_ROWS + 1, 1)):  # a verify; a batch of steps
-        assert torch.equal(copy(ids).logits, packed(ids).logits)  # the packed kernel, as without dense weights
+    prefill = prefill_module(copy)
+    assert prefill is not copy and prefill_module(packed) is packed and prefill_module(target.model) is target.model
+    assert prefill.lm_head.weight is target.model.lm_head.weight  # the source's weights, shared, not copied
+    assert prefill not in list(copy.modules()) and Q.weight_bytes(copy) == Q.weight_bytes(packed)
+    ids = torch.arange(12) % 300
+    runner, dense = CachedModel(copy), CachedModel(target.model)
+    first = runner.prefill(Prompt(input_ids=ids)).logits
+    assert torch.equal(first, dense.prefill(Prompt(input_ids=ids)).logits)  # the prompt: the dense model
+    assert not torch.equal(first, CachedModel(packed).prefill(Prompt(input_ids=ids)).logits)  # negative control
+    assert not torch.equal(runner.forward(ids[:1]).logits, dense.forward(ids[:1]).logits)  # then: the int4 kernel
     with pytest.raises(Q.UserError, match="dense must be one of"):
         Q.quantized_copy(target, "int4", GROUP, dense="always")
 

@@ -157,9 +157,8 @@ def test_refuses_sliding_window_and_vision_models():
 
 
 def test_w8a8_target_is_refused_and_a_w8a8_draft_runs_eagerly(target, draft):
-    from sparrow.models.quantization import quantized_copy
+    from sparrow.models.quantization import LONG, quantized_copy
     from sparrow.runtime.cached_model import CachedModel
-    from sparrow.runtime.quant import LONG
 
     w8a8_target = quantized_copy(target, "w8a8")
     with pytest.raises(UserError, match="w8a8 models .* cannot be compiled"):

@@ -35,8 +35,7 @@ from sparrow.drafters.draft_loop import DraftSteps, Forward
 from sparrow.noise import at
 from sparrow.policy.batch import BatchPolicy
 from sparrow.policy.measure import DUMMY_ID_STRIDE
-from sparrow.runtime.attention.rowwise import MAX_ROWS
-from sparrow.runtime.cached_model import CachedModel, additive_mask
+from sparrow.runtime.cached_model import CachedModel, additive_mask, prefill_module
 from sparrow.timing import now
 from sparrow.tree import TreeLayout
 from sparrow.types import Draft, TargetOutput
@@ -152,16 +151,13 @@ PREFILL_PADDING = 2.0
 
 def prefill_groups(prompts: list[int]) -> list[list[int]]:
     """Indices of prompts (their lengths) that prefill together: by increasing length, a group grows while its
-    padded size (rows x the longest) stays within PREFILL_PADDING x its tokens and MAX_PREFILL_TOKENS. Prompts of
-    at most MAX_ROWS tokens group only with each other: alone they run a verify forward's kernels (row-wise
-    attention, a quantized target's packed layers), a longer forward a prefill's (`sparrow.runtime.quant.PREFILL`)."""
+    padded size (rows x the longest) stays within PREFILL_PADDING x its tokens and MAX_PREFILL_TOKENS."""
     groups: list[list[int]] = []
     tokens = 0
     for i in sorted(range(len(prompts)), key=prompts.__getitem__):
         n = prompts[i]
         rows = len(groups[-1]) + 1 if groups else 0
-        same_kind = groups and (prompts[groups[-1][0]] > MAX_ROWS) == (n > MAX_ROWS)
-        if same_kind and rows * n <= min(PREFILL_PADDING * (tokens + n), MAX_PREFILL_TOKENS):
+        if groups and rows * n <= min(PREFILL_PADDING * (tokens + n), MAX_PREFILL_TOKENS):
             groups[-1].append(i)
             tokens += n
         else:
@@ -193,8 +189,9 @@ def prefill_together(model: PreTrainedModel, runners: list[CachedModel], prompts
         runner.clear()
     dtype = next(model.parameters()).dtype
     cache = BatchedKV([runner.cache for runner in runners], new, [q - n for n in new])
-    out = model(input_ids=ids, cache=cache, use_cache=True, position_ids=pos, logits_to_keep=1,
-                attention_mask=additive_mask(allowed, dtype)[:, None], output_hidden_states=bool(hidden_layers))
+    out = prefill_module(model)(input_ids=ids, cache=cache, use_cache=True, position_ids=pos, logits_to_keep=1,
+                                attention_mask=additive_mask(allowed, dtype)[:, None],
+                                output_hidden_states=bool(hidden_layers))
     outputs = []
     for b, n in enumerate(new):
         hidden = torch.stack([out.hidden_states[i][b, q - n:] for i in hidden_layers]) if hidden_layers else None

@@ -14,9 +14,8 @@ from sparrow.drafters.tree_draft import resolve_shape
 from sparrow.drafters.vocab import DraftVocab, resolve_draft_vocab
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel
-from sparrow.models.quantization import DEFAULT_GROUP_SIZE, quantized_copy
+from sparrow.models.quantization import DEFAULT_GROUP_SIZE, LONG, quantized_copy
 from sparrow.policy.measure import follow_cost_curve
-from sparrow.runtime.quant import LONG
 from sparrow.runtime.runner import runner_for
 
 DEFAULT_BITS = "int4"

@@ -17,9 +17,9 @@ stay in the model's dtype (the layer casts to the kernel's dtype and back where 
 
 Decoding a quantized copy is *not* the source model: used as a draft (quantized self-draft,
 quantized draft model) the output stays exactly the target's; used as the target (``--quant``),
-speculation is lossless relative to the quantized target only. A quantized target computes a prompt's
-prefill on the dense weights it was quantized from (``dense=PREFILL``: torch's packed CPU kernels cost ~linear
-in the rows) and every decoding and verify step on the packed kernel: plain and speculative decoding both do.
+speculation is lossless relative to the quantized target only. A quantized target prefills a prompt with
+the dense model it was quantized from (``dense=PREFILL``: torch's packed CPU kernels cost ~linear in the rows)
+and runs every decoding and verify step quantized: plain and speculative decoding alike.
 """
 
 from __future__ import annotations
@@ -42,12 +42,10 @@ from sparrow.errors import UserError
 from sparrow.models import PRESETS, LoadedModel, cache
 from sparrow.paths import default_cache_dir
 from sparrow.runtime.attention.rowwise import use_rowwise
+from sparrow.runtime.cached_model import PREFILL_MODULE
 from sparrow.runtime.hardware import choose_draft_quant, choose_target_quant
 from sparrow.runtime.quant import (
     CPU_INT8_K_MULTIPLE,
-    DENSE_USES,
-    LONG,
-    PREFILL,
     W8A8,
     DynamicInt8Linear,
     QuantizedLinear,
@@ -61,6 +59,10 @@ QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4, "w8a8": 8}  # format -> bits
 # --draft-quant auto: the draft format this machine runs fastest (sparrow.runtime.hardware.choose_draft_quant)
 AUTO = "auto"
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+# Where a quantized copy runs long forwards on its source's dense weights (shared, never copied):
+PREFILL = "prefill"  # a target's: a prompt's prefill runs the dense source model (`prefill_module`)
+LONG = "long"  # a draft's (its output never changes the result): every forward of >= DENSE_FROM_TOKENS tokens
+DENSE_USES = (PREFILL, LONG)
 DEFAULT_GROUP_SIZE = 128
 FORMAT_VERSION = 2  # bump when the on-disk layout changes (2: a cache entry directory with a manifest)
 WEIGHTS_FILE = "weights.safetensors"  # the packed weights inside a quantized cache entry
@@ -248,9 +250,9 @@ def _quantize_layers(model: nn.Module, take: dict[str, nn.Linear], fmt: str, gro
         elif cached is not None:
             layer = QuantizedLinear(linear.in_features, linear.out_features, bits, group_size,
                                     cached[f"{name}.packed"], cached[f"{name}.scales"], linear.bias,
-                                    None if dense is None else linear.weight, dense or LONG)
+                                    linear.weight if dense == LONG else None)
         else:
-            layer = QuantizedLinear.from_linear(linear, bits, group_size, dense)
+            layer = QuantizedLinear.from_linear(linear, bits, group_size, dense == LONG)
         _set_module(clone, name, layer)
     return clone
 
@@ -270,13 +272,13 @@ def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT
     and written to it otherwise; `report` gets the cache's problems (damaged entry rebuilt, cache not
     writable; default: stderr).
 
-    `dense`: which long forwards of the int8 / int4 layers run on the source's dense weights (kept alive,
-    shared, memory-mapped where the loader maps the checkpoint; torch's packed CPU kernels cost ~linear in the
-    rows, a 264-token prefill of the int4 1.5B twice the dense bfloat16 one): PREFILL (the default, a target's)
-    a prompt's prefill only, more than MAX_ROWS tokens a sequence, so every decoding and verify row still runs
-    the packed kernel and speculative decoding's output stays the quantized target's; LONG (a draft's, whose
-    output never changes the result) every forward of >= DENSE_FROM_TOKENS tokens; None keeps no dense weight.
-    w8a8 layers keep none (fbgemm's int8 kernel already scales with the rows).
+    `dense`: which long forwards run on the source's dense weights (kept alive, shared, memory-mapped where the
+    loader maps the checkpoint; torch's packed CPU kernels cost ~linear in the rows, a 264-token prefill of the
+    int4 1.5B about twice the dense bfloat16 one). PREFILL (the default, a target's): a prompt's prefill runs a
+    structural copy of the source model (`prefill_module`), and every decoding and verify step the quantized
+    layers, so speculative decoding's output stays the quantized target's own. LONG (a draft's, whose output
+    never changes the result): an int8 / int4 layer runs every forward of >= DENSE_FROM_TOKENS tokens dense.
+    None: neither.
     """
     fmt = parse_quant(quant, "quant")
     if fmt is None:
@@ -313,6 +315,8 @@ def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT
         group_siblings(clone)
     clone.sparrow_quantization = QuantizationInfo(fmt, group_size, tuple(take), tuple(sorted(set(linears) - set(take))),
                                                   from_disk=cached is not None)
+    if dense == PREFILL:  # in __dict__: not a submodule (not in .parameters(), .to(), state_dict)
+        clone.__dict__[PREFILL_MODULE] = _shared_copy(model).eval()
     return clone.eval()
 
 
@@ -358,7 +362,7 @@ def quantized_copy(loaded: LoadedModel, quant: str | int, group_size: int = DEFA
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the parameters and buffers a decoding step reads (tied / shared tensors counted once; the dense
-    weights a quantized layer keeps for long forwards are not)."""
+    weights a draft's quantized layers keep for long forwards are not)."""
     dense = {id(m.dense) for m in model.modules() if isinstance(m, QuantizedLinear) and m.dense is not None}
     seen: dict[int, int] = {}
     for t in [*model.parameters(), *model.buffers()]:

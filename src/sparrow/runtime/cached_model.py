@@ -24,6 +24,16 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+PREFILL_MODULE = "sparrow_prefill"
+"""A model's attribute (in its __dict__) naming another module that runs its prompt prefills over the same KV cache:
+a quantized target's dense source model (`sparrow.models.quantization.PREFILL`)."""
+
+
+def prefill_module(model: PreTrainedModel) -> PreTrainedModel:
+    """The module that runs `model`'s prompt prefills: its PREFILL_MODULE, or `model` itself."""
+    return model.__dict__.get(PREFILL_MODULE, model)
+
+
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """[..] bool (True = may attend) -> the additive float mask transformers' sdpa and eager attention take."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
@@ -76,7 +86,7 @@ class CachedModel:
         else:
             self.cache, start = taken
             self.position_offset = 0
-        out = self.model(
+        out = prefill_module(self.model)(
             input_ids=prompt.input_ids[start:].to(self.device)[None],
             cache=self.cache,
             use_cache=True,

@@ -42,7 +42,7 @@ from transformers import PretrainedConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from sparrow.errors import UserError
-from sparrow.runtime.cached_model import CachedModel, additive_mask
+from sparrow.runtime.cached_model import CachedModel, additive_mask, prefill_module
 from sparrow.runtime.quant import DynamicInt8Linear
 from sparrow.types import Prompt, TargetOutput
 
@@ -194,9 +194,9 @@ class StaticCachedModel(CachedModel):
         if self.cache is None or not wanted <= self.capacity <= 2 * wanted:
             self._allocate(wanted)
         self._set_length(0)
-        out = self.model(input_ids=prompt.input_ids.to(self.device)[None], cache=self.cache,
-                         use_cache=True, logits_to_keep=1, output_hidden_states=bool(hidden_layers),
-                         **prompt.model_inputs)
+        out = prefill_module(self.model)(input_ids=prompt.input_ids.to(self.device)[None], cache=self.cache,
+                                         use_cache=True, logits_to_keep=1, output_hidden_states=bool(hidden_layers),
+                                         **prompt.model_inputs)
         self._length = n
         return self._output(out, hidden_layers)
 

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor, nn
 
 from sparrow.errors import UserError
-from sparrow.runtime.attention.rowwise import MAX_ROWS
 from sparrow.runtime.cpu import cpu_info
 
 W8A8 = "w8a8"
@@ -40,16 +39,7 @@ CPU_INT4_N_MULTIPLE = 16  # the CPU int4 packing takes output rows in blocks of 
 
 
 
-DENSE_FROM_TOKENS = 16  # a draft's dense fallback takes every forward of >= this many tokens (batch included)
-
-
-
-# When a quantized layer keeps its source's dense weight (`QuantizedLinear.dense`), which forwards use it.
-# torch's packed CPU kernels cost ~linear in the rows (int4: 0.65 ms for 8 rows of a 1536 x 8960 weight, 21 ms
-# for 264, against 9.8 ms dense in bfloat16; AMD EPYC Zen 5), so a long forward is cheaper dense.
-LONG = "long"  # a draft's: >= DENSE_FROM_TOKENS tokens in all (its output never changes the result)
-PREFILL = "prefill"  # a target's: only a prompt's prefill (> MAX_ROWS tokens a sequence); verify rows stay packed
-DENSE_USES = (LONG, PREFILL)
+DENSE_FROM_TOKENS = 16  # with a dense fallback, forwards of >= this many tokens (prefill) use it
 
 
 
@@ -129,25 +119,21 @@ class QuantizedLinear(nn.Module):
     """y = x W^T + b with W stored packed (int8 or int4); a drop-in for nn.Linear at inference."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, packed: Tensor,
-                 scales: Tensor, bias: Tensor | None, dense: Tensor | None = None, dense_use: str = LONG) -> None:
+                 scales: Tensor, bias: Tensor | None, dense: Tensor | None = None) -> None:
         super().__init__()
-        if dense_use not in DENSE_USES:
-            raise ValueError(f"dense_use must be one of {DENSE_USES}, got {dense_use!r}")
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, group_size
         self.register_buffer("packed", packed)  # int8 [N, K] or the device's packed int4 layout
         self.register_buffer("scales", scales)  # int8: [N]; int4: [K / group_size, N, 2], kernel dtype
         self.bias = bias  # shared with the source layer (read-only), or None
-        # The source's dense weight (shared, no copy; memory-mapped from the checkpoint where the loader maps it),
-        # for the long forwards `dense_use` names. It is the source's own nn.Parameter, never a buffer: it is not
-        # part of the quantized state and is not written to the disk cache.
+        # The packed kernels cost ~linear in the number of tokens (a 300-token prefill runs 2.5-3.5x
+        # slower than bf16), so a draft may keep the source's dense weight (shared, no copy) for
+        # long forwards. It is the source's own nn.Parameter (so it counts in .parameters()), never
+        # a buffer: it is not part of the quantized state and is not written to the disk cache.
         self.dense = dense  # [N, K] or None
-        self.dense_use = dense_use
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int,
-                    dense_use: str | None = None) -> QuantizedLinear:
-        """`linear` quantized; dense_use (LONG or PREFILL): keep its dense weight for those forwards."""
+    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int, keep_dense: bool = False) -> QuantizedLinear:
         weight = linear.weight
         dtype = _kernel_dtype(bits, weight.device, weight.dtype)
         if bits == 8:
@@ -157,8 +143,7 @@ class QuantizedLinear(nn.Module):
             q, scales = quantize_int4(weight, group_size)
             packed = pack_int4(q, weight.device)
         return cls(linear.in_features, linear.out_features, bits, group_size, packed,
-                   scales.to(device=weight.device, dtype=dtype), linear.bias,
-                   None if dense_use is None else weight, dense_use or LONG)
+                   scales.to(device=weight.device, dtype=dtype), linear.bias, weight if keep_dense else None)
 
     @property
     def weight(self) -> Tensor:
@@ -168,7 +153,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape  # [..., in_features]
-        if self.dense is not None and self._dense_takes(x):
+        if self.dense is not None and x.numel() >= DENSE_FROM_TOKENS * self.in_features:
             return nn.functional.linear(x, self.dense, self.bias)
         x2 = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
         if self.bits == 8:
@@ -181,12 +166,6 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
-
-    def _dense_takes(self, x: Tensor) -> bool:
-        """Whether this forward (x [..., tokens, in_features]) runs on the dense weight."""
-        if self.dense_use == PREFILL:
-            return x.dim() >= 2 and x.shape[-2] > MAX_ROWS
-        return x.numel() >= DENSE_FROM_TOKENS * self.in_features
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.bits == 4 else ""
