@@ -325,6 +325,8 @@ def test_a_target_copy_prefills_with_its_dense_source_and_decodes_quantized(targ
     assert torch.equal(first, dense.prefill(Prompt(input_ids=ids)).logits)  # the prompt: the dense model
     assert not torch.equal(first, CachedModel(packed).prefill(Prompt(input_ids=ids)).logits)  # negative control
     assert not torch.equal(runner.forward(ids[:1]).logits, dense.forward(ids[:1]).logits)  # then: the int4 kernel
+    w8a8 = Q.quantized_copy(target, "w8a8").model
+    assert prefill_module(w8a8) is w8a8  # fbgemm's int8 kernel scales with the rows: it prefills itself
     with pytest.raises(Q.UserError, match="dense must be one of"):
         Q.quantized_copy(target, "int4", GROUP, dense="always")
 

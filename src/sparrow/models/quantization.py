@@ -278,7 +278,8 @@ def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT
     structural copy of the source model (`prefill_module`), and every decoding and verify step the quantized
     layers, so speculative decoding's output stays the quantized target's own. LONG (a draft's, whose output
     never changes the result): an int8 / int4 layer runs every forward of >= DENSE_FROM_TOKENS tokens dense.
-    None: neither.
+    None: neither. w8a8 copies keep none: fbgemm's int8 kernel scales with the rows (264 rows of a 1536 x 8960
+    weight: 5.7 ms, against 9.3 ms dense in bfloat16 and 39 ms in float32; AMD EPYC Zen 5).
     """
     fmt = parse_quant(quant, "quant")
     if fmt is None:
@@ -315,7 +316,7 @@ def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT
         group_siblings(clone)
     clone.sparrow_quantization = QuantizationInfo(fmt, group_size, tuple(take), tuple(sorted(set(linears) - set(take))),
                                                   from_disk=cached is not None)
-    if dense == PREFILL:  # in __dict__: not a submodule (not in .parameters(), .to(), state_dict)
+    if dense == PREFILL and fmt != W8A8:  # in __dict__: not a submodule (not in .parameters(), .to(), state_dict)
         clone.__dict__[PREFILL_MODULE] = _shared_copy(model).eval()
     return clone.eval()
 
