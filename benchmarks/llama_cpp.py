@@ -101,6 +101,12 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-w8a8-target+draft-w8a8-vocab-auto": ({"drafter": "draft-model", "dtype": "float32", "quant": "w8a8",
                                                    "draft_quant": "w8a8", "draft_vocab": "auto"}, False),
     "sparrow-w8a8-target+prompt-lookup": ({"drafter": "prompt-lookup", "dtype": "float32", "quant": "w8a8"}, False),
+    # w8a8 targets in the machine's dtype (bfloat16 where it is native) between the integer matmuls
+    "sparrow-plain-w8a8-auto": ({"drafter": "prompt-lookup", "dtype": "auto", "quant": "w8a8"}, True),
+    "sparrow-w8a8-auto+prompt-lookup": ({"drafter": "prompt-lookup", "dtype": "auto", "quant": "w8a8"}, False),
+    "sparrow-w8a8-auto+draft-int4": ({"drafter": "draft-model", "dtype": "auto", "quant": "w8a8",
+                                      "draft_quant": "int4"}, False),
+    "sparrow-w8a8-auto+auto": ({"drafter": "auto", "dtype": "auto", "quant": "w8a8", "draft_quant": "int4"}, False),
     "sparrow-w8a8-target+auto": ({"drafter": "auto", "dtype": "float32", "quant": "w8a8", "draft_quant": "w8a8"},
                                  False),
     "sparrow-w8a8-target+auto-vocab-auto": ({"drafter": "auto", "dtype": "float32", "quant": "w8a8",
@@ -877,7 +883,10 @@ def reference_config(config: str) -> str | None:
             "sparrow-w8a8-target+draft-w8a8-vocab-auto": "sparrow-plain-w8a8",
             "sparrow-w8a8-target+prompt-lookup": "sparrow-plain-w8a8",
             "sparrow-w8a8-target+auto": "sparrow-plain-w8a8",
-            "sparrow-w8a8-target+auto-vocab-auto": "sparrow-plain-w8a8"}.get(config)
+            "sparrow-w8a8-target+auto-vocab-auto": "sparrow-plain-w8a8",
+            "sparrow-w8a8-auto+prompt-lookup": "sparrow-plain-w8a8-auto",
+            "sparrow-w8a8-auto+draft-int4": "sparrow-plain-w8a8-auto",
+            "sparrow-w8a8-auto+auto": "sparrow-plain-w8a8-auto"}.get(config)
 
 
 def identical_count(group: list[dict], rows: list[dict]) -> str:
