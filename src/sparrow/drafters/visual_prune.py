@@ -44,7 +44,7 @@ from sparrow.drafters.kv.draft_kv import DraftKVConfig, draft_kv_config, with_dr
 from sparrow.drafters.kv.selection import attention_scores
 from sparrow.errors import UserError
 from sparrow.runtime.attention.capture import QueryCapture
-from sparrow.runtime.cached_model import CachedModel
+from sparrow.runtime.cached_model import CachedModel, prefill_module
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Prompt, TargetOutput
 from sparrow.vision.prompt import visual_token_positions
@@ -141,8 +141,8 @@ def text_to_visual_scores(queries: list, keys: list[Tensor], visual: Tensor) -> 
 
 @contextmanager
 def pruned_decoder_inputs(model: torch.nn.Module, keep: Tensor):
-    """While active, the language model of `model` sees only sequence positions `keep` of its input."""
-    decoder = model.model.language_model
+    """While active, the language model of `model` (and of its `prefill_module`, which runs a quantized target's
+    prefills) sees only sequence positions `keep` of its input."""
 
     def hook(module, args, kwargs):
         embeds = kwargs.get("inputs_embeds")
@@ -156,11 +156,13 @@ def pruned_decoder_inputs(model: torch.nn.Module, keep: Tensor):
             kwargs["attention_mask"] = kwargs["attention_mask"][..., keep.to(embeds.device)]
         return args, kwargs
 
-    handle = decoder.register_forward_pre_hook(hook, with_kwargs=True)
+    decoders = {id(m): m.model.language_model for m in (model, prefill_module(model))}.values()
+    handles = [decoder.register_forward_pre_hook(hook, with_kwargs=True) for decoder in decoders]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 class PrunedView:

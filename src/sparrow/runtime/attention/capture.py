@@ -33,6 +33,7 @@ from sparrow.errors import UserError
 from sparrow.runtime.attention import rowwise as rowwise_attention
 from sparrow.runtime.attention.decode import SDPA
 from sparrow.runtime.attention.layers import attention_configs, decoder_layers
+from sparrow.runtime.cached_model import prefill_module
 
 IMPLEMENTATION = "sparrow_capture"
 CAPTURABLE = (*SDPA, rowwise_attention.NAME)  # implementations with sdpa's mask format, called as they are
@@ -89,8 +90,10 @@ class QueryCapture:
         check_capturable(model)
         self.model = model
         self.window = window
-        self.module_ids = {id(m) for m in decoder_layers(model)}
-        self.configs = attention_configs(model)
+        # a quantized target prefills with its dense source model (`prefill_module`): its layers are watched too
+        watched = list({id(m): m for m in (model, prefill_module(model))}.values())
+        self.module_ids = {id(layer) for m in watched for layer in decoder_layers(m)}
+        self.configs = list({id(c): c for m in watched for c in attention_configs(m)}.values())
         self.layers: dict[int, CapturedQueries] = {}
 
     def observe(self, module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
