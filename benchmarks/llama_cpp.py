@@ -107,6 +107,11 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-w8a8-auto+draft-int4": ({"drafter": "draft-model", "dtype": "auto", "quant": "w8a8",
                                       "draft_quant": "int4"}, False),
     "sparrow-w8a8-auto+auto": ({"drafter": "auto", "dtype": "auto", "quant": "w8a8", "draft_quant": "int4"}, False),
+    # the same with the draft model compiled (--compile: a w8a8 target runs eagerly, exact)
+    "sparrow-w8a8-auto+draft-int4-compiled": ({"drafter": "draft-model", "dtype": "auto", "quant": "w8a8",
+                                               "draft_quant": "int4", "compile": True}, False),
+    "sparrow-w8a8-auto+auto-compiled": ({"drafter": "auto", "dtype": "auto", "quant": "w8a8", "draft_quant": "int4",
+                                         "compile": True}, False),
     "sparrow-w8a8-target+auto": ({"drafter": "auto", "dtype": "float32", "quant": "w8a8", "draft_quant": "w8a8"},
                                  False),
     "sparrow-w8a8-target+auto-vocab-auto": ({"drafter": "auto", "dtype": "float32", "quant": "w8a8",
@@ -737,7 +742,7 @@ def sparrow_maker(args: argparse.Namespace) -> Callable[[str], Callable[[dict], 
         def one(p: dict) -> dict:
             if p.get("warmup"):
                 if options.get("compile"):  # every bucket's graph at this prompt's capacity
-                    pipe.runner.warm_up(pipe.encode(p["prompt"], chat=True))
+                    pipe.warm_up(p["prompt"], chat=True)
                 (pipe.generate_plain if plain else pipe.generate)(p["prompt"], max_new_tokens=8, chat=True)
                 return {}
             return sparrow_row(config, pipe, plain, p, args.max_new_tokens)
@@ -886,7 +891,9 @@ def reference_config(config: str) -> str | None:
             "sparrow-w8a8-target+auto-vocab-auto": "sparrow-plain-w8a8",
             "sparrow-w8a8-auto+prompt-lookup": "sparrow-plain-w8a8-auto",
             "sparrow-w8a8-auto+draft-int4": "sparrow-plain-w8a8-auto",
-            "sparrow-w8a8-auto+auto": "sparrow-plain-w8a8-auto"}.get(config)
+            "sparrow-w8a8-auto+auto": "sparrow-plain-w8a8-auto",
+            "sparrow-w8a8-auto+draft-int4-compiled": "sparrow-plain-w8a8-auto",
+            "sparrow-w8a8-auto+auto-compiled": "sparrow-plain-w8a8-auto"}.get(config)
 
 
 def identical_count(group: list[dict], rows: list[dict]) -> str:

@@ -230,7 +230,7 @@ def softcapped_config():
         ("llama", {"drafter": "quantized-self", "draft_vocab": 1000},
          "--draft-vocab 1000 is over the target's vocabulary of 320 tokens"),
         ("llama", {"drafter": "prompt-lookup", "quant": "w8a8", "compile": True},
-         "--quant w8a8 and --compile do not combine"),
+         "compile=True (--compile) with a w8a8 target runs eagerly"),
         ("llama", {"drafter": "draft-model", "draft": "gemma3", "compile": True},
          "compile: models with sliding-window or non-attention layers (the draft model)"),
         ("gemma3", {"drafter": "sparse"}, "drafter 'sparse' needs a target whose layers all use full attention"),

@@ -26,6 +26,7 @@ from sparrow.models.quantization import (
     AUTO,
     LONG,
     PREFILL,
+    W8A8,
     draft_format,
     parse_quant,
     quantized_copy,
@@ -84,13 +85,16 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     draft_quant: int8 | int4 | w8a8 draft model, or the format of the "quantized-self" copy (default int4);
     "auto": the format this machine measured fastest for one draft row (sparrow.runtime.hardware.choose_draft_quant;
     a dense draft where none pays, and for drafters without a draft model).
-    compile: static KV cache and torch.compile'd decode / verify steps for the target and the draft of
-    draft-model / quantized-self (`sparrow.runtime.compiled`; text LMs without sliding-window layers).
+    compile: static KV cache and torch.compile'd decode / verify steps for the target and the draft model of
+    draft-model / quantized-self / auto (`sparrow.runtime.compiled`; text LMs without sliding-window layers). With
+    exact=True or a w8a8 target (which torch.compile cannot trace) only the draft model compiles and the target
+    runs eagerly (refused for a drafter without one).
     speculative_config: vLLM's speculative config (a dict or its JSON text: method, model,
     num_speculative_tokens, ...; `sparrow.speculative_config`), applied over drafter / draft / num_draft_tokens.
     exact: batch-invariant verification (`sparrow.runtime.batch_invariant`): each verify row computed as plain decoding
     computes it, so greedy output equals plain decoding token for token in any dtype; None (default): on for a
-    quantized target (quant=), off otherwise and with compile (torch.compile traces its own kernels).
+    quantized target (quant=) that runs eagerly, off otherwise (a compiled target: torch.compile traces its own
+    kernels).
     prefix_cache: keep the target's KV of up to this many tokens of earlier requests (LRU), so that a prompt that
     begins like one of them prefills only the rest (vLLM's automatic prefix caching; `sparrow.runtime.prefix_cache`);
     0 (default): off. A dynamic-cache text target only, with a drafter that reads no target hidden states.
@@ -99,13 +103,14 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
         speculative_config, drafter, draft, num_draft_tokens, drafter_options)
     if not isinstance(compile, bool):
         raise UserError(f"compile must be True or False, got {compile!r}")
-    resolve_exact(exact, compile)  # refuses exact with compile before any model loads
+    resolve_exact(exact)  # its value, before any model loads
     if prefix_cache:  # its value, before any model loads
         PrefixCache(prefix_cache)
     check_compile(drafter, compile)
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, drafter_options, target,
                                      device, dtype)
     quant = _target_quant(quant, drafter)
+    check_draft_only_compile(drafter, draft, compile and not _target_compiles(compile, exact, quant), exact)
     check_models(drafter, drafter_options, target, draft, device=device, compile=compile, quant=quant,
                  draft_quant=draft_quant)  # what the models' configs say they cannot run, before loading them
     if isinstance(target, str):
@@ -113,23 +118,38 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     if isinstance(draft, str):
         draft = load_model(draft, dtype=dtype, device=device, progress=progress)
     quant = target_format(target.model, quant, compile)
-    exact = resolve_exact(exact, compile, quant)
+    compiled = _target_compiles(compile, exact, quant)
+    exact = resolve_exact(exact, compiled, quant)
     target = _quantized(target, quant)
     draft = _quantized(draft, draft_quant, LONG) if draft is not None else None
     return _build(target, drafter, draft, num_draft_tokens, adaptive, verifier,
-                  _quantized_run(quant, draft_quant, draft), drafter_options, compile, exact, prefix_cache)
+                  _quantized_run(quant, draft_quant, draft), drafter_options, compiled, exact, prefix_cache,
+                  compile_draft=compile)
 
 
 def resolve_exact(exact: bool | None, compiled: bool = False, quant: str | None = None) -> bool:
     """Whether the target runs batch-invariant forwards: `exact`, or by default (None) for a quantized target
-    unless compiled (a dense target opts in: its cost was not measured <= 10 % yet, see docs/lossless.md).
-    Refuses exact=True with compile=True before any model loads."""
+    that runs eagerly (a dense target opts in: its cost was not measured <= 10 % yet, see docs/lossless.md;
+    a compiled target cannot: torch.compile generates its own kernels, which are not row-invariant)."""
     if exact is not None and not isinstance(exact, bool):
         raise UserError(f"exact must be True, False or None, got {exact!r}")
-    if exact and compiled:
-        raise UserError("exact=True (--exact) and compile=True (--compile) do not combine: torch.compile generates "
-                         "its own kernels, which are not row-invariant; drop one")
+    assert not (exact and compiled), "an exact target runs eagerly (`_target_compiles`)"
     return (quant is not None and not compiled) if exact is None else exact
+
+
+def _target_compiles(compile: bool, exact: bool | None, quant: str | None) -> bool:
+    """Whether compile=True compiles the target itself: not when it must stay exact (exact=True) or is w8a8
+    (torch.compile cannot trace fbgemm's packed weights); then only the draft model compiles."""
+    return compile and exact is not True and quant != W8A8
+
+
+def check_draft_only_compile(drafter: str, draft: object, draft_only: bool, exact: bool | None) -> None:
+    """Refuse, before loading, compile=True where only a draft model would compile and the drafter has none."""
+    if draft_only and not (drafter in ("draft-model", "quantized-self") or (drafter == "auto" and draft is not None)):
+        why = "exact=True (--exact) keeps the target eager" if exact else \
+            "a w8a8 target runs eagerly (torch.compile cannot trace fbgemm's packed int8 weights)"
+        raise UserError(f"compile=True (--compile) with {why}, so it compiles only a draft model, and drafter "
+                        f"{drafter!r} drafts without one: drop --compile")
 
 
 def with_speculative_config(config: Mapping[str, Any] | str | None, drafter: str, draft: Any,
@@ -164,14 +184,15 @@ def _quantized_run(quant: str | None, draft_quant: str | None, draft: LoadedMode
 
 def _build(target: LoadedModel, drafter: str, draft: LoadedModel | None, num_draft_tokens: int | None,
            adaptive: bool, verifier: str, quantized: bool, drafter_options: dict[str, Any],
-           compiled: bool = False, exact: bool = False, prefix_cache: int = 0) -> Pipeline:
+           compiled: bool = False, exact: bool = False, prefix_cache: int = 0,
+           compile_draft: bool | None = None) -> Pipeline:
     """A Pipeline from loaded (and already quantized) models; exact: over the target's batch-invariant copy."""
     if exact:
         target = replace(target, model=exact_copy(target.model))
     built = build_drafter(drafter, target, draft, num_draft_tokens, adaptive, **drafter_options)
     if quantized:  # quantized kernels: k follows the measured cost curve
         follow_cost_curve(built, runner_for(target.model))
-    return Pipeline(target, built, verifier, compiled, prefix_cache)
+    return Pipeline(target, built, verifier, compiled, prefix_cache, compile_draft)
 
 
 class PipelineCache:

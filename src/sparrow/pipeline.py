@@ -70,13 +70,15 @@ class Pipeline:
     """A target, its runner (and KV cache) and a drafter. Safe to share between threads: see the module doc."""
 
     def __init__(self, target: LoadedModel, drafter: Drafter | None, verifier: str = "auto",
-                 compiled: bool = False, prefix_cache: int = 0) -> None:
-        """compiled: the target, and a draft-model / quantized-self drafter's draft, run on a static KV cache
-        with torch.compile'd steps (`sparrow.runtime.compiled`); one generation at a time (no `sequence`).
+                 compiled: bool = False, prefix_cache: int = 0, compile_draft: bool | None = None) -> None:
+        """compiled: the target runs on a static KV cache with torch.compile'd steps (`sparrow.runtime.compiled`);
+        compile_draft (default: as `compiled`): so does the draft model of a draft-model / quantized-self drafter
+        (or of auto's draft-model candidate). Either way one generation at a time (no `sequence`).
         prefix_cache: keep the target's KV of up to this many tokens of earlier requests, so that a prompt that
         begins like one of them prefills only the rest (`sparrow.runtime.prefix_cache`; 0: off)."""
         self.target = target
         self.compiled = compiled
+        self.draft_compiled = compiled if compile_draft is None else compile_draft
         self.runner = runner_for(target.model, compiled)
         if prefix_cache:
             if type(self.runner) is not CachedModel:
@@ -86,7 +88,7 @@ class Pipeline:
                 raise UserError(f"prefix_cache does not combine with the {drafter.name!r} drafter: it reads what the "
                                 "target computes over the whole prompt, which a prefix-cached prefill skips")
             self.runner.prefix_cache = PrefixCache(prefix_cache)
-        if compiled:
+        if self.draft_compiled:
             _compile_draft_runner(drafter)
         self.drafter = drafter
         self.verifier = verifier
@@ -94,6 +96,17 @@ class Pipeline:
         self._grammars: Grammars | None = None  # structured output: made on the first request that asks for it
         if verifier not in ("auto", *VERIFIERS):
             raise UserError(f"unknown verifier {verifier!r}; expected one of: auto, {', '.join(VERIFIERS)}")
+
+    def warm_up(self, prompt: PromptInput, chat: bool = False) -> None:
+        """Compile every step size of the compiled runners (the target's, the draft models') at the cache capacity
+        `prompt` allocates, so that no compile falls inside a timed generation; nothing to do where none is."""
+        encoded = self.encode(prompt, chat=chat)
+        runners = [self.runner] if self.compiled else []
+        if self.draft_compiled:
+            runners += [d.draft for d in _draft_model_drafters(self.drafter)]
+        for runner in runners:
+            if hasattr(runner, "warm_up"):
+                runner.warm_up(encoded)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -213,7 +226,7 @@ class Pipeline:
         the target, and a copy of the drafter that shares its models (None with plain=True). Give it back with
         `release` once it finished; `result` turns it into a GenerationResult."""
         self._check_options(options)
-        if self.compiled:
+        if self.compiled or self.draft_compiled:
             raise UserError("a compiled pipeline (compile=True, --compile) runs one generation at a time; batched "
                             "sequences (sparrow serve) need compile=False")
         with holding(stateful_objects(self.target.model, self.drafter)):
@@ -313,9 +326,21 @@ def stop_strings(stop: object) -> tuple[str, ...]:
 # --- compile --------------------------------------------------------------------------------------------
 
 
+def _draft_model_drafters(drafter: Drafter | None) -> list[DraftModelDrafter]:
+    """The draft-model / quantized-self drafters among `drafter` and, for auto, its candidates."""
+    candidates = getattr(drafter, "candidates", None)
+    drafters = list(candidates.values()) if isinstance(candidates, dict) else [drafter]
+    return [d for d in drafters if isinstance(d, DraftModelDrafter)]
+
+
 def _compile_draft_runner(drafter: Drafter | None) -> None:
-    """Give a draft-model / quantized-self drafter a compiled runner over its draft (its reduced-head view,
-    if any) unless the draft is w8a8; other drafters keep running their forwards eagerly."""
+    """Give a draft-model / quantized-self drafter (auto's too) a compiled runner over its draft (its reduced-head
+    view, if any) unless the draft is w8a8; other drafters keep running their forwards eagerly."""
+    found = _draft_model_drafters(drafter)
+    if found and found[0] is not drafter:  # auto's draft-model candidate
+        for candidate in found:
+            _compile_draft_runner(candidate)
+        return
     if isinstance(drafter, DraftModelDrafter) and traceable(drafter.draft.model):
         drafter.draft = runner_for(drafter.draft.model, compiled=True)
     elif isinstance(drafter, DraftModelDrafter):  # e.g. `--draft-quant auto` chose w8a8 on this CPU

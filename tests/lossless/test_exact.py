@@ -165,8 +165,10 @@ def test_exact_is_on_by_default_for_quantized_targets_only(tokenizer):
     assert is_exact(sparrow.load(target, drafter="prompt-lookup", quant="int8").target.model)
 
 
-def test_exact_and_compile_are_refused_before_loading():
-    with pytest.raises(UserError, match="exact=True .* compile=True"):
+def test_exact_compile_without_a_draft_model_is_refused_before_loading():
+    """exact=True keeps the target eager, so compile=True compiles only a draft model (tests/runtime/test_compiled.py);
+    a drafter without one is refused."""
+    with pytest.raises(UserError, match="compile=True .* exact=True"):
         sparrow.load("no-such-model-is-loaded", drafter="prompt-lookup", exact=True, compile=True)
     with pytest.raises(UserError, match="exact must be"):
         sparrow.load("no-such-model-is-loaded", drafter="prompt-lookup", exact="yes")

@@ -168,6 +168,46 @@ def test_w8a8_target_is_refused_and_a_w8a8_draft_runs_eagerly(target, draft):
     assert isinstance(pipe.runner, StaticCachedModel) and type(pipe.drafter.draft) is CachedModel
 
 
+@pytest.mark.parametrize("options", [{"exact": True}, {"quant": "w8a8"}], ids=["exact", "w8a8"])
+def test_an_eager_target_compiles_only_its_draft_and_stays_exact(target, draft, plain, options):
+    """compile=True where the target must stay eager (exact=True; a w8a8 target torch.compile cannot trace): the
+    draft model compiles, the target runs exact eager forwards, and the output is the target's own plain output
+    (of the w8a8 target there), drafts accepted."""
+    import sparrow
+    from sparrow.runtime.batch_invariant import is_exact
+
+    pipe = sparrow.load(target, drafter="draft-model", draft=draft, num_draft_tokens=3, adaptive=False,
+                        draft_quant="none", compile=True, **options)
+    assert not pipe.compiled and pipe.draft_compiled and is_exact(pipe.target.model)
+    assert type(pipe.runner) is CachedModel and isinstance(pipe.drafter.draft, StaticCachedModel)
+    pipe.warm_up(PROMPTS[0])  # the draft's graphs, before the generation
+    expected = plain if "quant" not in options else \
+        {p: Pipeline(pipe.target, None).generate_plain(p, max_new_tokens=NEW_TOKENS).token_ids for p in PROMPTS}
+    accepted = 0
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert result.token_ids == expected[prompt], prompt
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0, "no draft was accepted: nothing was tested"
+    with pytest.raises(UserError, match="one generation at a time"):
+        pipe.sequence(PROMPTS[0], max_new_tokens=4)
+
+
+def test_auto_compiles_its_draft_model_candidate(target, draft):
+    import sparrow
+
+    pipe = sparrow.load(target, drafter="auto", draft=draft, draft_quant="none", compile=True, exact=True)
+    assert isinstance(pipe.drafter.candidates["draft-model"].draft, StaticCachedModel)
+
+
+def test_draft_only_compile_without_a_draft_model_is_refused_before_loading():
+    import sparrow
+
+    for options in ({"exact": True}, {"quant": "w8a8"}):
+        with pytest.raises(UserError, match="compiles only a draft model, and drafter 'prompt-lookup' drafts"):
+            sparrow.load("no-such-model-is-loaded", drafter="prompt-lookup", compile=True, **options)
+
+
 def test_generate_json_says_compiled(monkeypatch, tmp_path, target):
     from typer.testing import CliRunner
 

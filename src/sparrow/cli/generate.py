@@ -90,7 +90,7 @@ def generate(
             "verify row computed exactly as plain decoding computes it, so "
             "greedy output equals plain decoding token for token in bfloat16 too "
             "(costs verify speed: attention row by row). Default: on with "
-            "--quant (except with --compile), off otherwise.",
+            "--quant (except a target --compile compiles), off otherwise.",
         ),
     ] = None,
     compile_steps: Annotated[
@@ -98,9 +98,10 @@ def generate(
         typer.Option(
             "--compile/--no-compile",
             help="Static KV cache and torch.compile'd "
-            "decode/verify steps for the target and a draft-model/quantized-self "
-            "draft (text LMs without sliding-window layers; the first steps of "
-            "each shape compile).",
+            "decode/verify steps for the target and the draft model of "
+            "draft-model/quantized-self/auto (text LMs without sliding-window "
+            "layers; the first steps of each shape compile). With --exact or "
+            "--quant w8a8 only the draft model compiles; the target runs eagerly.",
         ),
     ] = False,
     video: Annotated[
@@ -217,7 +218,7 @@ def generate(
         "draft": draft_name(drafter, draft), "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
         "temperature": temperature, "stats": result.stats.to_dict(), "quant": target_quant_used(pipe),
         "draft_quant": draft_quant_used(pipe, draft_quant), "compiled": pipe.compiled,
-        "exact": pipe.exact,
+        "draft_compiled": pipe.draft_compiled, "exact": pipe.exact,
         "lossless_relative_to": f"the {target_quant_used(pipe)}-quantized target" if target_quant_used(pipe)
                                 else "the target",
         "tree": tree_record(pipe.drafter, tree),

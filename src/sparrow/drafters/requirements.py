@@ -6,7 +6,7 @@ model's family cannot run is refused in one line naming the options, not after t
 
 * a drafter that needs a draft model given none;
 * compile on a vision-language model or one with sliding-window layers (the target, and a draft-model's draft,
-  which compiles too); compile with a w8a8 target;
+  which compiles too);
 * a weight format with no kernel on the device (w8a8 off the CPU, int4 on an old GPU);
 * the sparse drafter on a target with sliding-window layers (they keep no full prompt cache to select from);
 * visual-prune drafting with a text-only model; a draft-KV policy (`draft_kv`) on a text-only draft or one with
@@ -37,7 +37,7 @@ from sparrow.models import LoadedModel
 from sparrow.models.loading import read_config
 from sparrow.runtime.compiled import check_compilable_config, windowed
 from sparrow.runtime.devices import resolve_device
-from sparrow.runtime.quant import W8A8, check_device
+from sparrow.runtime.quant import check_device
 
 ModelSpec = str | LoadedModel  # what sparrow.load takes: a preset, path or hub id, or a loaded model
 LM_HEAD_OF_TARGET = ("quantized-self", "layer-skip")  # draft_vocab reduces the target's own LM head
@@ -56,9 +56,6 @@ def check_models(drafter: str, options: Mapping[str, Any], target: ModelSpec, dr
             check_device(fmt, where)
     if drafter in REGISTRY and REGISTRY[drafter].needs_draft_model and draft is None:
         raise UserError(f"drafter {drafter!r} needs a draft model (--draft / draft=)")
-    if compile and quant == W8A8:
-        raise UserError("--quant w8a8 and --compile do not combine (torch.compile cannot trace fbgemm's packed int8 "
-                        "weights); drop --compile, or use --quant int8 / int4")
     name = target.name if isinstance(target, LoadedModel) else target
     target_config = read_config(target)
     draft_config = read_config(draft) if draft is not None else None
