@@ -180,7 +180,10 @@ def test_an_eager_target_compiles_only_its_draft_and_stays_exact(target, draft, 
                         draft_quant="none", compile=True, **options)
     assert not pipe.compiled and pipe.draft_compiled and is_exact(pipe.target.model)
     assert type(pipe.runner) is CachedModel and isinstance(pipe.drafter.draft, StaticCachedModel)
+    from torch._dynamo.utils import counters
+
     pipe.warm_up(PROMPTS[0])  # the draft's graphs, before the generation
+    graphs = counters["stats"]["unique_graphs"]
     expected = plain if "quant" not in options else \
         {p: Pipeline(pipe.target, None).generate_plain(p, max_new_tokens=NEW_TOKENS).token_ids for p in PROMPTS}
     accepted = 0
@@ -189,6 +192,8 @@ def test_an_eager_target_compiles_only_its_draft_and_stays_exact(target, draft, 
         assert result.token_ids == expected[prompt], prompt
         accepted += result.stats.num_accepted_tokens
     assert accepted > 0, "no draft was accepted: nothing was tested"
+    # the drafts' tokens come from outside inference mode: they reuse the warm-up's graphs, nothing recompiles
+    assert counters["stats"]["unique_graphs"] == graphs
     with pytest.raises(UserError, match="one generation at a time"):
         pipe.sequence(PROMPTS[0], max_new_tokens=4)
 

@@ -238,6 +238,8 @@ class StaticCachedModel(CachedModel):
         if mask is not None:
             allowed[:n, : start + n] = mask.to(self.device)
         tokens = tokens.to(self.device)
+        if not tokens.is_inference():  # a caller's tensor from outside inference mode: dynamo would guard on its
+            tokens = tokens.clone()  # dispatch keys and compile every bucket a second time (once per kind)
         if bucket > n:
             tokens = torch.cat([tokens, tokens.new_zeros(bucket - n)])
             positions = torch.cat([positions, positions[-1] + 1 + rows[: bucket - n]])
