@@ -303,6 +303,8 @@ def test_measure_cost_curve_covers_every_length(target):
 def test_a_draft_copy_prefills_with_the_shared_dense_weights(target):
     copy = Q.quantized_copy(target, "int4", GROUP, dense=Q.LONG).model
     assert copy.lm_head.dense is target.model.lm_head.weight  # shared, not copied
+    packed = Q.quantized_copy(target, "int4", GROUP, dense=None).model
+    assert Q.weight_bytes(copy) == Q.weight_bytes(packed)  # a decoding step reads the packed weights only
     long_ids = torch.arange(quant.DENSE_FROM_TOKENS)[None] % 300
     assert torch.equal(copy(long_ids).logits, target.model(long_ids).logits)  # prefill: the dense path
     short_ids = long_ids[:, :4]
