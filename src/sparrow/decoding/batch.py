@@ -330,10 +330,9 @@ class Batch:
         device = seqs[0].target.device
         t0 = now(device)
         limits = [seq.stopper.remaining - 1 if seq.drafter is not None else 0 for seq in seqs]
-        lags = [seq.drafter.behind(seq.committed) if seq.drafter is not None else 0 for seq in seqs]
-        cap = self.policy.cap(seqs, limits, lags)
-        behind = [lag if seq.drafter is not None and min(cap, limit) else None
-                  for seq, lag, limit in zip(seqs, lags, limits)]  # committed tokens each draft would first feed
+        cap = self.policy.cap(seqs, limits)
+        behind = [seq.drafter.behind(seq.committed) if seq.drafter is not None and min(cap, limit) else None
+                  for seq, limit in zip(seqs, limits)]  # committed tokens each draft would first feed (None: no draft)
         # a probe measures acceptance: not worth a long draft catch-up
         allowed = probe_limits(behind, limits) if self.policy.probing else limits
         # a draft that first feeds many tokens (a lazy prompt prefill, steps it sat out) makes the phase no measure

@@ -110,32 +110,27 @@ class BatchPolicy:
             self.draft.add(rows, seconds)
 
     def rate(self, seqs: Sequence[Estimated], limits: list[int], k: int,
-             curves: list[list[float]] | None = None, behind: Sequence[int] = ()) -> float:
+             curves: list[list[float]] | None = None) -> float:
         """Expected tokens per second of a step whose drafts are capped at k (unknown draft costs count as 0).
-        curves: each sequence's `AcceptanceEstimate.curve` up to its limit (computed here when not given).
-        behind: committed tokens each draft would first feed (a lazy prompt prefill, the steps it sat out): their
-        catch-up, priced as one draft forward of that many rows, is spread over the steps left to the batch."""
+        curves: each sequence's `AcceptanceEstimate.curve` up to its limit (computed here when not given)."""
         ks = [min(k, limit) for limit in limits]
         curves = curves or [seq.acceptance.curve(j) for seq, j in zip(seqs, ks)]
         tokens = sum(curve[j] for curve, j in zip(curves, ks))
         drafting = sum(1 for j in ks if j)
         seconds = max(ks) * self.draft(drafting) if drafting and self.draft.known else 0.0
-        lag = sum(n for n, j in zip(behind, ks) if j)
-        if lag and self.draft.known:  # paid once, then each drafting step feeds only what it commits
-            seconds += self.draft(lag) * tokens / max(sum(limits) + len(limits), 1)
         return tokens / max(seconds + self.verify(sum(ks) + len(ks)), 1e-12)
 
-    def cap(self, seqs: Sequence[Estimated], limits: list[int], behind: Sequence[int] = ()) -> int:
-        """Tokens each sequence may draft this step (each also at most its own limit); behind: see `rate`. A
-        sequence alone follows its drafter's own policy, which already weighs its draft and verify costs.
-        `probing` says afterwards whether the cap is a probe."""
+    def cap(self, seqs: Sequence[Estimated], limits: list[int]) -> int:
+        """Tokens each sequence may draft this step (each also at most its own limit). A sequence alone follows
+        its drafter's own policy, which already weighs its draft and verify costs. `probing` says afterwards
+        whether the cap is a probe."""
         top = max(limits, default=0)
         self._step += 1
         self.probing = False
         if top == 0 or len(seqs) < 2 or not self.adaptive or not self.verify.known:
             return top
         curves = [seq.acceptance.curve(limit) for seq, limit in zip(seqs, limits)]
-        rates = [self.rate(seqs, limits, k, curves, behind) for k in range(top + 1)]
+        rates = [self.rate(seqs, limits, k, curves) for k in range(top + 1)]
         best = max(range(1, top + 1), key=rates.__getitem__)
         pays = self.beats(rates[best], rates[0])
         if not pays and not self.could_pay(seqs, limits, rates[0]):
