@@ -43,7 +43,7 @@ from sparrow.models import LoadedModel
 from sparrow.noise import PositionalNoise
 from sparrow.runtime.batch_invariant import is_exact
 from sparrow.runtime.cached_model import CachedModel
-from sparrow.runtime.compiled import traceable
+from sparrow.runtime.compiled import StaticCachedModel, traceable
 from sparrow.runtime.prefix_cache import PrefixCache
 from sparrow.runtime.runner import runner_for
 from sparrow.stopping import OnText, Stopper
@@ -105,7 +105,7 @@ class Pipeline:
         if self.draft_compiled:
             runners += [d.draft for d in _draft_model_drafters(self.drafter)]
         for runner in runners:
-            if hasattr(runner, "warm_up"):
+            if isinstance(runner, StaticCachedModel):  # a w8a8 draft stays eager
                 runner.warm_up(encoded)
 
     @property
@@ -334,21 +334,18 @@ def _draft_model_drafters(drafter: Drafter | None) -> list[DraftModelDrafter]:
 
 
 def _compile_draft_runner(drafter: Drafter | None) -> None:
-    """Give a draft-model / quantized-self drafter (auto's too) a compiled runner over its draft (its reduced-head
+    """Give each draft-model / quantized-self drafter (auto's too) a compiled runner over its draft (its reduced-head
     view, if any) unless the draft is w8a8; other drafters keep running their forwards eagerly."""
+    log = logging.getLogger("sparrow")
     found = _draft_model_drafters(drafter)
-    if found and found[0] is not drafter:  # auto's draft-model candidate
-        for candidate in found:
-            _compile_draft_runner(candidate)
-        return
-    if isinstance(drafter, DraftModelDrafter) and traceable(drafter.draft.model):
-        drafter.draft = runner_for(drafter.draft.model, compiled=True)
-    elif isinstance(drafter, DraftModelDrafter):  # e.g. `--draft-quant auto` chose w8a8 on this CPU
-        logging.getLogger("sparrow").info("compile: the w8a8 draft runs eagerly (torch.compile cannot trace "
-                                          "fbgemm's packed weights); the target is compiled")
-    elif drafter is not None:
-        logging.getLogger("sparrow").info("compile: drafter %r runs its own forwards eagerly (only draft-model "
-                                          "and quantized-self drafts are compiled)", drafter.name)
+    for each in found:
+        if traceable(each.draft.model):
+            each.draft = runner_for(each.draft.model, compiled=True)
+        else:  # e.g. `--draft-quant auto` chose w8a8 on this CPU
+            log.info("compile: the w8a8 draft runs eagerly (torch.compile cannot trace fbgemm's packed weights)")
+    if drafter is not None and not found:
+        log.info("compile: drafter %r runs its own forwards eagerly (only draft-model and quantized-self drafts "
+                 "are compiled)", drafter.name)
 
 
 __all__ = ["Pipeline", "Request"]
