@@ -134,7 +134,7 @@ def test_a_draft_is_prefilled_only_once_it_drafts(pair, plain_outputs):
     """In a batch, a draft model's prompt prefill waits for its first draft: never drafting, never paid."""
 
     class NeverDraft(BatchPolicy):
-        def cap(self, seqs, limits):
+        def cap(self, seqs, limits, behind=()):
             return 0
 
     pipe = Pipeline(pair[0], SPECS["draft-model"].build(pair, 4, False, {}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import tiny_model
 
-from sparrow.decoding.batch import measure_rows
+from sparrow.decoding.batch import measure_feeds, measure_rows
 from sparrow.policy.batch import BatchPolicy, CostTable
 from sparrow.policy.estimates import AcceptanceEstimate
 
@@ -109,6 +109,37 @@ def test_the_cap_uses_observed_accepted_lengths():
     geometric = Seq(observed.acceptance.value)
     assert observed.acceptance.tokens(8) < 5 < 8.5 < geometric.acceptance.tokens(8)
     assert policy.cap([observed] * 4, [8] * 4) == 3 < policy.cap([geometric] * 4, [8] * 4)
+
+
+INT4_FEED = [(16, 0.015), (64, 0.05), (256, 0.2)]  # one sequence's draft feeding n tokens alone (dense prefill)
+
+
+def test_a_catch_up_is_priced_by_the_tokens_each_draft_has_left():
+    """Twelve sequences whose drafts sat out 150 tokens each (a lazy prompt prefill and the steps since): with
+    20 tokens left each, their catch-ups (0.12 s each, alone) cost more than drafting then saves, so the step is
+    plain; with 200 left, each step carries a tenth of that share and drafting pays. Drafts in step pay nothing,
+    and without a measured feed table the lag is not priced (the earlier policy, which drafted here)."""
+    seqs, verify, draft = [Seq(0.8)] * 12, [(1, 0.10), (32, 0.12), (64, 0.2), (256, 0.8)], [(1, 0.01), (16, 0.02)]
+    policy = BatchPolicy()
+    policy.seed(verify, draft, INT4_FEED)
+    assert policy.feed.known
+    far = [150] * 12
+    assert policy.cap(seqs, [20] * 12, far) == 0
+    assert policy.cap(seqs, [200] * 12, far) > 0
+    assert policy.cap(seqs, [20] * 12, [0] * 12) > 0  # in step: nothing to catch up
+    unmeasured = BatchPolicy()
+    unmeasured.seed(verify, draft)
+    assert unmeasured.cap(seqs, [20] * 12, far) > 0  # negative control
+
+
+def test_a_served_batch_seeds_its_feed_table_with_single_sequence_forwards():
+    """The catch-up table's seed (`Scheduler._draft_costs`): one sequence's forward of 16, 64 tokens, more costing
+    no less."""
+    points = measure_feeds(tiny_model("llama", seed=0), (16, 64))
+    assert [n for n, _ in points] == [16, 64] and all(seconds > 0 for _, seconds in points)
+    policy = BatchPolicy()
+    policy.seed([(1, 0.1)], feed=points)
+    assert policy.feed.known and policy.feed(64) >= policy.feed(16)
 
 
 def test_cost_table_interpolates_decayed_bin_means():

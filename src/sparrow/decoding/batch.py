@@ -38,7 +38,7 @@ from sparrow.policy.measure import DUMMY_ID_STRIDE
 from sparrow.runtime.cached_model import CachedModel, additive_mask, prefill_module
 from sparrow.timing import now
 from sparrow.tree import TreeLayout
-from sparrow.types import Draft, TargetOutput
+from sparrow.types import Draft, Prompt, TargetOutput
 
 
 class BatchedKV:
@@ -199,6 +199,26 @@ def prefill_together(model: PreTrainedModel, runners: list[CachedModel], prompts
     return outputs
 
 
+def measure_feeds(model: PreTrainedModel, lengths: tuple[int, ...] = (16, 64, 256), vocab: int | None = None,
+                  repeats: int = 2) -> list[tuple[int, float]]:
+    """Seconds of one sequence's forward of n tokens into an empty cache, for each n: what a draft's catch-up costs
+    (its lazy prompt prefill, or the steps it sat out; more than MAX_SHARED_CATCH_UP tokens run alone, see
+    `draft_together`), the first points of a batch's feed cost table (`sparrow.policy.batch.BatchPolicy.seed`). The
+    fastest of `repeats` runs after a warm-up."""
+    runner = CachedModel(model)
+    ids = torch.arange(max(lengths)) * DUMMY_ID_STRIDE % (vocab or runner.vocab_size)
+    points = []
+    for n in lengths:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = now(runner.device)
+            runner.prefill(Prompt(ids[:n]))
+            times.append(now(runner.device) - t0)
+        points.append((n, min(times[1:])))
+    runner.cache = None
+    return points
+
+
 def measure_rows(model: PreTrainedModel, rows: tuple[int, ...] = (1, 2, 4, 8), context: int = 32,
                  vocab: int | None = None, repeats: int = 2) -> list[tuple[int, float]]:
     """Seconds of one `forward_batch` of one token in each of n rows (each after its own short context), for each
@@ -330,9 +350,11 @@ class Batch:
         device = seqs[0].target.device
         t0 = now(device)
         limits = [seq.stopper.remaining - 1 if seq.drafter is not None else 0 for seq in seqs]
-        cap = self.policy.cap(seqs, limits)
-        behind = [seq.drafter.behind(seq.committed) if seq.drafter is not None and min(cap, limit) else None
-                  for seq, limit in zip(seqs, limits)]  # committed tokens each draft would first feed (None: no draft)
+        lags = [seq.drafter.behind(seq.committed) if seq.drafter is not None and limit else 0
+                for seq, limit in zip(seqs, limits)]  # committed tokens each draft would first feed
+        cap = self.policy.cap(seqs, limits, [lag if lag > MAX_SHARED_CATCH_UP else 0 for lag in lags])
+        behind = [lag if seq.drafter is not None and min(cap, limit) else None
+                  for seq, lag, limit in zip(seqs, lags, limits)]  # None: no draft
         # a probe measures acceptance: not worth a long draft catch-up
         allowed = probe_limits(behind, limits) if self.policy.probing else limits
         # a draft that first feeds many tokens (a lazy prompt prefill, steps it sat out) makes the phase no measure

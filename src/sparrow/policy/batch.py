@@ -6,7 +6,9 @@ T = sum(k_b + 1) tokens, and commits sum E_b[tokens](k) (each sequence's accepte
 k = 0 (a plain step: B tokens for verify(B)) included, from each sequence's acceptance and two cost tables
 interpolated between measured steps (`CostTable`), both seeded by measurements before the first step: a draft
 model's batched forward grows with its rows as the target's does with its tokens, so as the batch grows drafts get
-shorter, and stop where they no longer pay (`BackOff`).
+shorter, and stop where they no longer pay (`BackOff`). A draft that first feeds many committed tokens alone (a lazy
+prompt prefill, the steps it sat out) prices that catch-up from a third table, a single sequence's forward of n
+tokens, each sequence's share spread over the tokens it has left.
 """
 
 from __future__ import annotations
@@ -94,43 +96,56 @@ class BatchPolicy:
     def __post_init__(self) -> None:
         self.verify = CostTable(self.decay)  # (tokens in the batched forward, seconds)
         self.draft = CostTable(self.decay)  # (sequences drafting, seconds per draft position)
+        self.feed = CostTable(self.decay)  # (tokens one sequence's draft feeds alone, seconds): catch-ups
         self.probes = BackOff(self.probe, self.max_probe)
         self.probes.restart(self.probe)  # the first decisions stand on the seeded costs and the drafters' priors
         self._step = 0
         self.probing = False  # whether the last cap was a probe (drafting that does not pay)
 
-    def seed(self, points: list[tuple[int, float]], draft: list[tuple[int, float]] = ()) -> None:
+    def seed(self, points: list[tuple[int, float]], draft: list[tuple[int, float]] = (),
+             feed: list[tuple[int, float]] = ()) -> None:
         """Measured costs before serving: (tokens, seconds) of batched target forwards of one token in each of that
-        many rows, and (rows, seconds) of draft-model forwards alike (`sparrow.decoding.batch.measure_rows`): a
-        draft position's cost. Batched: on a Zen 5 (bfloat16 1.5B) one sequence's 64-token forward took 0.31 s and
-        a 32-row step of one token each ~0.68 s, so seeds from one sequence made every step look 2-3x cheaper."""
+        many rows, (rows, seconds) of draft-model forwards alike (`sparrow.decoding.batch.measure_rows`): a
+        draft position's cost, and (tokens, seconds) of one sequence's draft forward of that many tokens
+        (`sparrow.decoding.batch.measure_feeds`): a catch-up's. Batched: on a Zen 5 (bfloat16 1.5B) one sequence's
+        64-token forward took 0.31 s and a 32-row step of one token each ~0.68 s, so seeds from one sequence made
+        every step look 2-3x cheaper; and priced as that many batched rows, a lazy prompt prefill looked ~2x what
+        the draft's own prefill costs (load test run h, docs/results/load-test.md)."""
         for tokens, seconds in points:
             self.verify.add(tokens, seconds)
         for rows, seconds in draft:
             self.draft.add(rows, seconds)
+        for tokens, seconds in feed:
+            self.feed.add(tokens, seconds)
 
     def rate(self, seqs: Sequence[Estimated], limits: list[int], k: int,
-             curves: list[list[float]] | None = None) -> float:
+             curves: list[list[float]] | None = None, behind: Sequence[int] = ()) -> float:
         """Expected tokens per second of a step whose drafts are capped at k (unknown draft costs count as 0).
-        curves: each sequence's `AcceptanceEstimate.curve` up to its limit (computed here when not given)."""
+        curves: each sequence's `AcceptanceEstimate.curve` up to its limit (computed here when not given).
+        behind: tokens each sequence's draft would first feed alone (0: none, or few enough to share the batch's
+        draft forward); a drafting sequence pays its catch-up once, so a step is charged the share of it that
+        its expected tokens are of the tokens the sequence has left (none while the feed table is unmeasured)."""
         ks = [min(k, limit) for limit in limits]
         curves = curves or [seq.acceptance.curve(j) for seq, j in zip(seqs, ks)]
         tokens = sum(curve[j] for curve, j in zip(curves, ks))
         drafting = sum(1 for j in ks if j)
         seconds = max(ks) * self.draft(drafting) if drafting and self.draft.known else 0.0
+        if self.feed.known:
+            seconds += sum(self.feed(lag) * curve[j] / (limit + 1)
+                           for lag, curve, j, limit in zip(behind, curves, ks, limits) if lag and j)
         return tokens / max(seconds + self.verify(sum(ks) + len(ks)), 1e-12)
 
-    def cap(self, seqs: Sequence[Estimated], limits: list[int]) -> int:
-        """Tokens each sequence may draft this step (each also at most its own limit). A sequence alone follows
-        its drafter's own policy, which already weighs its draft and verify costs. `probing` says afterwards
-        whether the cap is a probe."""
+    def cap(self, seqs: Sequence[Estimated], limits: list[int], behind: Sequence[int] = ()) -> int:
+        """Tokens each sequence may draft this step (each also at most its own limit); behind: see `rate`. A
+        sequence alone follows its drafter's own policy, which already weighs its draft and verify costs.
+        `probing` says afterwards whether the cap is a probe."""
         top = max(limits, default=0)
         self._step += 1
         self.probing = False
         if top == 0 or len(seqs) < 2 or not self.adaptive or not self.verify.known:
             return top
         curves = [seq.acceptance.curve(limit) for seq, limit in zip(seqs, limits)]
-        rates = [self.rate(seqs, limits, k, curves) for k in range(top + 1)]
+        rates = [self.rate(seqs, limits, k, curves, behind) for k in range(top + 1)]
         best = max(range(1, top + 1), key=rates.__getitem__)
         pays = self.beats(rates[best], rates[0])
         if not pays and not self.could_pay(seqs, limits, rates[0]):

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparrow.decoding.batch import Batch, measure_rows, supports_batching
+from sparrow.decoding.batch import Batch, measure_feeds, measure_rows, supports_batching
 from sparrow.decoding.round import Generation
 from sparrow.errors import UserError
 from sparrow.locks import holding
@@ -234,7 +234,7 @@ class Scheduler:
         pipe = self.pipeline
         assert pipe is not None
         with holding(pipe.models()):  # the costs' first points, before any request waits on them
-            self.policy.seed(self._verify_costs(), self._draft_costs())
+            self.policy.seed(self._verify_costs(), *self._draft_costs())
         batch = Batch(pipe.target.model, self.policy)
         running: dict[int, Running] = {}  # id(generation) -> its job
         while not self._stopping.is_set():
@@ -271,16 +271,18 @@ class Scheduler:
             return []
         return measure_rows(pipe.target.model, self._rows(), vocab=len(pipe.tokenizer))
 
-    def _draft_costs(self) -> list[tuple[int, float]]:
+    def _draft_costs(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
         """A draft position's measured seconds for 1, 2, 4, ... rows up to max_batch (the draft model's batched
-        forward grows with its rows); none without a draft model that drafts batched, or once known."""
+        forward grows with its rows), and a catch-up's for one sequence feeding 16, 64 and 256 tokens alone; none
+        without a draft model that drafts batched, or once known."""
         pipe = self.pipeline
         assert pipe is not None
         drafters = [] if pipe.drafter is None else [pipe.drafter, *pipe.drafter.candidates.values()]
         draft = next((d.draft for d in drafters if d.draft is not None), None)
         if draft is None or self.policy.draft.known or supports_batching(draft.model) is not None:
-            return []
-        return measure_rows(draft.model, self._rows(), vocab=len(pipe.tokenizer))
+            return [], []
+        vocab = len(pipe.tokenizer)
+        return measure_rows(draft.model, self._rows(), vocab=vocab), measure_feeds(draft.model, vocab=vocab)
 
     def _admit(self, batch: Batch, running: dict[int, Running]) -> None:
         """Start waiting jobs while the batch has room (waiting for one when nothing runs); the jobs that joined
