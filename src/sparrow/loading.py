@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch import nn
 
 from sparrow.drafters.registry import REGISTRY, build_drafter, check_compile, check_drafter_args, check_quant_args
 from sparrow.drafters.requirements import check_models
@@ -36,6 +37,7 @@ from sparrow.models.quantization import (
 from sparrow.pipeline import Pipeline
 from sparrow.policy.measure import follow_cost_curve
 from sparrow.runtime.batch_invariant import exact_copy, source
+from sparrow.runtime.compiled import row_invariant
 from sparrow.runtime.prefix_cache import PrefixCache
 from sparrow.runtime.runner import runner_for
 from sparrow.speculative_config import given_arguments, merged
@@ -87,14 +89,15 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     a dense draft where none pays, and for drafters without a draft model).
     compile: static KV cache and torch.compile'd decode / verify steps for the target and the draft model of
     draft-model / quantized-self / auto (`sparrow.runtime.compiled`; text LMs without sliding-window layers). With
-    exact=True or a w8a8 target (which torch.compile cannot trace) only the draft model compiles and the target
-    runs eagerly (refused for a drafter without one).
+    exact=True and a dense target, or a w8a8 target (which torch.compile cannot trace), only the draft model
+    compiles and the target runs eagerly (refused for a drafter without one); an int8 / int4 target compiles and
+    stays exact on the CPU (its compiled rows are invariant).
     speculative_config: vLLM's speculative config (a dict or its JSON text: method, model,
     num_speculative_tokens, ...; `sparrow.speculative_config`), applied over drafter / draft / num_draft_tokens.
     exact: batch-invariant verification (`sparrow.runtime.batch_invariant`): each verify row computed as plain decoding
     computes it, so greedy output equals plain decoding token for token in any dtype; None (default): on for a
-    quantized target (quant=) that runs eagerly, off otherwise (a compiled target: torch.compile traces its own
-    kernels).
+    quantized target (quant=), eager or compiled on the CPU (int8 / int4: `sparrow.runtime.compiled.row_invariant`),
+    off otherwise (a dense compiled target: torch.compile's dense matmuls are not row-invariant).
     prefix_cache: keep the target's KV of up to this many tokens of earlier requests (LRU), so that a prompt that
     begins like one of them prefills only the rest (vLLM's automatic prefix caching; `sparrow.runtime.prefix_cache`);
     0 (default): off. A dynamic-cache text target only, with a drafter that reads no target hidden states.
@@ -118,35 +121,44 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     if isinstance(draft, str):
         draft = load_model(draft, dtype=dtype, device=device, progress=progress)
     quant = target_format(target.model, quant, compile)
-    compiled = _target_compiles(compile, exact, quant)
-    exact = resolve_exact(exact, compiled, quant)
     target = _quantized(target, quant)
+    compiled = _target_compiles(compile, exact, quant, target.model)
+    exact = resolve_exact(exact, compiled, quant, target.model)
+    check_draft_only_compile(drafter, draft, compile and not compiled, exact)  # again: "auto" may have chosen dense
     draft = _quantized(draft, draft_quant, LONG) if draft is not None else None
     return _build(target, drafter, draft, num_draft_tokens, adaptive, verifier,
                   _quantized_run(quant, draft_quant, draft), drafter_options, compiled, exact, prefix_cache,
                   compile_draft=compile)
 
 
-def resolve_exact(exact: bool | None, compiled: bool = False, quant: str | None = None) -> bool:
-    """Whether the target runs batch-invariant forwards: `exact`, or by default (None) for a quantized target
-    that runs eagerly (a dense target opts in: its cost was not measured <= 10 % yet, see docs/lossless.md;
-    a compiled target cannot: torch.compile generates its own kernels, which are not row-invariant)."""
+def resolve_exact(exact: bool | None, compiled: bool = False, quant: str | None = None,
+                  model: nn.Module | None = None) -> bool:
+    """Whether the target runs batch-invariant forwards: `exact`, or by default (None) for a quantized target that
+    runs eagerly or whose compiled steps keep their rows (`sparrow.runtime.compiled.row_invariant`: int8 / int4 on
+    the CPU); a dense target opts in (its cost was not measured <= 10 % yet, see docs/lossless.md) and then runs
+    eagerly (torch.compile's dense matmuls are not row-invariant)."""
     if exact is not None and not isinstance(exact, bool):
         raise UserError(f"exact must be True, False or None, got {exact!r}")
-    assert not (exact and compiled), "an exact target runs eagerly (`_target_compiles`)"
-    return (quant is not None and not compiled) if exact is None else exact
+    if not compiled:
+        return quant is not None if exact is None else exact
+    invariant = model is not None and row_invariant(model)
+    assert not (exact and not invariant), "an exact target whose compiled rows vary runs eagerly (`_target_compiles`)"
+    return invariant if exact is None else exact
 
 
-def _target_compiles(compile: bool, exact: bool | None, quant: str | None) -> bool:
-    """Whether compile=True compiles the target itself: not when it must stay exact (exact=True) or is w8a8
-    (torch.compile cannot trace fbgemm's packed weights); then only the draft model compiles."""
-    return compile and exact is not True and quant != W8A8
+def _target_compiles(compile: bool, exact: bool | None, quant: str | None, model: nn.Module | None = None) -> bool:
+    """Whether compile=True compiles the target itself: not a w8a8 one (torch.compile cannot trace fbgemm's packed
+    weights), nor one that must stay exact (exact=True) unless its compiled rows are invariant (the loaded `model`;
+    before loading, a quantized `quant` is taken to be); then only the draft model compiles."""
+    if not compile or quant == W8A8:
+        return False
+    return exact is not True or (row_invariant(model) if model is not None else quant is not None)
 
 
 def check_draft_only_compile(drafter: str, draft: object, draft_only: bool, exact: bool | None) -> None:
     """Refuse, before loading, compile=True where only a draft model would compile and the drafter has none."""
     if draft_only and not (drafter in ("draft-model", "quantized-self") or (drafter == "auto" and draft is not None)):
-        why = "exact=True (--exact) keeps the target eager" if exact else \
+        why = "exact=True (--exact) keeps a dense target eager" if exact else \
             "a w8a8 target runs eagerly (torch.compile cannot trace fbgemm's packed int8 weights)"
         raise UserError(f"compile=True (--compile) with {why}, so it compiles only a draft model, and drafter "
                         f"{drafter!r} drafts without one: drop --compile")

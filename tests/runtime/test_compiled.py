@@ -198,6 +198,32 @@ def test_an_eager_target_compiles_only_its_draft_and_stays_exact(target, draft, 
         pipe.sequence(PROMPTS[0], max_new_tokens=4)
 
 
+def test_a_compiled_int4_target_verifies_exactly(target, draft):
+    """An int4 target compiles and stays exact on the CPU: its verify graphs compute every row as its one-row graph
+    does (`row_invariant`: inductor emulates eager's rounding), so speculative output == the compiled target's own
+    plain output, drafts accepted; exact=True keeps a dense target eager, and a dense compiled target is not exact.
+    (Without the emulated rounding the int4 1.5B's verify rows differed by up to 0.125 in a logit: docs/lossless.md.)"""
+    import sparrow
+    from sparrow.models.quantization import quantized_copy
+    from sparrow.runtime.batch_invariant import is_exact
+    from sparrow.runtime.compiled import row_invariant
+
+    int4 = quantized_copy(target, "int4", group_size=32)
+    assert row_invariant(int4.model) and not row_invariant(target.model)
+    pipe = sparrow.load(int4, drafter="draft-model", draft=draft, num_draft_tokens=3, adaptive=False,
+                        draft_quant="none", compile=True)
+    assert pipe.compiled and pipe.exact and is_exact(pipe.target.model)
+    accepted = 0
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert result.token_ids == pipe.generate_plain(prompt, max_new_tokens=NEW_TOKENS).token_ids, prompt
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0, "no draft was accepted: nothing was tested"
+    assert not sparrow.load(target, drafter="draft-model", draft=draft, draft_quant="none", compile=True,
+                            exact=True).compiled  # dense and exact: eager
+    assert not sparrow.load(target, drafter="prompt-lookup", compile=True).exact  # dense and compiled: not exact
+
+
 def test_auto_compiles_its_draft_model_candidate(target, draft):
     import sparrow
 

@@ -100,8 +100,9 @@ def generate(
             help="Static KV cache and torch.compile'd "
             "decode/verify steps for the target and the draft model of "
             "draft-model/quantized-self/auto (text LMs without sliding-window "
-            "layers; the first steps of each shape compile). With --exact or "
-            "--quant w8a8 only the draft model compiles; the target runs eagerly.",
+            "layers; the first steps of each shape compile). An int8/int4 target "
+            "compiles and stays exact (CPU); with --exact and a dense target, or "
+            "--quant w8a8, only the draft model compiles; the target runs eagerly.",
         ),
     ] = False,
     video: Annotated[

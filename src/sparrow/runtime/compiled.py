@@ -27,6 +27,14 @@ Attention packs the query heads that share a KV head as rows of it (`sparrow.run
 single query row over the whole static capacity otherwise ran ~10x slower, on copied keys.
 `compile=False` keeps the static cache with eager forwards (no compile time).
 
+Exact rows: the default (CPU) mode compiles with INVARIANT_OPTIONS: inductor's `emulate_precision_casts` (a fused
+kernel rounds each op's result to the model's dtype where eager does) and no generated kernel split across threads
+(`cpp.min_chunk_size`). Without them inductor fused and split each bucket its own way: on the int4 1.5B (Zen 5)
+the 2-, 4- and 8-row graphs' logits were up to 0.125 away from the one-row graph's, and with either option alone
+the 8-row graph still was on some prompts; with both they are bit-identical (`benchmarks/compiled_rows.py`; the
+one-row step 28-29 ms either way). A model whose every linear layer runs a row-invariant quantized kernel (int8 /
+int4 weight-only) then verifies exactly as its one-row steps decode (`row_invariant`; tests/runtime/test_compiled.py); a dense layer's compiled matmul is not row-invariant.
+
 Not supported: VLMs (their prefill and positions go through `sparrow.runtime.vision`) and models with
 sliding-window layers (Gemma-3): a static sliding layer is a ring buffer, which cannot be rewound.
 """
@@ -37,19 +45,26 @@ import types
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from sparrow.errors import UserError
 from sparrow.runtime.cached_model import CachedModel, additive_mask, prefill_module
-from sparrow.runtime.quant import DynamicInt8Linear
+from sparrow.runtime.quant import DynamicInt8Linear, QuantizedLinear
 from sparrow.types import Prompt, TargetOutput
 
 Q_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Forward sizes the step is compiled for; a forward of more tokens than the last bucket runs eagerly."""
 HEADROOM = 256
 """Slots a fresh cache leaves after the prompt (it doubles when they run out)."""
+INVARIANT_OPTIONS = {"emulate_precision_casts": True, "cpp.min_chunk_size": 1 << 30}
+"""Inductor options (CPU) that keep a k-row step's rows equal to one-row steps (see the module doc): fused kernels
+round each op's result to the model's dtype where eager does, and no generated kernel splits its loops across
+threads (the matmuls and attention are library calls with their own threads)."""
+INVARIANT_ROWS = True
+"""Whether the default mode compiles with INVARIANT_OPTIONS; `benchmarks/compiled_rows.py --no-invariant` turns
+them off to measure what they buy."""
 RECOMPILE_LIMIT = 64
 """Graphs a runner's step may hold: dynamo counts them per code object (one per runner: buckets x capacities x
 hidden-layer choices), and its default (8) would fall back to eager. The first compiled runner raises the
@@ -61,6 +76,15 @@ def traceable(model: PreTrainedModel) -> bool:
     """Whether torch.compile can trace the model's layers: not w8a8 ones (fbgemm's packed int8 weights are an
     opaque object dynamo cannot put in a graph)."""
     return not any(isinstance(m, DynamicInt8Linear) for m in model.modules())
+
+
+def row_invariant(model: nn.Module) -> bool:
+    """Whether the compiled steps of `model` compute each row of a verify forward as its one-row step does (see
+    the module doc): on the CPU, every linear layer a weight-only quantized one (torch's int8 / int4 kernels keep
+    their rows; a dense or w8a8 layer, or one that runs long forwards densely, does not qualify)."""
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantizedLinear, DynamicInt8Linear))]
+    return bool(layers) and all(type(m) is QuantizedLinear and m.dense is None for m in layers) and \
+        next(model.parameters()).device.type == "cpu"
 
 
 def check_compilable(model: PreTrainedModel) -> None:
@@ -142,7 +166,7 @@ class StaticCachedModel(CachedModel):
         if self.mode != "default":
             return torch.compile(step, dynamic=False, fullgraph=True, mode=self.mode)
         options = {"freezing": self.freeze, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                   "cpp_wrapper": one_row and self.device.type == "cpu"}
+                   "cpp_wrapper": one_row and self.device.type == "cpu", **(INVARIANT_OPTIONS if INVARIANT_ROWS else {})}
         return torch.compile(step, dynamic=False, fullgraph=True, options=options)
 
     @property

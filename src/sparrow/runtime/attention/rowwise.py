@@ -40,7 +40,9 @@ def rowwise_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
                  **kwargs) -> tuple[Tensor, None]:
     """query [b, heads, q, d], key / value [b, kv_heads, kv, d] -> ([b, q, heads, d], None), as sdpa."""
     q, kv = query.shape[2], key.shape[2]
-    if q > MAX_ROWS or query.shape[0] != 1:  # a prefill, or several sequences (not claimed invariant)
+    # a prefill, several sequences (not claimed invariant), or a compiled graph: torch.compile's own kernels, whose
+    # rows the static path keeps invariant (`sparrow.runtime.compiled`)
+    if q > MAX_ROWS or query.shape[0] != 1 or torch.compiler.is_compiling():
         return attend(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
     rows = []
