@@ -3,7 +3,8 @@
 Loads a preset's quantized copy, compiles its static-cache steps, prefills a code prompt, then runs the next k
 tokens once as one k-row forward and once as k one-row forwards, and prints the largest logit difference for
 k = 2, 4, 8, 16, with the compiled steps' row-invariant inductor options (`INVARIANT_OPTIONS`, the default) or
-without (`--no-invariant`), and a one-row step's time. Not a test: it needs the preset's weights and minutes of compiling.
+without (`--no-invariant`), and a one-row step's time. Not a test: it needs the preset's weights and minutes of
+compiling.
 
     PYTHONPATH=src python benchmarks/compiled_rows.py --target qwen2.5-coder-1.5b --quant int4 [--no-invariant]
 """

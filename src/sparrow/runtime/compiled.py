@@ -33,7 +33,8 @@ kernel rounds each op's result to the model's dtype where eager does) and no gen
 the 2-, 4- and 8-row graphs' logits were up to 0.125 away from the one-row graph's, and with either option alone
 the 8-row graph still was on some prompts; with both they are bit-identical (`benchmarks/compiled_rows.py`; the
 one-row step 28-29 ms either way). A model whose every linear layer runs a row-invariant quantized kernel (int8 /
-int4 weight-only) then verifies exactly as its one-row steps decode (`row_invariant`; tests/runtime/test_compiled.py); a dense layer's compiled matmul is not row-invariant.
+int4 weight-only) then verifies exactly as its one-row steps decode (`row_invariant`;
+tests/runtime/test_compiled.py); a dense layer's compiled matmul is not row-invariant.
 
 Not supported: VLMs (their prefill and positions go through `sparrow.runtime.vision`) and models with
 sliding-window layers (Gemma-3): a static sliding layer is a ring buffer, which cannot be rewound.
@@ -166,7 +167,9 @@ class StaticCachedModel(CachedModel):
         if self.mode != "default":
             return torch.compile(step, dynamic=False, fullgraph=True, mode=self.mode)
         options = {"freezing": self.freeze, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                   "cpp_wrapper": one_row and self.device.type == "cpu", **(INVARIANT_OPTIONS if INVARIANT_ROWS else {})}
+                   "cpp_wrapper": one_row and self.device.type == "cpu"}
+        if INVARIANT_ROWS:
+            options.update(INVARIANT_OPTIONS)
         return torch.compile(step, dynamic=False, fullgraph=True, options=options)
 
     @property
