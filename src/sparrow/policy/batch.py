@@ -119,32 +119,29 @@ class BatchPolicy:
             self.feed.add(tokens, seconds)
 
     def rate(self, seqs: Sequence[Estimated], limits: list[int], k: int,
-             curves: list[list[float]] | None = None, behind: Sequence[int] = (),
-             charges: Sequence[float] | None = None) -> float:
+             curves: list[list[float]] | None = None, charges: Sequence[float] = ()) -> float:
         """Expected tokens per second of a step whose drafts are capped at k (unknown draft costs count as 0).
         curves: each sequence's `AcceptanceEstimate.curve` up to its limit (computed here when not given).
-        behind: tokens each sequence's draft would first feed alone (0: none, or few enough to share the batch's
-        draft forward); a drafting sequence pays its catch-up once, so a step is charged the share of it that
-        its expected tokens are of the tokens the sequence has left (none while the feed table is unmeasured).
-        charges: `charges(behind, limits)`, when the caller has them."""
+        charges: each drafting sequence's catch-up seconds per token it commits (`charges`; none by default)."""
         ks = [min(k, limit) for limit in limits]
         curves = curves or [seq.acceptance.curve(j) for seq, j in zip(seqs, ks)]
         tokens = sum(curve[j] for curve, j in zip(curves, ks))
         drafting = sum(1 for j in ks if j)
         seconds = max(ks) * self.draft(drafting) if drafting and self.draft.known else 0.0
-        charges = self.charges(behind, limits) if charges is None else charges
         seconds += sum(charge * curve[j] for charge, curve, j in zip(charges, curves, ks) if charge and j)
         return tokens / max(seconds + self.verify(sum(ks) + len(ks)), 1e-12)
 
     def charges(self, behind: Sequence[int], limits: list[int]) -> list[float]:
-        """Seconds of catch-up each sequence's drafting pays per token it commits (see `rate`): its draft's feed of
-        `behind` tokens over the tokens it has left; 0 where nothing lags or the feed table is unmeasured."""
+        """Seconds of catch-up each sequence's drafting pays per token it commits: behind: tokens each sequence's
+        draft would first feed alone (0: none, or few enough to share the batch's draft forward). A draft pays its
+        catch-up once, so each token it commits is charged that feed over the tokens the sequence has left; 0 where
+        nothing lags or the feed table is unmeasured."""
         if not self.feed.known:
             return [0.0] * len(limits)
         return [self.feed(lag) / (limit + 1) if lag else 0.0 for lag, limit in zip(behind, limits)]
 
     def cap(self, seqs: Sequence[Estimated], limits: list[int], behind: Sequence[int] = ()) -> int:
-        """Tokens each sequence may draft this step (each also at most its own limit); behind: see `rate`. A
+        """Tokens each sequence may draft this step (each also at most its own limit); behind: see `charges`. A
         sequence alone follows its drafter's own policy, which already weighs its draft and verify costs.
         `probing` says afterwards whether the cap is a probe."""
         top = max(limits, default=0)
