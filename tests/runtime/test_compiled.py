@@ -200,9 +200,9 @@ def test_an_eager_target_compiles_only_its_draft_and_stays_exact(target, draft, 
 
 def test_a_compiled_int4_target_verifies_exactly(target, draft):
     """An int4 target compiles and stays exact on the CPU: its verify graphs compute every row as its one-row graph
-    does (`row_invariant`: inductor emulates eager's rounding), so speculative output == the compiled target's own
-    plain output, drafts accepted; exact=True keeps a dense target eager, and a dense compiled target is not exact.
-    (Without the invariant inductor options the int4 1.5B's verify rows differed by up to 0.125 in a logit: docs/lossless.md.)"""
+    does (`row_invariant`, `INVARIANT_OPTIONS`), so speculative output == the compiled target's own plain output,
+    drafts accepted; exact=True keeps a dense target eager, and a dense compiled target is not exact. (Without the
+    invariant inductor options the int4 1.5B's verify rows differed by up to 0.125 in a logit: docs/lossless.md.)"""
     import sparrow
     from sparrow.models.quantization import quantized_copy
     from sparrow.runtime.batch_invariant import is_exact
