@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -199,6 +200,18 @@ def prefill_together(model: PreTrainedModel, runners: list[CachedModel], prompts
     return outputs
 
 
+def _fastest(run: Callable[[], object], device: torch.device, repeats: int,
+             reset: Callable[[], object] = lambda: None) -> float:
+    """Seconds of the fastest of `repeats` calls of `run` after a warm-up call (`reset`, untimed, after each)."""
+    times = []
+    for _ in range(repeats + 1):
+        t0 = now(device)
+        run()
+        times.append(now(device) - t0)
+        reset()
+    return min(times[1:])
+
+
 def measure_feeds(model: PreTrainedModel, lengths: tuple[int, ...] = (16, 64, 256), vocab: int | None = None,
                   repeats: int = 2) -> list[tuple[int, float]]:
     """Seconds of one sequence's forward of n tokens into an empty cache, for each n: what a draft's catch-up costs
@@ -207,14 +220,7 @@ def measure_feeds(model: PreTrainedModel, lengths: tuple[int, ...] = (16, 64, 25
     fastest of `repeats` runs after a warm-up."""
     runner = CachedModel(model)
     ids = torch.arange(max(lengths)) * DUMMY_ID_STRIDE % (vocab or runner.vocab_size)
-    points = []
-    for n in lengths:
-        times = []
-        for _ in range(repeats + 1):
-            t0 = now(runner.device)
-            runner.prefill(Prompt(ids[:n]))
-            times.append(now(runner.device) - t0)
-        points.append((n, min(times[1:])))
+    points = [(n, _fastest(lambda: runner.prefill(Prompt(ids[:n])), runner.device, repeats)) for n in lengths]
     runner.cache = None
     return points
 
@@ -225,20 +231,15 @@ def measure_rows(model: PreTrainedModel, rows: tuple[int, ...] = (1, 2, 4, 8), c
     n: what a draft position costs n sequences drafting together (`draft_together`), the first points of a batch's
     draft cost table (`sparrow.policy.batch.BatchPolicy.seed`). The fastest of `repeats` runs after a warm-up."""
     runners = [CachedModel(model) for _ in range(max(rows))]
-    device = runners[0].device
     ids = torch.arange(context + 1) * DUMMY_ID_STRIDE % (vocab or runners[0].vocab_size)
     prefill_together(model, runners, [ids[:context]] * len(runners))
-    points = []
-    for n in rows:
-        times = []
-        for _ in range(repeats + 1):
-            t0 = now(device)
-            forward_batch(model, runners[:n], [ids[context:]] * n)
-            times.append(now(device) - t0)
-            for runner in runners[:n]:
-                runner.rewind(context)
-        points.append((n, min(times[1:])))
-    return points
+
+    def rewind(n: int) -> None:
+        for runner in runners[:n]:
+            runner.rewind(context)
+
+    return [(n, _fastest(lambda: forward_batch(model, runners[:n], [ids[context:]] * n), runners[0].device, repeats,
+                         lambda: rewind(n))) for n in rows]
 
 
 MAX_SHARED_CATCH_UP = 8
