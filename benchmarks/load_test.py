@@ -1,21 +1,26 @@
 """Bounded load test of `sparrow serve` on loopback, against the same server without drafting and `transformers serve`.
 
 For each configuration the script starts the server as a subprocess on 127.0.0.1 (a free port; its stdout and
-stderr go to `OUT/load_test_logs/`), waits for `GET /health` to answer 200, sends a warm-up request, then for
-each concurrency `c` sends `--requests N` streamed chat requests (greedy, `max_tokens`, prompts cycled from
+stderr go to `OUT/load_test_logs/`), waits for `GET /health` to answer 200 and sends a warm-up request. Then, for
+each concurrency `c`, each configuration in turn sends `--requests N` streamed chat requests (greedy, `max_tokens`, prompts cycled from
 `benchmarks/prompts.json` or Spec-Bench's first turns) with the official `openai` async client, at most `c` in
 flight (closed loop: a slot is refilled as soon as its request ends). Every request ends as ok or with its
 error text (HTTP status and message, a broken stream, a client-side timeout): nothing is lost, and for sparrow
-the server's own `/metrics` request count is checked against the client's. The server is killed at the end,
-also on an error, Ctrl-C or SIGTERM.
+the server's own `/metrics` request count is checked against the client's. With `--rounds R` (default 2) every
+server is up at once (an idle one takes no CPU) and each level runs R times, the configurations taking turns in
+alternating order (speculative, plain, plain, speculative, ...), so a machine whose speed drifts over minutes (as
+shared ones do) weighs on both sides alike; `--rounds 1` runs one server at a time, every level, then the next. The
+servers are killed at the end, also on an error, Ctrl-C or SIGTERM.
 
-One JSONL row per (configuration, concurrency) is appended to `OUT/load_test.jsonl` (one per request to
+One JSONL row per (configuration, concurrency, round) is appended to `OUT/load_test.jsonl` (one per request to
 `OUT/load_test_requests.jsonl`): requests/s, aggregate output tokens/s (from `usage.completion_tokens`),
 p50/p99 end-to-end latency and time to first content chunk, failures, mean accepted tokens per target forward
 (sparrow's `usage.speculative`), the server's RSS before, at peak during and after the level, the CPU, thread
 count, sparrow commit and date. A configuration that cannot run (e.g. `transformers serve` missing a package)
 gets one row saying why. `OUT/load_test.md` (and `OUT/load_test.png` with matplotlib) is rendered from the
-newest run of each configuration in the JSONL.
+newest run of each configuration in the JSONL: a level's rounds as their median and range, and each configuration's
+output tokens/s as a multiple of `plain`'s at the same level (its median and, in brackets, the range of the ratios
+within each round).
 
 Configurations (`--configs`): `speculative` (`sparrow serve` with `--drafter/--draft/--draft-quant`), `plain` (the
 same target, `--drafter none`), `transformers-serve` (`transformers serve`, shipped with transformers, pinned
@@ -53,6 +58,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -133,6 +139,61 @@ def latest_rows(rows: list[dict]) -> list[dict]:
     return sorted(keep, key=lambda r: (order.index(r["config"]), r.get("concurrency") or 0))
 
 
+MEDIAN_KEYS = ("requests_per_second", "output_tokens_per_second", "latency_p50_s", "latency_p99_s", "ttft_p50_s",
+               "ttft_p99_s", "mean_accepted_tokens", "wall_seconds")
+
+
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (configuration, concurrency) of `latest_rows(rows)`: a level measured in several rounds becomes
+    its rounds' medians (MEDIAN_KEYS), summed counts and errors, the first round's RSS before and the last's after,
+    with `round_tok_s` (output tok/s by round) and `level_rounds`; plus `x_plain` (the median tok/s over the plain
+    configuration's at that level) and `x_plain_rounds` (the same ratio within each round) where `plain` ran."""
+    groups: dict[tuple[str, int | None], list[dict]] = {}
+    for r in latest_rows(rows):
+        key = (r["config"], r.get("concurrency"))
+        groups.setdefault(key if key[1] is not None else (key[0], id(r)), []).append(r)
+    merged = []
+    for group in groups.values():
+        group = sorted(group, key=lambda r: r.get("round") or 0)
+        first, last = group[0], group[-1]
+        if first.get("concurrency") is None:
+            merged.append(first)
+            continue
+        row = {**first, "level_rounds": len(group), "round_tok_s": [r.get("output_tokens_per_second") for r in group]}
+        for key in MEDIAN_KEYS:
+            values = [r[key] for r in group if r.get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+        for key in ("requests", "ok", "failed"):
+            row[key] = sum(r.get(key) or 0 for r in group)
+        errors = Counter()
+        for r in group:
+            errors.update({e["error"]: e["count"] for e in r.get("errors") or []})
+        row["errors"] = [{"error": e, "count": n} for e, n in errors.most_common(5)]
+        row["server_seen_mismatch"] = "; ".join(r["server_seen_mismatch"] for r in group
+                                                if r.get("server_seen_mismatch")) or None
+        row["rss_mib_after"] = last.get("rss_mib_after")
+        row["rss_mib_peak"] = max((r.get("rss_mib_peak") or 0.0 for r in group), default=None)
+        merged.append(row)
+    plain = {r["concurrency"]: r for r in merged if r["config"] == "plain" and r.get("concurrency") is not None}
+    for row in merged:
+        base = plain.get(row.get("concurrency"))
+        if base is None or row is base or row["run"] != base["run"]:
+            continue
+        row["x_plain"] = _ratio(row["output_tokens_per_second"], base["output_tokens_per_second"])
+        row["x_plain_rounds"] = [_ratio(a, b) for a, b in zip(row["round_tok_s"], base["round_tok_s"])]
+    return merged
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _spread(values: list[float | None] | None, fmt: str = ".2f") -> str:
+    """' (min–max)' of several values, '' for fewer than two."""
+    values = [v for v in values or [] if v is not None]
+    return f" ({min(values):{fmt}}–{max(values):{fmt}})" if len(values) > 1 else ""
+
+
 def _num(x: float | None, fmt: str = ".2f") -> str:
     return "–" if x is None else format(x, fmt)
 
@@ -152,20 +213,22 @@ def _one_line(text: str) -> str:
 def render_markdown(rows: list[dict]) -> str:
     """The Markdown report of `latest_rows(rows)`: one table row per (configuration, concurrency), a line per
     configuration that did not run, the error texts, then the settings the numbers were taken with."""
-    rows = latest_rows(rows)
-    lines = ["| config | streams | ok / failed | req/s | out tok/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) "
-             "| tok/step | server RSS MiB: before → after (peak) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = merge_rounds(rows)
+    lines = ["| config | streams | ok / failed | req/s | out tok/s | × plain | latency p50 / p99 (s) "
+             "| TTFT p50 / p99 (s) | tok/step | server RSS MiB: before → after (peak) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for r in rows:
         if r.get("concurrency") is None:  # the configuration did not run
-            lines.append(f"| {r['config']} | – | – | – | – | – | – | – | did not run (see below) |")
+            lines.append(f"| {r['config']} | – | – | – | – | – | – | – | – | did not run (see below) |")
             notes.append(f"- **{r['config']}** did not run: {_one_line(r['error'])}")
             continue
         lines.append(
             f"| {r['config']} | {r['concurrency']} | {r['ok']} / {r['failed']} "
             f"| {_num(r['requests_per_second'], '.3f')} "
-            f"| {_num(r['output_tokens_per_second'])} | {_pair(r['latency_p50_s'], r['latency_p99_s'])} "
+            f"| {_num(r['output_tokens_per_second'])}{_spread(r.get('round_tok_s'))} "
+            f"| {_num(r.get('x_plain'))}{_spread(r.get('x_plain_rounds'))} "
+            f"| {_pair(r['latency_p50_s'], r['latency_p99_s'])} "
             f"| {_pair(r['ttft_p50_s'], r['ttft_p99_s'])} | {_num(r['mean_accepted_tokens'])} "
             f"| {_mib(r.get('rss_mib_before'))} → {_mib(r.get('rss_mib_after'))} ({_mib(r.get('rss_mib_peak'))}) |")
         for e in r.get("errors") or []:
@@ -181,7 +244,8 @@ def render_markdown(rows: list[dict]) -> str:
         r = next(x for x in rows if x["run"] == run)
         configs = ", ".join(dict.fromkeys(x["config"] for x in rows if x["run"] == run))
         settings.append(
-            f"- run {run} ({configs}): target `{r['target']}`, {r['requests_per_level']} requests per level, "
+            f"- run {run} ({configs}): target `{r['target']}`, {r['requests_per_level']} requests per level"
+            f"{_rounds(max(x.get('level_rounds', 1) for x in rows if x['run'] == run))}, "
             f"`max_tokens` {r['max_tokens']}, temperature 0, prompts `{r['prompts']}`; {r['cpu']} "
             f"({', '.join(r.get('cpu_features') or []) or 'no AVX2 or AVX-512'}), "
             f"{r['cpus']} CPUs, {r['torch_threads']} torch threads; sparrow {r['commit'][:12]}"
@@ -194,6 +258,12 @@ def render_markdown(rows: list[dict]) -> str:
     return "\n\n".join(out) + "\n"
 
 
+def _rounds(n: int) -> str:
+    return (f" in {n} rounds (the servers up together, taking turns in alternating order; figures are the rounds' "
+            "medians, (min–max) their range, × plain the ratio to plain's median and, in brackets, within each round)"
+            if n > 1 else "")
+
+
 def render_plot(rows: list[dict], path: Path) -> bool:
     """Output tokens/s and p50 latency against concurrency, a line per configuration; False without matplotlib."""
     try:
@@ -203,7 +273,7 @@ def render_plot(rows: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [r for r in latest_rows(rows) if r.get("concurrency") is not None]
+    rows = [r for r in merge_rounds(rows) if r.get("concurrency") is not None]
     if not rows:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -669,7 +739,19 @@ def append_jsonl(path: Path, row: dict) -> None:
         sink.write(json.dumps(row) + "\n")
 
 
-def run_config(name: str, args: argparse.Namespace, meta: dict, prompts: list[str]) -> None:
+@dataclass
+class Started:
+    """A configuration whose server answers: its rows share `base`."""
+
+    name: str
+    config: ServerConfig
+    server: Server
+    base: dict
+
+
+def start_config(name: str, args: argparse.Namespace, meta: dict, prompts: list[str]) -> Started | None:
+    """Build configuration `name`, start its server, wait for /health and send the warm-up requests. None (after
+    writing the row that says why) when it does not run; the caller stops a returned server."""
     out: Path = args.out
     base = {**meta, "config": name, "server_kind": None, "server_cmd": None}
     try:
@@ -680,19 +762,13 @@ def run_config(name: str, args: argparse.Namespace, meta: dict, prompts: list[st
     if config.skip:
         print(f"[{name}] does not run: {config.skip}", flush=True)
         append_jsonl(out / JSONL, {**base, "concurrency": None, "error": config.skip})
-        return
+        return None
     server = Server(config, out / LOGS / f"{name}.log")
     base["server_cmd"] = server.command()
     print(f"[{name}] starting: {server.command()}  (log {server.log_path})", flush=True)
     try:
         server.start()
-        try:
-            base["load_seconds"] = server.wait_healthy(args.load_timeout)
-        except ServerFailed as e:
-            print(f"[{name}] does not run: {e}\n{server.log_tail()}", flush=True)
-            append_jsonl(out / JSONL, {**base, "concurrency": None, "error": str(e),
-                                       "log_tail": server.log_tail().splitlines()})
-            return
+        base["load_seconds"] = server.wait_healthy(args.load_timeout)
         print(f"[{name}] healthy after {base['load_seconds']:.1f} s on port {server.port}", flush=True)
         if args.warmup:  # one-time costs (first forward, allocator) stay out of the first level
             warm, _ = asyncio.run(run_level(server, config, prompts, 1, args.warmup, min(8, args.max_tokens),
@@ -702,30 +778,80 @@ def run_config(name: str, args: argparse.Namespace, meta: dict, prompts: list[st
                                                     "warmup": True, **w})
             if not any(w["ok"] for w in warm):
                 print(f"[{name}] warm-up failed: {warm[0]['error']}", flush=True)
-        for c in args.concurrency:
-            records, measured = asyncio.run(
-                run_level(
-                    server, config, prompts, c, max(args.requests, c), args.max_tokens, args.timeout, args.api_key
-                )
-            )
-            for r in records:
-                append_jsonl(out / REQUESTS_JSONL, {"run": meta["run"], "config": name, "concurrency": c, **r})
-            row = {**base, "concurrency": c, **summarize(records, measured["wall_seconds"]), **measured}
-            append_jsonl(out / JSONL, row)
-            print(f"[{name}] c={c:<3d} ok {row['ok']}/{row['requests']}  "
-                  f"{_num(row['requests_per_second'], '.3f')} req/s  "
-                  f"{_num(row['output_tokens_per_second'])} tok/s  latency p50 {_num(row['latency_p50_s'])} s  "
-                  f"TTFT p50 {_num(row['ttft_p50_s'])} s  RSS {_mib(row['rss_mib_before'])} → "
-                  f"{_mib(row['rss_mib_after'])} MiB", flush=True)
-            for e in row["errors"]:
-                print(f"    {e['count']}× {e['error']}", flush=True)
-            if not measured["server_alive"]:
-                print(f"[{name}] the server died; its last lines:\n{server.log_tail()}", flush=True)
-                append_jsonl(out / JSONL, {**base, "concurrency": None,
-                                           "error": f"the server exited during the {c}-stream level"})
-                return
-    finally:
+    except ServerFailed as e:
+        print(f"[{name}] does not run: {e}\n{server.log_tail()}", flush=True)
+        append_jsonl(out / JSONL, {**base, "concurrency": None, "error": str(e),
+                                   "log_tail": server.log_tail().splitlines()})
         server.stop()
+        return None
+    except BaseException:
+        server.stop()
+        raise
+    return Started(name, config, server, base)
+
+
+def measure_level(started: Started, args: argparse.Namespace, prompts: list[str], c: int, round_: int) -> bool:
+    """One round of the `c`-stream level against a started server: its rows appended. False if the server died."""
+    out: Path = args.out
+    name, server, base = started.name, started.server, started.base
+    records, measured = asyncio.run(
+        run_level(server, started.config, prompts, c, max(args.requests, c), args.max_tokens, args.timeout,
+                  args.api_key)
+    )
+    for r in records:
+        append_jsonl(out / REQUESTS_JSONL, {"run": base["run"], "config": name, "concurrency": c, "round": round_,
+                                            **r})
+    row = {**base, "concurrency": c, "round": round_, **summarize(records, measured["wall_seconds"]), **measured}
+    append_jsonl(out / JSONL, row)
+    print(f"[{name}] c={c:<3d} round {round_}  ok {row['ok']}/{row['requests']}  "
+          f"{_num(row['requests_per_second'], '.3f')} req/s  "
+          f"{_num(row['output_tokens_per_second'])} tok/s  latency p50 {_num(row['latency_p50_s'])} s  "
+          f"TTFT p50 {_num(row['ttft_p50_s'])} s  RSS {_mib(row['rss_mib_before'])} → "
+          f"{_mib(row['rss_mib_after'])} MiB", flush=True)
+    for e in row["errors"]:
+        print(f"    {e['count']}× {e['error']}", flush=True)
+    if measured["server_alive"]:
+        return True
+    print(f"[{name}] the server died; its last lines:\n{server.log_tail()}", flush=True)
+    append_jsonl(out / JSONL, {**base, "concurrency": None, "error": f"the server exited during the {c}-stream level"})
+    return False
+
+
+def level_order(names: list[str], round_: int) -> list[str]:
+    """The configurations' order in a round: as given in even rounds, reversed in odd ones (A B, B A, A B, ...), so
+    a drift of the machine's speed over a level falls on every configuration alike."""
+    return list(names) if round_ % 2 == 0 else list(reversed(names))
+
+
+def run_configs(args: argparse.Namespace, meta: dict, prompts: list[str]) -> None:
+    """`--rounds 1`: one configuration's server at a time, every level. More rounds: every server up at once (idle
+    while another is measured), each level run `rounds` times in alternating order (`level_order`)."""
+    if args.rounds == 1:
+        for name in args.configs:
+            started = start_config(name, args, meta, prompts)
+            if started is None:
+                continue
+            try:
+                for c in args.concurrency:
+                    if not measure_level(started, args, prompts, c, 0):
+                        break
+            finally:
+                started.server.stop()
+        return
+    running: dict[str, Started] = {}
+    try:
+        for name in args.configs:  # in order: a sparrow load writes the cache that `transformers serve` reads
+            started = start_config(name, args, meta, prompts)
+            if started is not None:
+                running[started.name] = started
+        for c in args.concurrency:
+            for round_ in range(args.rounds):
+                for name in level_order(list(running), round_):
+                    if not measure_level(running[name], args, prompts, c, round_):
+                        running.pop(name).server.stop()
+    finally:
+        for started in running.values():
+            started.server.stop()
 
 
 def _interrupt(signum, frame):  # SIGTERM/SIGHUP: unwind through the finally blocks that stop the servers
@@ -752,6 +878,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a request may take, queueing included; then it counts as failed")
     p.add_argument("--load-timeout", type=float, default=1800.0, help="seconds a server may take to load")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests per server")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="times each level runs; above 1 every server is up at once and the configurations take "
+                        "turns in alternating order (A B B A), the table showing each level's median and range")
     p.add_argument("--prompts", default=str(HERE / "prompts.json"), help="a prompts.json file or 'spec-bench'")
     p.add_argument("--api-key", default=None, help="run the sparrow servers with --api-key and send it")
     p.add_argument("--sparrow-args", default="", help="extra `sparrow serve` options, e.g. '--max-batch 8'")
@@ -763,8 +892,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [c for c in args.configs if c not in CONFIG_NAMES]
     if unknown:
         p.error(f"unknown configuration(s) {', '.join(unknown)}; expected some of {', '.join(CONFIG_NAMES)}")
-    if not args.concurrency or min(args.concurrency) < 1 or args.requests < 1 or args.max_tokens < 1:
-        p.error("--concurrency, --requests and --max-tokens must be >= 1")
+    if not args.concurrency or min(args.concurrency) < 1 or args.requests < 1 or args.max_tokens < 1 or args.rounds < 1:
+        p.error("--concurrency, --requests, --max-tokens and --rounds must be >= 1")
     return args
 
 
@@ -784,11 +913,11 @@ def main(argv: list[str] | None = None) -> None:
             "cpus": os.cpu_count(), "torch_threads": torch_threads(),
             "target": args.target, "drafter": args.drafter, "draft": args.draft, "draft_quant": args.draft_quant,
             "dtype": args.dtype, "max_tokens": args.max_tokens, "requests_per_level": args.requests,
+            "rounds": args.rounds,
             "timeout_s": args.timeout, "prompts": args.prompts if args.prompts == "spec-bench"
             else os.path.relpath(args.prompts, REPO), **versions()}
     try:
-        for name in args.configs:
-            run_config(name, args, meta, prompts)
+        run_configs(args, meta, prompts)
     except KeyboardInterrupt:
         print("interrupted: the servers are stopped; rows so far are kept", file=sys.stderr)
         raise SystemExit(130)

@@ -89,12 +89,83 @@ def test_render_markdown_rows_failures_and_settings():
     lines = text.splitlines()
     table = [line for line in lines if line.startswith("| ")]
     assert len(table) == 1 + 4  # header + 3 levels + the configuration that did not run
-    assert ("| speculative | 1 | 4 / 0 | 2.000 | 64.00 | 2.50 / 3.97 | 0.10 / 0.10 | 2.50 | 1000 → 1010 (1020) |"
-            in lines)
+    assert ("| speculative | 1 | 4 / 0 | 2.000 | 64.00 | 1.00 | 2.50 / 3.97 | 0.10 / 0.10 | 2.50 "
+            "| 1000 → 1010 (1020) |" in lines)
+    assert "| speculative | 4 | 4 / 0 | 2.000 | 64.00 | – |" in text  # no plain level of 4 streams to divide by
     assert "- **transformers-serve** did not run: the server exited with code 1 Traceback ..." in lines
     assert "- plain, 1 streams: 1× HTTP 500: internal error" in lines
     assert any("AMD EPYC (avx512_bf16), 2 CPUs, 2 torch threads; sparrow 0123456789ab," in line for line in lines)
     assert "- speculative: `serve speculative`" in lines
+
+
+def test_rounds_merge_into_medians_ranges_and_ratios_within_each_round():
+    run = "2026-01-01T00:00:00Z"
+    rows = [level("speculative", 4, run, round=0, output_tokens_per_second=30.0, latency_p50_s=2.0, ok=4,
+                  errors=[{"error": "HTTP 500: x", "count": 1}], rss_mib_after=1100.0, rss_mib_peak=1200.0),
+            level("plain", 4, run, round=0, output_tokens_per_second=20.0),
+            level("plain", 4, run, round=1, output_tokens_per_second=25.0),
+            level("speculative", 4, run, round=1, output_tokens_per_second=36.0, latency_p50_s=3.0, ok=3,
+                  errors=[{"error": "HTTP 500: x", "count": 2}], rss_mib_after=1300.0, rss_mib_peak=1250.0),
+            level("speculative", 1, run, output_tokens_per_second=9.0),  # one round, no plain level to divide by
+            {**META, "config": "transformers-serve", "concurrency": None, "run": run, "error": "gone"}]
+    merged = {(r["config"], r["concurrency"]): r for r in lt.merge_rounds(rows)}
+    spec, plain = merged["speculative", 4], merged["plain", 4]
+    assert spec["level_rounds"] == 2 and spec["round_tok_s"] == [30.0, 36.0]
+    assert spec["output_tokens_per_second"] == 33.0 and spec["latency_p50_s"] == 2.5 and spec["ok"] == 7
+    assert spec["errors"] == [{"error": "HTTP 500: x", "count": 3}]
+    assert (spec["rss_mib_before"], spec["rss_mib_after"], spec["rss_mib_peak"]) == (1000.0, 1300.0, 1250.0)
+    assert spec["x_plain"] == pytest.approx(33.0 / 22.5)
+    assert spec["x_plain_rounds"] == pytest.approx([1.5, 1.44])  # paired by round, not median over median
+    assert "x_plain" not in plain and "x_plain" not in merged["speculative", 1]
+    assert merged["transformers-serve", None]["error"] == "gone"
+    text = lt.render_markdown(rows)
+    assert "| speculative | 4 | 7 / 0 | 2.000 | 33.00 (30.00–36.00) | 1.47 (1.44–1.50) |" in text
+    assert "| plain | 4 |" in text and "| speculative | 1 | 4 / 0 | 2.000 | 9.00 | – |" in text
+    assert "4 requests per level in 2 rounds (the servers up together" in text
+
+
+def test_ratios_stay_within_one_run():
+    rows = [level("speculative", 1, "r2", output_tokens_per_second=30.0),  # re-run alone: plain is older
+            level("plain", 1, "r1", output_tokens_per_second=10.0)]
+    assert all("x_plain" not in r for r in lt.merge_rounds(rows))
+
+
+def test_rounds_alternate_the_order_and_keep_every_server_up(monkeypatch, tmp_path):
+    events = []
+
+    class FakeServer:
+        def __init__(self, name):
+            self.name = name
+
+        def stop(self):
+            events.append(("stop", self.name))
+
+    def start(name, args, meta, prompts):
+        events.append(("start", name))
+        return None if name == "transformers-serve" else lt.Started(name, None, FakeServer(name), {})
+
+    def measure(started, args, prompts, c, round_):
+        events.append((started.name, c, round_))
+        return not (started.name == "plain" and c == 4)  # plain's server dies in its first 4-stream round
+
+    monkeypatch.setattr(lt, "start_config", start)
+    monkeypatch.setattr(lt, "measure_level", measure)
+    args = lt.parse_args(["--configs", "speculative,plain,transformers-serve", "--concurrency", "1,4",
+                          "--out", str(tmp_path)])
+    assert args.rounds == 2 and lt.level_order(["a", "b"], 0) == ["a", "b"] and lt.level_order(["a", "b"], 1) == [
+        "b", "a"]
+    lt.run_configs(args, {}, [])
+    assert events == [("start", "speculative"), ("start", "plain"), ("start", "transformers-serve"),
+                      ("speculative", 1, 0), ("plain", 1, 0), ("plain", 1, 1), ("speculative", 1, 1),
+                      ("speculative", 4, 0), ("plain", 4, 0), ("stop", "plain"), ("speculative", 4, 1),
+                      ("stop", "speculative")]
+    events.clear()
+    lt.run_configs(lt.parse_args(["--configs", "speculative,plain", "--concurrency", "1,4", "--rounds", "1",
+                                  "--out", str(tmp_path)]), {}, [])
+    assert events == [("start", "speculative"), ("speculative", 1, 0), ("speculative", 4, 0), ("stop", "speculative"),
+                      ("start", "plain"), ("plain", 1, 0), ("plain", 4, 0), ("stop", "plain")]
+    with pytest.raises(SystemExit):
+        lt.parse_args(["--rounds", "0"])
 
 
 def test_render_writes_markdown_and_plot(tmp_path):
