@@ -2,11 +2,12 @@
 
 For each configuration the script starts the server as a subprocess on 127.0.0.1 (a free port; its stdout and
 stderr go to `OUT/load_test_logs/`), waits for `GET /health` to answer 200 and sends a warm-up request. Then, for
-each concurrency `c`, each configuration in turn sends `--requests N` streamed chat requests (greedy, `max_tokens`, prompts cycled from
-`benchmarks/prompts.json` or Spec-Bench's first turns) with the official `openai` async client, at most `c` in
-flight (closed loop: a slot is refilled as soon as its request ends). Every request ends as ok or with its
-error text (HTTP status and message, a broken stream, a client-side timeout): nothing is lost, and for sparrow
-the server's own `/metrics` request count is checked against the client's. With `--rounds R` (default 2) every
+each concurrency `c`, each configuration in turn sends `--requests N` streamed chat requests (greedy,
+`max_tokens`, prompts cycled from `benchmarks/prompts.json` or Spec-Bench's first turns) with the official
+`openai` async client, at most `c` in flight (closed loop: a slot is refilled as soon as its request ends).
+Every request ends as ok or with its error text (HTTP status and message, a broken stream, a client-side
+timeout): nothing is lost, and for sparrow the server's own `/metrics` request count is checked against the
+client's. With `--rounds R` (default 2) every
 server is up at once (an idle one takes no CPU) and each level runs R times, the configurations taking turns in
 alternating order (speculative, plain, plain, speculative, ...), so a machine whose speed drifts over minutes (as
 shared ones do) weighs on both sides alike; `--rounds 1` runs one server at a time, every level, then the next. The

@@ -236,7 +236,9 @@ class Pipeline:
                 drafter = self._forks.pop() if self._forks else self.drafter.fork()
                 if drafter.lazy_prefill is not None:  # in a batch, a draft nobody drafts with is never prefilled
                     drafter.lazy_prefill = True
-            gen = self._generation(request, runner_for(self.target.model), drafter, on_text)
+            runner = runner_for(self.target.model)
+            runner.prefix_cache = self.runner.prefix_cache  # one prefix cache for all of them (None: off)
+            gen = self._generation(request, runner, drafter, on_text)
             if drafter is not None:
                 drafter.grammar = gen.grammar  # drafts only what the grammar allows (until `release`)
         return gen
@@ -259,8 +261,13 @@ class Pipeline:
         return Generation(runner, drafter, verifier, request.prompt, request.sampling,
                           Stopper(request.stopping, self.tokenizer, on_text), generator, grammar=grammar)
 
-    def release(self, seq: Generation) -> None:
-        """Take back a finished (or dropped) sequence's drafter for the next one."""
+    def release(self, seq: Generation, keep: bool = False) -> None:
+        """Take back a finished (or dropped) sequence's drafter for the next one. keep: hand its cache to the prefix
+        cache (with one: `prefix_cache`), for a sequence that ended between rounds (finished or cancelled there);
+        otherwise, and after a failure mid-round, the cache is dropped."""
+        if keep and seq.target.prefix_cache is not None and seq.committed.numel():
+            seq.target.hold(seq.prompt.input_ids, seq.decoded().token_ids)
+            seq.target.park()
         seq.target.cache = None
         if seq.drafter is not None:
             seq.drafter.grammar = FREE

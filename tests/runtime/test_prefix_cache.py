@@ -8,10 +8,12 @@ import torch
 from transformers import DynamicCache
 
 import sparrow
+from sparrow.decoding.batch import Batch
 from sparrow.drafters import build_drafter
 from sparrow.drafters.base import DrafterBase
 from sparrow.errors import UserError
 from sparrow.pipeline import Pipeline
+from sparrow.policy.batch import BatchPolicy
 from sparrow.runtime.prefix_cache import MIN_REUSE, PrefixCache
 
 SYSTEM = "You are a careful agent. The tools are read, search and edit; answer with one call. " * 2
@@ -134,3 +136,68 @@ def test_it_keeps_no_more_than_its_bound(loaded_target, one_thread):
     cache = pipe.runner.prefix_cache
     assert cache.tokens <= 64 and all(isinstance(k, tuple) for k in cache.entries)
     assert all(c.get_seq_length() == len(k) for k, c in cache.entries.items())
+
+
+@pytest.mark.parametrize("drafter", [None, "prompt-lookup", "draft-model"])
+def test_batched_turns_take_their_prefix_from_finished_sequences(loaded_target, one_thread, drafter):
+    """The server's path: three conversations run together in a Batch; each finished sequence hands its cache to the
+    pipeline's prefix cache (`release(keep=True)`), so each next turn prefills only its new message, alone (the
+    turns without a kept prefix still prefill together), and every output equals a pipeline without the cache."""
+    def pipeline(prefix_cache: int) -> Pipeline:
+        draft = loaded_target if drafter == "draft-model" else None  # itself as the draft: every draft accepted
+        built = build_drafter(drafter, loaded_target, draft, 4) if drafter else None
+        return Pipeline(loaded_target, built, prefix_cache=prefix_cache)
+
+    cached, whole = pipeline(4096), pipeline(0)
+    conversations = [SYSTEM + turn for turn in TURNS]
+    before, accepted = [0, 0, 0], 0
+    for turn in range(3):
+        batch = Batch(cached.target.model, BatchPolicy(adaptive=False))
+        gens = [cached.sequence(c, max_new_tokens=16, plain=drafter is None) for c in conversations]
+        calls = _count_forwards(loaded_target.model)
+        try:
+            batch.add(*gens)
+        finally:
+            del loaded_target.model.forward
+        assert calls["forwards"] == (1 if turn == 0 else 3)  # first turn: one shared prefill; then each alone
+        while len(batch):
+            batch.step()
+        for i, gen in enumerate(gens):
+            got = cached.result(gen)
+            run = whole.generate if drafter else whole.generate_plain
+            assert got.token_ids == run(conversations[i], max_new_tokens=16).token_ids, (turn, i, drafter)
+            prompt_tokens = gen.prompt.input_ids.numel()
+            assert (gen.target.reused == 0) if turn == 0 else (before[i] - 2 <= gen.target.reused < prompt_tokens)
+            accepted += got.stats.num_accepted_tokens
+            cached.release(gen, keep=True)
+            before[i] = prompt_tokens
+            conversations[i] += got.text + " Next: "
+    assert len(cached.runner.prefix_cache.entries) >= 3  # every finished turn was kept (a copied-from one stays)
+    assert drafter is None or accepted > 0
+
+
+def test_a_sequence_released_without_keep_leaves_nothing(loaded_target, one_thread):
+    """A sequence dropped after a failure (`release` without keep) is not kept: the same prompt prefills whole."""
+    pipe = Pipeline(loaded_target, None, prefix_cache=4096)
+    gen = pipe.sequence(SYSTEM + TURNS[0], max_new_tokens=8, plain=True)
+    batch = Batch(pipe.target.model, BatchPolicy(adaptive=False))
+    batch.add(gen)
+    batch.step()
+    batch.remove(gen)
+    pipe.release(gen)
+    assert not pipe.runner.prefix_cache.entries
+    again = pipe.sequence(SYSTEM + TURNS[0] + " more", max_new_tokens=8, plain=True)
+    assert again.target.cached_prefix(again.prompt) == 0
+
+
+def _count_forwards(model: torch.nn.Module) -> dict[str, int]:
+    """Counts the model's forwards (until `del model.forward`)."""
+    calls = {"forwards": 0}
+    forward = model.forward
+
+    def counted(*args, **kwargs):
+        calls["forwards"] += 1
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    return calls

@@ -410,6 +410,35 @@ def test_metrics_count_requests_and_speculative_tokens(client, server):
     assert values['sparrow:requests_total{endpoint="/v1/completions",status="200"}'] >= 1
 
 
+def test_a_conversations_next_turn_takes_its_prefix_from_the_last_and_says_so(pipe):
+    """--prefix-cache: the second turn's prompt begins with the first turn's prompt and answer, so its prefill takes
+    them from the cache: usage.prompt_tokens_details.cached_tokens and the prefix-cache counters say how many, and
+    the answer is the one a server without the cache gives."""
+    cached = SpyPipeline(pipe.target, pipe.drafter.fork(), prefix_cache=4096)
+    answers = {}
+    for name, served in (("cached", cached), ("whole", pipe)):
+        with TestClient(create_app(Scheduler(lambda served=served: served), model_name="tiny")) as http:
+            wait_for(lambda: http.get("/health").status_code == 200)
+            messages, turns = [dict(m) for m in MESSAGES], []
+            for content in ("Tell me more about it.", "And then?"):
+                body = {"messages": messages, "max_tokens": 12, "temperature": 0}
+                answer = http.post("/v1/chat/completions", json=body).json()
+                turns.append((answer["choices"][0]["message"]["content"], answer["usage"]))
+                messages += [{"role": "assistant", "content": turns[-1][0]}, {"role": "user", "content": content}]
+            answers[name] = turns
+            counts = http.get("/metrics").text
+        if name == "cached":
+            first, second = (usage["prompt_tokens_details"]["cached_tokens"] for _, usage in turns)
+            assert first == 0 and turns[0][1]["prompt_tokens"] - 4 <= second < turns[1][1]["prompt_tokens"], turns
+            queries = sum(usage["prompt_tokens"] for _, usage in turns)
+            assert f"sparrow:prefix_cache_queries_total {float(queries)}" in counts
+            assert f"sparrow:prefix_cache_hits_total {float(second)}" in counts
+        else:
+            assert all(usage["prompt_tokens_details"]["cached_tokens"] == 0 for _, usage in turns)
+            assert "sparrow:prefix_cache_queries_total 0.0" in counts
+    assert [text for text, _ in answers["cached"]] == [text for text, _ in answers["whole"]]
+
+
 def test_a_client_that_disconnects_mid_stream_ends_its_job_at_the_next_round(pipe):
     pipe.round_delay = 0.02  # 1000 tokens would take seconds
     with live_server(pipe) as (url, scheduler):
@@ -447,6 +476,7 @@ def test_cli_serve_checks_its_flags_before_loading():
                           (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
                           (["--ray", "--shutdown-timeout", "5"], "--shutdown-timeout applies without --ray"),
                           (["--port", "70000"], "--port"), (["-k", "0"], "-k"),
+                          (["--prefix-cache", "-1"], "--prefix-cache must be an integer >= 0"),
                           (["--quant", "int3"], "invalid quant 'int3': expected one of auto, none, int8")]:
         result = runner.invoke(cli, ["serve", *flags])
         assert result.exit_code == 2 and needle in result.output, (flags, result.output)
@@ -466,9 +496,10 @@ def test_cli_serve_loads_the_target_in_the_format_asked(monkeypatch):
 
     monkeypatch.setattr(sparrow, "load", load)
     monkeypatch.setattr("sparrow.serve.Scheduler", LoadAtOnce)
-    result = CliRunner().invoke(cli, ["serve", "--target", "tiny", "--quant", "int8", "--draft-quant", "int4"])
+    result = CliRunner().invoke(cli, ["serve", "--target", "tiny", "--quant", "int8", "--draft-quant", "int4",
+                                      "--prefix-cache", "8192"])
     assert result.exit_code == 2 and "loaded" in result.output, result.output
-    assert (seen["target"], seen["quant"], seen["draft_quant"]) == ("tiny", "int8", "int4")
+    assert (seen["target"], seen["quant"], seen["draft_quant"], seen["prefix_cache"]) == ("tiny", "int8", "int4", 8192)
 
 
 def test_invalid_utf8_in_prompts_and_messages_is_replaced_as_in_the_cli():

@@ -86,6 +86,17 @@ def serve(
     ] = None,
     model_name: Annotated[Optional[str], typer.Option(help="The model name clients send (default: --target).")] = None,
     max_batch: Annotated[int, typer.Option(help="Requests decoded together in one batch step.")] = 8,
+    prefix_cache: Annotated[
+        int,
+        typer.Option(
+            help="Keep the KV of finished requests, up to this many tokens in all (LRU), so that a prompt that "
+                 "begins like one of them (a conversation's next turn, an agent's fixed preamble) prefills only the "
+                 "rest; 0: off. vLLM's automatic prefix caching; usage.prompt_tokens_details.cached_tokens says how "
+                 "many a request took. Not with drafters that read the target's prompt states (eagle, sparse, "
+                 "visual-prune).",
+            metavar="TOKENS",
+        ),
+    ] = 0,
     ray: Annotated[
         bool, typer.Option("--ray/--no-ray", help="Serve replicas with Ray Serve (needs the ray extra).")
     ] = False,
@@ -129,6 +140,7 @@ def serve(
     check_int("-k/--num-draft-tokens", k, 1)
     check_int("--max-queue", max_queue, 1)
     check_int("--max-batch", max_batch, 1)
+    check_int("--prefix-cache", prefix_cache, 0)
     check_int("--replicas", replicas, 1)
     check_float("--replica-cpus", replica_cpus, "a number of CPUs > 0", lambda c: c > 0)
     for flag, value in (("--replicas", replicas), ("--ray-address", ray_address), ("--replica-cpus", replica_cpus)):
@@ -172,7 +184,7 @@ def serve(
     def load() -> sparrow.Pipeline:
         return sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
                             dtype=dtype.value, device=device, quant=quant, draft_quant=draft_quant,
-                            **drafter_options)
+                            prefix_cache=prefix_cache, **drafter_options)
 
     if ray:
         import math

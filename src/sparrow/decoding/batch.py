@@ -306,11 +306,13 @@ class Batch:
     def add(self, *seqs: Generation) -> None:
         """Prefill `seqs` (their target caches, their drafters) and choose each one's first token (which may finish
         it). Text prompts of similar lengths prefill in one shared target forward (`prefill_together`); a prompt
-        with media, or whose drafter watches the target's prefill, prefills alone."""
+        with media, whose drafter watches the target's prefill, or that begins like a sequence in the prefix cache
+        (its runner's `prefix_cache`: it prefills only the rest) prefills alone."""
         for seq in seqs:
             seq.started = time.perf_counter()
         shareable = [seq for seq in seqs if not seq.prompt.model_inputs
-                     and (seq.drafter is None or not seq.drafter.watches_prefill)]
+                     and (seq.drafter is None or not seq.drafter.watches_prefill)
+                     and not seq.target.cached_prefix(seq.prompt, seq.drafter.hidden_layers if seq.drafter else ())]
         prefilled: dict[int, tuple[TargetOutput, float]] = {}
         for group in prefill_groups([seq.prompt.input_ids.numel() for seq in shareable]):
             if len(group) < 2:
@@ -332,10 +334,8 @@ class Batch:
             seq.prefill_seconds += seconds
             if seq.drafter is not None and seq.drafter.length is not None:  # what its drafter learnt so far:
                 seq.acceptance = copy.deepcopy(seq.drafter.length.acceptance)  # the budget's first estimate
-            if not seq.done:
+            if not seq.done:  # one that finished at once keeps its cache, as in `step`
                 self.running.append(seq)
-            else:
-                seq.target.cache = None
 
     def remove(self, seq: Generation) -> None:
         """Drop a running sequence (its client went away); its cache goes with it."""
@@ -344,7 +344,8 @@ class Batch:
         seq.target.cache = None
 
     def step(self) -> list[Generation]:
-        """One round for every running sequence; returns those that finished (and left the batch)."""
+        """One round for every running sequence; returns those that finished (and left the batch). A finished one
+        keeps its cache, between rounds, for `Pipeline.release` to drop or to hand to the prefix cache."""
         seqs = self.running
         if not seqs:
             return []
@@ -403,7 +404,7 @@ class Batch:
             if seq.done:
                 finished.append(seq)
         for seq in finished:
-            self.remove(seq)
+            self.running.remove(seq)
         return finished
 
 

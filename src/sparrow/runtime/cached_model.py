@@ -105,14 +105,25 @@ class CachedModel:
         return (self.prefix_cache is not None and not hidden_layers and not prompt.model_inputs
                 and "sliding_attention" not in layer_types)
 
+    def cached_prefix(self, prompt: Prompt, hidden_layers: tuple[int, ...] = ()) -> int:
+        """The prompt positions a prefill of `prompt` would take from the prefix cache (0: none, or no cache)."""
+        if not self._reusable(prompt, hidden_layers):
+            return 0
+        return self.prefix_cache.shared(prompt.input_ids.tolist())
+
     def _take(self, ids: list[int]) -> tuple[DynamicCache, int] | None:
-        """Park the current cache (what `held` says it holds) in the prefix cache; take the best one for `ids`."""
-        if self.cache is not None and self.position_offset == 0:
+        """Park the current cache in the prefix cache; take the best one for `ids`."""
+        self.park()
+        return self.prefix_cache.take(ids, self._empty)
+
+    def park(self) -> None:
+        """Hand the cache (what `held` says it holds, cut to that) to the prefix cache, if there is one; the runner
+        is left without a cache."""
+        if self.prefix_cache is not None and self.cache is not None and self.position_offset == 0:
             held = self.held[:self.length]
             self.rewind(len(held))
             self.prefix_cache.park(held, self.cache)
         self.cache, self.held = None, []
-        return self.prefix_cache.take(ids, self._empty)
 
     def hold(self, prompt: Tensor, output: list[int]) -> None:
         """A generation of `output` after `prompt` finished: the cache holds the KV of its committed tokens but the

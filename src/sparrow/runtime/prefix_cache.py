@@ -50,18 +50,28 @@ class PrefixCache:
         while self.tokens > self.max_tokens:
             self.entries.popitem(last=False)
 
-    def take(self, ids: list[int], empty: Callable[[], DynamicCache]) -> tuple[DynamicCache, int] | None:
-        """(a cache holding the first n positions of the entry that shares the longest prefix with `ids`, n); n <=
-        len(ids) - 1, since the last prompt row's logits must be computed; None below MIN_REUSE. An entry that
-        `ids` extends whole leaves the cache and is returned (the new sequence supersedes it); of a longer one, the
-        shared positions are copied into `empty()` and the entry stays for the requests that share more of it."""
+    def shared(self, ids: list[int]) -> int:
+        """The positions `take(ids)` would reuse (0: none)."""
+        return self._best(ids)[1]
+
+    def _best(self, ids: list[int]) -> tuple[tuple[int, ...] | None, int]:
+        """(the entry sharing the longest prefix with `ids`, the positions a prefill of `ids` reuses from it: at
+        most len(ids) - 1), or (None, 0) below MIN_REUSE."""
         best, shared, ids = None, 0, tuple(ids)
         for key in self.entries:
             n = len(commonprefix([key, ids]))
             if n > shared:
                 best, shared = key, n
         shared = min(shared, len(ids) - 1)
-        if best is None or shared < MIN_REUSE:
+        return (best, shared) if best is not None and shared >= MIN_REUSE else (None, 0)
+
+    def take(self, ids: list[int], empty: Callable[[], DynamicCache]) -> tuple[DynamicCache, int] | None:
+        """(a cache holding the first n positions of the entry that shares the longest prefix with `ids`, n); n <=
+        len(ids) - 1, since the last prompt row's logits must be computed; None below MIN_REUSE. An entry that
+        `ids` extends whole leaves the cache and is returned (the new sequence supersedes it); of a longer one, the
+        shared positions are copied into `empty()` and the entry stays for the requests that share more of it."""
+        best, shared = self._best(ids)
+        if best is None:
             return None
         if shared == len(best):
             return self.entries.pop(best), shared

@@ -312,6 +312,7 @@ def usage(finished: Finished) -> dict[str, Any]:
         "prompt_tokens": finished.prompt_tokens,
         "completion_tokens": result.new_tokens,
         "total_tokens": finished.prompt_tokens + result.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": finished.cached_tokens},
         "speculative": {
             "num_drafts": num_drafts(result),
             "num_draft_tokens": stats.num_draft_tokens,
@@ -327,6 +328,7 @@ def cut_usage(last: Text | None) -> dict[str, Any]:
     prompt, tokens = (last.prompt_tokens, last.completion_tokens) if last is not None else (0, 0)
     drafted, accepted = (last.num_draft_tokens, last.num_accepted_tokens) if last is not None else (0, 0)
     return {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens,
+            "prompt_tokens_details": {"cached_tokens": last.cached_tokens if last is not None else 0},
             "speculative": {"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
                             "acceptance_rate": accepted / drafted if drafted else 0.0}}
 

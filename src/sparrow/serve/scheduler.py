@@ -72,6 +72,7 @@ class Text:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (`serve --prefix-cache`)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Finished:
     result: GenerationResult
     prompt_tokens: int
     ended_by: str | None = None  # "timeout" or "shutdown": the server ended it (finish reason "length")
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -341,12 +343,12 @@ class Scheduler:
         pipe = self.pipeline
         assert pipe is not None and run.generation is not None
         result = pipe.result(run.generation)
-        pipe.release(run.generation)
+        pipe.release(run.generation, keep=True)  # between rounds: its cache may serve a later prompt
         if result.finish_reason == CANCELLED:
             self.metrics.request_failure.labels(reason="cancelled").inc()
             return
         self.metrics.finished(result, run.prompt_tokens, time.perf_counter() - run.job.received)
-        run.job.emit(Finished(result, run.prompt_tokens, run.ended_by))
+        run.job.emit(Finished(result, run.prompt_tokens, run.ended_by, run.cached_tokens))
 
     def _fail(self, job: Job, error: BaseException) -> None:
         if not isinstance(error, UserError):
@@ -392,7 +394,7 @@ class Scheduler:
             self.metrics.request_failure.labels(reason="cancelled").inc()
             return
         self.metrics.finished(result, run.prompt_tokens, time.perf_counter() - job.received)
-        job.emit(Finished(result, run.prompt_tokens, run.ended_by))
+        job.emit(Finished(result, run.prompt_tokens, run.ended_by, run.cached_tokens))
 
 
 class Running:
@@ -402,6 +404,7 @@ class Running:
         self.job, self.scheduler = job, scheduler
         self.generation: Generation | None = None
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of them, taken from the prefix cache (known after the prefill)
         self.ended_by: str | None = None  # "timeout" or "shutdown" once the server ends it
         self.started = time.perf_counter()
         self.last = None  # perf_counter of the last round that produced text
@@ -418,13 +421,20 @@ class Running:
         self.drafted += sum(s.num_draft_tokens for s in steps)
         self.accepted += sum(s.num_accepted for s in steps)
         tokens = len(self.generation.stopper.tokens) if self.generation is not None else 0
-        if self.last is None:
+        if self.last is None:  # the first round: the prompt is prefilled
             metrics.time_to_first_token.observe(now_ - self.job.received)
+            pipe = self.scheduler.pipeline
+            runner = self.generation.target if self.generation is not None else pipe.runner  # batched, or alone
+            if runner.prefix_cache is not None:
+                self.cached_tokens = runner.reused
+                metrics.prefix_cache_queries.inc(self.prompt_tokens)
+                metrics.prefix_cache_hits.inc(self.cached_tokens)
         elif tokens > self.tokens:
             for _ in range(tokens - self.tokens):  # the round's tokens arrived together: each waited its share
                 metrics.inter_token_latency.observe((now_ - self.last) / (tokens - self.tokens))
         self.last, self.tokens = now_, tokens
-        self.job.emit(Text(text, getattr(text, "spans", ()), tokens, self.drafted, self.accepted, self.prompt_tokens))
+        self.job.emit(Text(text, getattr(text, "spans", ()), tokens, self.drafted, self.accepted, self.prompt_tokens,
+                           self.cached_tokens))
         if self.job.cancelled or self.scheduler._stopping.is_set():
             return CANCELLED
         timeout, deadline = self.scheduler.timeout, self.scheduler.deadline
