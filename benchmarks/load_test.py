@@ -24,11 +24,12 @@ output tokens/s as a multiple of `plain`'s at the same level (its median and, in
 within each round).
 
 Configurations (`--configs`): `speculative` (`sparrow serve` with `--drafter/--draft/--draft-quant`), `plain` (the
-same target, `--drafter none`), `transformers-serve` (`transformers serve`, shipped with transformers, pinned
-to the preset's safetensors cache directory `$SPARROW_CACHE/models/<preset>-<dtype>` with HF_HUB_OFFLINE=1) and
-the opt-in `transformers-serve-cb` (the same with `--continuous-batching`). `--sparrow-args` / `--transformers-args`
-pass extra server options (e.g. `--sparrow-args "--max-batch 8"`). `--timeout` bounds each request, time spent
-queued on the server included; `--load-timeout` bounds a server's start.
+same target, `--drafter none`), `speculative-prefix-cache` and `plain-prefix-cache` (the same with `--prefix-cache
+TOKENS`, from this script's `--prefix-cache`), `transformers-serve` (`transformers serve`, shipped with
+transformers, pinned to the preset's safetensors cache directory `$SPARROW_CACHE/models/<preset>-<dtype>` with
+HF_HUB_OFFLINE=1) and the opt-in `transformers-serve-cb` (the same with `--continuous-batching`). `--sparrow-args` /
+`--transformers-args` pass extra server options (e.g. `--sparrow-args "--max-batch 8"`). `--timeout` bounds each
+request, time spent queued on the server included; `--load-timeout` bounds a server's start.
 
 Reproduce the README numbers (2-core CPU, bfloat16; the sparrow runs fill the safetensors cache that
 `transformers serve` then loads):
@@ -36,6 +37,14 @@ Reproduce the README numbers (2-core CPU, bfloat16; the sparrow runs fill the sa
     .venv/bin/python benchmarks/load_test.py --configs speculative,plain,transformers-serve \\
         --target qwen2.5-coder-1.5b --drafter draft-model --draft qwen2.5-coder-0.5b --draft-quant int4 \\
         --concurrency 1,4,8,32 --requests 32 --max-tokens 64 --out benchmarks/results
+
+Conversations (`--turns T`): each of a level's requests becomes a conversation of T requests, each sending the
+conversation so far (the first prompt, every answer, a follow-up from FOLLOW_UPS); the table's notes then give the
+TTFT p50 of the turns after the first and how many prompt tokens the prefix cache served
+(`usage.prompt_tokens_details`):
+
+    .venv/bin/python benchmarks/load_test.py --configs plain,plain-prefix-cache --turns 4 --concurrency 1,4 \
+        --requests 4 --max-tokens 32 --out /tmp/turns
 
 Smoke run on a small preset (prompt lookup needs no draft model):
 
@@ -70,11 +79,14 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-CONFIG_NAMES = ("speculative", "plain", "transformers-serve", "transformers-serve-cb")
+CONFIG_NAMES = ("speculative", "plain", "speculative-prefix-cache", "plain-prefix-cache", "transformers-serve",
+                "transformers-serve-cb")
 DEFAULT_CONFIGS = "speculative,plain,transformers-serve"
 JSONL, REQUESTS_JSONL, MARKDOWN, PLOT, LOGS = ("load_test.jsonl", "load_test_requests.jsonl", "load_test.md",
                                                "load_test.png", "load_test_logs")
 MiB = 1024 * 1024
+FOLLOW_UPS = ("Go on.", "Now say it again in fewer words.", "Give one example.", "What would you check first?")
+"""The user's next messages in a conversation of `--turns` > 1 (after the first prompt and each answer)."""
 
 
 # ---------------------------------------------------------------- pure parts: statistics, rows, rendering
@@ -125,6 +137,10 @@ def summarize(results: list[dict], wall_seconds: float) -> dict[str, Any]:
         "ttft_p99_s": percentile(ttfts, 99),
         "finish_reasons": dict(Counter(r.get("finish_reason") for r in ok)),
         "mean_accepted_tokens": _mean(accepted),  # mean over requests of tokens per target forward
+        "ttft_follow_up_p50_s": percentile([r["ttft_s"] for r in ok if r.get("turn") and r.get("ttft_s") is not None],
+                                           50),  # turns after a conversation's first (`--turns`)
+        "cached_prompt_tokens": sum(r.get("cached_tokens") or 0 for r in ok),
+        "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in ok),
         "acceptance_rate": sum(s.get("num_accepted_tokens") or 0 for s in spec) / drafted if drafted else None,
     }
 
@@ -141,7 +157,7 @@ def latest_rows(rows: list[dict]) -> list[dict]:
 
 
 MEDIAN_KEYS = ("requests_per_second", "output_tokens_per_second", "latency_p50_s", "latency_p99_s", "ttft_p50_s",
-               "ttft_p99_s", "mean_accepted_tokens", "wall_seconds")
+               "ttft_p99_s", "mean_accepted_tokens", "wall_seconds", "ttft_follow_up_p50_s")
 
 
 def merge_rounds(rows: list[dict]) -> list[dict]:
@@ -164,7 +180,7 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
         for key in MEDIAN_KEYS:
             values = [r[key] for r in group if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
-        for key in ("requests", "ok", "failed"):
+        for key in ("requests", "ok", "failed", "cached_prompt_tokens", "prompt_tokens"):
             row[key] = sum(r.get(key) or 0 for r in group)
         errors = Counter()
         for r in group:
@@ -234,6 +250,10 @@ def render_markdown(rows: list[dict]) -> str:
             f"| {_mib(r.get('rss_mib_before'))} → {_mib(r.get('rss_mib_after'))} ({_mib(r.get('rss_mib_peak'))}) |")
         for e in r.get("errors") or []:
             notes.append(f"- {r['config']}, {r['concurrency']} streams: {e['count']}× {_one_line(e['error'])}")
+        if r.get("ttft_follow_up_p50_s") is not None:  # conversations (--turns)
+            notes.append(f"- {r['config']}, {r['concurrency']} streams: TTFT p50 of the turns after the first "
+                         f"{_num(r['ttft_follow_up_p50_s'])} s; {r.get('cached_prompt_tokens') or 0} of "
+                         f"{r.get('prompt_tokens') or 0} prompt tokens taken from the prefix cache")
         lost = r.get("server_seen_mismatch")
         if lost:
             notes.append(f"- {r['config']}, {r['concurrency']} streams: {lost}")
@@ -245,7 +265,8 @@ def render_markdown(rows: list[dict]) -> str:
         r = next(x for x in rows if x["run"] == run)
         configs = ", ".join(dict.fromkeys(x["config"] for x in rows if x["run"] == run))
         settings.append(
-            f"- run {run} ({configs}): target `{r['target']}`, {r['requests_per_level']} requests per level"
+            f"- run {run} ({configs}): target `{r['target']}`, {r['requests_per_level']} "
+            f"{'conversations of %d turns' % r['turns'] if (r.get('turns') or 1) > 1 else 'requests'} per level"
             f"{_rounds(max(x.get('level_rounds', 1) for x in rows if x['run'] == run))}, "
             f"`max_tokens` {r['max_tokens']}, temperature 0, prompts `{r['prompts']}`; {r['cpu']} "
             f"({', '.join(r.get('cpu_features') or []) or 'no AVX2 or AVX-512'}), "
@@ -443,7 +464,7 @@ def _script(name: str) -> str | None:
     return str(beside) if beside.exists() else shutil.which(name)
 
 
-def sparrow_config(name: str, args: argparse.Namespace, drafting: bool) -> ServerConfig:
+def sparrow_config(name: str, args: argparse.Namespace, drafting: bool, prefix_cache: int = 0) -> ServerConfig:
     argv = [sys.executable, "-m", "sparrow.cli", "serve", "--target", args.target, "--dtype", args.dtype]
     if drafting:
         from sparrow.drafters.registry import NONE, REGISTRY
@@ -465,6 +486,8 @@ def sparrow_config(name: str, args: argparse.Namespace, drafting: bool) -> Serve
         argv += ["--max-queue", str(max(32, max(args.concurrency)))]
     if args.api_key:
         argv += ["--api-key", args.api_key]
+    if prefix_cache:
+        argv += ["--prefix-cache", str(prefix_cache)]
     return ServerConfig(name, "sparrow", argv + extra, model=args.target)
 
 
@@ -510,10 +533,9 @@ def transformers_config(name: str, args: argparse.Namespace, continuous_batching
 
 
 def make_config(name: str, args: argparse.Namespace) -> ServerConfig:
-    if name == "speculative":
-        return sparrow_config(name, args, drafting=True)
-    if name == "plain":
-        return sparrow_config(name, args, drafting=False)
+    if name in ("speculative", "plain", "speculative-prefix-cache", "plain-prefix-cache"):
+        return sparrow_config(name, args, drafting=name.startswith("speculative"),
+                              prefix_cache=args.prefix_cache if name.endswith("prefix-cache") else 0)
     if name == "transformers-serve":
         return transformers_config(name, args, continuous_batching=False)
     if name == "transformers-serve-cb":
@@ -652,15 +674,21 @@ def describe_error(e: BaseException, timeout: float) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int, timeout: float) -> dict[str, Any]:
-    """One streamed chat request; never raises (its failure is recorded)."""
+async def one_request(client, model: str, messages: list[dict] | str, max_tokens: int,
+                      timeout: float) -> dict[str, Any]:
+    """One streamed chat request (`messages`, or one user message's text); never raises (its failure is recorded).
+    The record keeps the answer's text (`text`) for a conversation's next turn."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
     start = time.perf_counter()
     record: dict[str, Any] = {"ok": False, "error": None, "ttft_s": None, "latency_s": None, "output_tokens": None,
-                              "prompt_tokens": None, "finish_reason": None, "speculative": None, "chunks": 0}
+                              "prompt_tokens": None, "cached_tokens": None, "finish_reason": None,
+                              "speculative": None, "chunks": 0}
+    text: list[str] = []
     try:
         async with asyncio.timeout(timeout):
             stream = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+                model=model, messages=messages, max_tokens=max_tokens, temperature=0,
                 stream=True, stream_options={"include_usage": True})
             async with stream:
                 async for chunk in stream:
@@ -668,9 +696,12 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, timeout:
                         record["output_tokens"] = chunk.usage.completion_tokens
                         record["prompt_tokens"] = chunk.usage.prompt_tokens
                         record["speculative"] = (chunk.usage.model_extra or {}).get("speculative")
+                        details = chunk.usage.prompt_tokens_details
+                        record["cached_tokens"] = details.cached_tokens if details is not None else None
                     for choice in chunk.choices:
                         if choice.delta is not None and choice.delta.content:
                             record["chunks"] += 1
+                            text.append(choice.delta.content)
                             if record["ttft_s"] is None:
                                 record["ttft_s"] = time.perf_counter() - start
                         if choice.finish_reason is not None:
@@ -682,12 +713,16 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, timeout:
     except Exception as e:  # noqa: BLE001 -- every failure becomes a recorded error (cancellation propagates)
         record["error"] = describe_error(e, timeout)
     record["latency_s"] = time.perf_counter() - start
+    record["text"] = "".join(text)
     return record
 
 
 async def run_level(server: Server, config: ServerConfig, prompts: list[str], concurrency: int, requests: int,
-                    max_tokens: int, timeout: float, api_key: str | None) -> tuple[list[dict], dict[str, Any]]:
-    """`requests` requests, at most `concurrency` in flight; the records and the level's measurements."""
+                    max_tokens: int, timeout: float, api_key: str | None,
+                    turns: int = 1) -> tuple[list[dict], dict[str, Any]]:
+    """`requests` conversations of `turns` requests each (a turn's messages: the conversation so far, then the
+    next of FOLLOW_UPS), at most `concurrency` conversations in flight; a record per request (turn) and the level's
+    measurements."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key=api_key or "none", max_retries=0,
@@ -698,10 +733,17 @@ async def run_level(server: Server, config: ServerConfig, prompts: list[str], co
     peak = measured["rss_mib_before"] or 0.0
     slots = asyncio.Semaphore(concurrency)
 
-    async def limited(i: int) -> dict:
+    async def limited(i: int) -> list[dict]:
         async with slots:
-            record = await one_request(client, config.model, prompts[i % len(prompts)], max_tokens, timeout)
-            return {"index": i, "prompt_index": i % len(prompts), **record}
+            messages, records = [{"role": "user", "content": prompts[i % len(prompts)]}], []
+            for turn in range(turns):
+                record = await one_request(client, config.model, list(messages), max_tokens, timeout)
+                records.append({"index": i, "prompt_index": i % len(prompts), "turn": turn, **record})
+                if not record["ok"]:
+                    break
+                messages += [{"role": "assistant", "content": record["text"]},
+                             {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
+            return records
 
     async def sample() -> None:
         nonlocal peak
@@ -712,7 +754,8 @@ async def run_level(server: Server, config: ServerConfig, prompts: list[str], co
     sampler = asyncio.create_task(sample())
     start = time.perf_counter()
     try:
-        records = await asyncio.gather(*(limited(i) for i in range(requests)))
+        records = [r for conversation in await asyncio.gather(*(limited(i) for i in range(requests)))
+                   for r in conversation]
         wall = time.perf_counter() - start
     finally:
         sampler.cancel()
@@ -726,8 +769,8 @@ async def run_level(server: Server, config: ServerConfig, prompts: list[str], co
         counts = server_counts(before_metrics, after_metrics)
         measured.update(counts)
         seen = sum(counts["server_requests"].values())
-        if seen != requests:
-            measured["server_seen_mismatch"] = f"the server counted {seen} requests, the client sent {requests}"
+        if seen != len(records):
+            measured["server_seen_mismatch"] = f"the server counted {seen} requests, the client sent {len(records)}"
     measured["server_alive"] = server.proc.poll() is None
     return list(records), measured
 
@@ -797,7 +840,7 @@ def measure_level(started: Started, args: argparse.Namespace, prompts: list[str]
     name, server, base = started.name, started.server, started.base
     records, measured = asyncio.run(
         run_level(server, started.config, prompts, c, max(args.requests, c), args.max_tokens, args.timeout,
-                  args.api_key)
+                  args.api_key, args.turns)
     )
     for r in records:
         append_jsonl(out / REQUESTS_JSONL, {"run": base["run"], "config": name, "concurrency": c, "round": round_,
@@ -875,6 +918,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4,8,32", type=lambda s: [int(c) for c in s.split(",") if c])
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at least the concurrency)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--turns", type=int, default=1,
+                   help="requests per conversation: each next one sends the conversation so far and a follow-up")
+    p.add_argument("--prefix-cache", type=int, default=16384,
+                   help="--prefix-cache TOKENS of the *-prefix-cache configurations")
     p.add_argument("--timeout", type=float, default=1200.0,
                    help="seconds a request may take, queueing included; then it counts as failed")
     p.add_argument("--load-timeout", type=float, default=1800.0, help="seconds a server may take to load")
@@ -893,8 +940,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [c for c in args.configs if c not in CONFIG_NAMES]
     if unknown:
         p.error(f"unknown configuration(s) {', '.join(unknown)}; expected some of {', '.join(CONFIG_NAMES)}")
-    if not args.concurrency or min(args.concurrency) < 1 or args.requests < 1 or args.max_tokens < 1 or args.rounds < 1:
-        p.error("--concurrency, --requests, --max-tokens and --rounds must be >= 1")
+    if not args.concurrency or min(args.concurrency) < 1 or min(args.requests, args.max_tokens, args.rounds, args.turns,
+                                                                args.prefix_cache) < 1:
+        p.error("--concurrency, --requests, --max-tokens, --rounds, --turns and --prefix-cache must be >= 1")
     return args
 
 
@@ -914,7 +962,7 @@ def main(argv: list[str] | None = None) -> None:
             "cpus": os.cpu_count(), "torch_threads": torch_threads(),
             "target": args.target, "drafter": args.drafter, "draft": args.draft, "draft_quant": args.draft_quant,
             "dtype": args.dtype, "max_tokens": args.max_tokens, "requests_per_level": args.requests,
-            "rounds": args.rounds,
+            "rounds": args.rounds, "turns": args.turns,
             "timeout_s": args.timeout, "prompts": args.prompts if args.prompts == "spec-bench"
             else os.path.relpath(args.prompts, REPO), **versions()}
     try:

@@ -260,3 +260,48 @@ def test_one_request_records_failures():
     assert not r["ok"] and "internal error: boom" in r["error"]
     r = request_with(sse(chunk("a")))  # cut off before the finish chunk
     assert not r["ok"] and r["error"] == "the stream ended without a finish_reason"
+
+
+def test_conversations_send_the_turns_so_far_and_count_cached_tokens(monkeypatch):
+    """--turns 3: each conversation's next request carries its earlier messages, the answers and the next follow-up;
+    every turn is a record, and the summary gives the later turns' TTFT and the prompt tokens the cache served."""
+    import os
+
+    import openai
+
+    sent = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        messages = json.loads(request.content)["messages"]
+        sent.append(messages)
+        turn = (len(messages) - 1) // 2
+        usage = {"prompt_tokens": 10 * (turn + 1), "completion_tokens": 1, "total_tokens": 10 * (turn + 1) + 1,
+                 "prompt_tokens_details": {"cached_tokens": 10 * turn}}
+        body = sse(chunk(f"answer {turn}"), chunk(finish="length"), chunk(usage=usage, choices=False), b"[DONE]")
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    real = openai.AsyncOpenAI
+    monkeypatch.setattr(openai, "AsyncOpenAI", lambda **kw: real(
+        **kw, http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler))))
+
+    class FakeServer:
+        base_url = "http://test"
+        proc = type("Proc", (), {"pid": os.getpid(), "poll": lambda self: None})()
+
+        def metrics(self):
+            return None
+
+    config = lt.ServerConfig("plain-prefix-cache", "sparrow", model="m")
+    records, measured = asyncio.run(lt.run_level(FakeServer(), config, ["first", "second"], 2, 2, 8, 5.0, None,
+                                                 turns=3))
+    assert len(records) == 6 and all(r["ok"] for r in records)
+    assert sorted((r["prompt_index"], r["turn"]) for r in records) == [(i, t) for i in range(2) for t in range(3)]
+    third = next(m for m in sent if len(m) == 5 and m[0]["content"] == "second")
+    assert [m["role"] for m in third] == ["user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in third[1:]] == ["answer 0", lt.FOLLOW_UPS[0], "answer 1", lt.FOLLOW_UPS[1]]
+    s = lt.summarize(records, measured["wall_seconds"])
+    assert s["cached_prompt_tokens"] == 2 * (0 + 10 + 20) and s["prompt_tokens"] == 2 * (10 + 20 + 30)
+    assert s["ttft_follow_up_p50_s"] is not None and s["requests"] == 6
+    text = lt.render_markdown([{**META, **s, "config": "plain-prefix-cache", "concurrency": 2, "run": "r1",
+                                "turns": 3}])
+    assert "60 of 120 prompt tokens taken from the prefix cache" in text and "conversations of 3 turns" in text
