@@ -88,6 +88,9 @@ class Pipeline:
                 raise UserError(f"prefix_cache does not combine with the {drafter.name!r} drafter: it reads what the "
                                 "target computes over the whole prompt, which a prefix-cached prefill skips")
             self.runner.prefix_cache = PrefixCache(prefix_cache)
+            for each in _draft_model_drafters(drafter):  # a draft model keeps its own (its prompts are the target's)
+                if type(each.draft) is CachedModel:
+                    each.draft.prefix_cache = PrefixCache(prefix_cache)
         if self.draft_compiled:
             _compile_draft_runner(drafter)
         self.drafter = drafter
@@ -217,6 +220,8 @@ class Pipeline:
                 raise
             seconds = time.perf_counter() - start
             self.runner.hold(gen.prompt.input_ids, decoded.token_ids)
+            if drafter is not None:
+                drafter.park(gen.committed)
             return GenerationResult(token_ids=decoded.token_ids, text=gen.stopper.text(),
                                     finish_reason=decoded.finish_reason, seconds=seconds, stats=decoded.stats)
 
@@ -268,6 +273,8 @@ class Pipeline:
         if keep and seq.target.prefix_cache is not None and seq.committed.numel():
             seq.target.hold(seq.prompt.input_ids, seq.decoded().token_ids)
             seq.target.park()
+            if seq.drafter is not None:
+                seq.drafter.park(seq.committed)
         seq.target.cache = None
         if seq.drafter is not None:
             seq.drafter.grammar = FREE

@@ -168,12 +168,33 @@ def test_batched_turns_take_their_prefix_from_finished_sequences(loaded_target, 
             assert got.token_ids == run(conversations[i], max_new_tokens=16).token_ids, (turn, i, drafter)
             prompt_tokens = gen.prompt.input_ids.numel()
             assert (gen.target.reused == 0) if turn == 0 else (before[i] - 2 <= gen.target.reused < prompt_tokens)
+            if drafter == "draft-model":  # the draft model keeps its own: its lazy prefill takes the earlier turns
+                draft = gen.drafter.draft
+                assert (draft.reused == 0) if turn == 0 else (before[i] - 2 <= draft.reused < prompt_tokens)
             accepted += got.stats.num_accepted_tokens
             cached.release(gen, keep=True)
             before[i] = prompt_tokens
             conversations[i] += got.text + " Next: "
     assert len(cached.runner.prefix_cache.entries) >= 3  # every finished turn was kept (a copied-from one stays)
+    if drafter == "draft-model":  # one store for every fork of the drafter
+        assert len(cached.drafter.draft.prefix_cache.entries) >= 3
+        assert all(fork.draft.prefix_cache is cached.drafter.draft.prefix_cache for fork in cached._forks)
     assert drafter is None or accepted > 0
+
+
+def test_a_draft_model_takes_its_prefix_from_the_last_generation(loaded_target, one_thread):
+    """One generation at a time: the draft model's cache of the last conversation is kept too, so the next turn's
+    draft prefill takes it; the output is the output without a prefix cache, with drafts accepted."""
+    cached, whole = (Pipeline(loaded_target, build_drafter("draft-model", loaded_target, loaded_target, 4),
+                              prefix_cache=p) for p in (4096, 0))
+    conversation, before = SYSTEM + TURNS[0], 0
+    for turn in range(3):
+        got = cached.generate(conversation, max_new_tokens=16)
+        assert got.token_ids == whole.generate(conversation, max_new_tokens=16).token_ids
+        assert got.stats.num_accepted_tokens > 0
+        prompt_tokens = cached.encode(conversation).input_ids.numel()
+        assert (cached.drafter.draft.reused == 0) if turn == 0 else (before - 2 <= cached.drafter.draft.reused)
+        before, conversation = prompt_tokens, conversation + got.text + " Next: "
 
 
 def test_a_sequence_released_without_keep_leaves_nothing(loaded_target, one_thread):

@@ -86,6 +86,10 @@ class Drafter(Protocol):
         """Committed tokens its draft model would feed before its next draft (a lazy prompt prefill, the rounds it
         sat out); 0 without a draft model cache. A batch probes only with drafts nearly in step."""
 
+    def park(self, committed: Tensor) -> None:
+        """A generation of `committed` ended between rounds: hand the draft model's cache (as far as it holds
+        `committed`) to its prefix cache, if it has one (`Pipeline(prefix_cache=...)`); a no-op by default."""
+
     def watch_prefill(self, target: CachedModel) -> AbstractContextManager:
         """A context the engine runs the target's prefill inside (drafters that read what that forward computes,
         e.g. its queries: sparse, visual-prune); a no-op by default."""
@@ -130,6 +134,9 @@ class DrafterBase:
 
     def behind(self, committed: Tensor) -> int:
         return 0
+
+    def park(self, committed: Tensor) -> None:
+        pass
 
     def watch_prefill(self, target: CachedModel) -> AbstractContextManager:
         return nullcontext()

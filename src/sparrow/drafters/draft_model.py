@@ -28,6 +28,7 @@ from sparrow.noise import Randomness
 from sparrow.policy.length import LengthPolicy
 from sparrow.policy.tree import TreePolicy
 from sparrow.runtime.cached_model import CachedModel
+from sparrow.runtime.prefix_cache import PrefixCache
 from sparrow.runtime.runner import runner_for
 from sparrow.types import Draft, Prompt, StepStats, TargetOutput, Verdict
 
@@ -103,6 +104,24 @@ class DraftModelDrafter(DrafterBase):
         self.draft.rewind(valid)
         self.draft.forward(committed[valid:-1])
         self._cached = committed[:-1]
+
+    def park(self, committed: Tensor) -> None:
+        """The draft's cache, cut to the committed tokens it holds, into its runner's prefix cache (a lazy draft
+        that never prefilled has none)."""
+        if self._store() is None or self._prompt is not None or self.draft.cache is None:
+            return
+        committed = committed.to(self.draft.device)
+        self.draft.held = committed[:self._valid(committed)].tolist()
+        self.draft.park()
+        self._cached = self._cached[:0]
+
+    def shared(self) -> tuple[object, ...]:
+        """The draft runner's prefix cache: one for every fork."""
+        return distinct((self._store(),))
+
+    def _store(self) -> PrefixCache | None:
+        """The draft runner's prefix cache (runners with their own KV policies have none)."""
+        return getattr(self.draft, "prefix_cache", None)
 
     def behind(self, committed: Tensor) -> int:
         if self._prompt is not None:  # not prefilled yet: the prompt and every token since
