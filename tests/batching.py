@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
+import torch
+
 from sparrow.decoding.batch import Batch
 from sparrow.decoding.round import Generation
 from sparrow.pipeline import Pipeline
@@ -40,3 +44,15 @@ def run_batch(pipe: Pipeline, policy: BatchPolicy | None = None, join_after: int
         pipe.release(gen)
     return results
 
+
+def count_forwards(model: torch.nn.Module) -> Counter:
+    """Counts the model's forwards (until `del model.forward`)."""
+    calls = Counter()
+    forward = model.forward
+
+    def counted(*args, **kwargs):
+        calls["forwards"] += 1
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    return calls

@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 import torch
-from batching import BUDGETS, PROMPTS, run_batch
+from batching import BUDGETS, PROMPTS, count_forwards, run_batch
 from conftest import perturbed, tiny_model, tiny_tokenizer
 from test_degenerate import SPECS
 
@@ -206,19 +206,6 @@ def test_a_removed_sequence_leaves_the_others_exact(pair, plain_outputs):
     for i, gen in enumerate(gens):
         if i != 1:
             assert pipe.result(gen).token_ids == plain_outputs[i]
-
-
-def count_forwards(model: torch.nn.Module) -> Counter:
-    """Counts the model's forwards (until `del model.forward`)."""
-    calls = Counter()
-    forward = model.forward
-
-    def counted(*args, **kwargs):
-        calls["forwards"] += 1
-        return forward(*args, **kwargs)
-
-    model.forward = counted
-    return calls
 
 
 @pytest.mark.parametrize("label", ["draft-model", "sparse"])

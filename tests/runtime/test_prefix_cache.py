@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batching import count_forwards
 from transformers import DynamicCache
 
 import sparrow
@@ -154,7 +155,7 @@ def test_batched_turns_take_their_prefix_from_finished_sequences(loaded_target, 
     for turn in range(3):
         batch = Batch(cached.target.model, BatchPolicy(adaptive=False))
         gens = [cached.sequence(c, max_new_tokens=16, plain=drafter is None) for c in conversations]
-        calls = _count_forwards(loaded_target.model)
+        calls = count_forwards(loaded_target.model)
         try:
             batch.add(*gens)
         finally:
@@ -209,16 +210,3 @@ def test_a_sequence_released_without_keep_leaves_nothing(loaded_target, one_thre
     assert not pipe.runner.prefix_cache.entries
     again = pipe.sequence(SYSTEM + TURNS[0] + " more", max_new_tokens=8, plain=True)
     assert again.target.cached_prefix(again.prompt) == 0
-
-
-def _count_forwards(model: torch.nn.Module) -> dict[str, int]:
-    """Counts the model's forwards (until `del model.forward`)."""
-    calls = {"forwards": 0}
-    forward = model.forward
-
-    def counted(*args, **kwargs):
-        calls["forwards"] += 1
-        return forward(*args, **kwargs)
-
-    model.forward = counted
-    return calls
