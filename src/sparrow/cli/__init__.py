@@ -13,6 +13,7 @@ from sparrow.cli.models import models_app
 from sparrow.cli.serve import serve
 from sparrow.cli.train import train_app
 from sparrow.cli.tune import tune_app
+from sparrow.runtime.memory import keep_freed_memory
 from sparrow.runtime.threads import set_threads
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -27,6 +28,7 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Also print the tra
              "this process may use (its CPU affinity, and a cgroup CPU quota where one is set).")] = None) -> None:
     """Lossless speculative decoding for LLMs and Video-LLMs."""
     set_threads(threads)
+    keep_freed_memory()  # prefills reuse freed memory instead of faulting fresh pages in (sparrow.runtime.memory)
 
 
 app.command()(generate)
