@@ -1,15 +1,14 @@
 """Bounded load test of `sparrow serve` on loopback, against the same server without drafting and `transformers serve`.
 
-For each configuration the script starts the server as a subprocess on 127.0.0.1 (a free port; its stdout and
-stderr go to `OUT/load_test_logs/`), waits for `GET /health` to answer 200 and sends a warm-up request. Then, for
-each concurrency `c`, each configuration in turn sends `--requests N` streamed chat requests (greedy,
-`max_tokens`, prompts cycled from `benchmarks/prompts.json` or Spec-Bench's first turns) with the official
-`openai` async client, at most `c` in flight (closed loop: a slot is refilled as soon as its request ends).
-Every request ends as ok or with its error text (HTTP status and message, a broken stream, a client-side
-timeout): nothing is lost, and for sparrow the server's own `/metrics` request count is checked against the
-client's. With `--rounds R` (default 2) every
-server is up at once (an idle one takes no CPU) and each level runs R times, the configurations taking turns in
-alternating order (speculative, plain, plain, speculative, ...), so a machine whose speed drifts over minutes (as
+For each configuration the script starts the server as a subprocess on 127.0.0.1 (a free port; its stdout and stderr
+go to `OUT/load_test_logs/`), waits for `GET /health` to answer 200 and sends a warm-up request. Then, for each
+concurrency `c`, each configuration in turn sends `--requests N` streamed chat requests (greedy, `max_tokens`,
+prompts cycled from `benchmarks/prompts.json` or Spec-Bench's first turns) with the official `openai` async client,
+at most `c` in flight (closed loop: a slot is refilled as soon as its request ends). Every request ends as ok or
+with its error text (HTTP status and message, a broken stream, a client-side timeout): nothing is lost, and for
+sparrow the server's own `/metrics` request count is checked against the client's. With `--rounds R` (default 2)
+every server is up at once (an idle one takes no CPU) and each level runs R times, the configurations taking turns
+in alternating order (speculative, plain, plain, speculative, ...), so a machine whose speed drifts over minutes (as
 shared ones do) weighs on both sides alike; `--rounds 1` runs one server at a time, every level, then the next. The
 servers are killed at the end, also on an error, Ctrl-C or SIGTERM.
 
@@ -674,12 +673,9 @@ def describe_error(e: BaseException, timeout: float) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-async def one_request(client, model: str, messages: list[dict] | str, max_tokens: int,
-                      timeout: float) -> dict[str, Any]:
-    """One streamed chat request (`messages`, or one user message's text); never raises (its failure is recorded).
-    The record keeps the answer's text (`text`) for a conversation's next turn."""
-    if isinstance(messages, str):
-        messages = [{"role": "user", "content": messages}]
+async def one_request(client, model: str, messages: list[dict], max_tokens: int, timeout: float) -> dict[str, Any]:
+    """One streamed chat request; never raises (its failure is recorded). The record keeps the answer's text
+    (`text`) for a conversation's next turn."""
     start = time.perf_counter()
     record: dict[str, Any] = {"ok": False, "error": None, "ttft_s": None, "latency_s": None, "output_tokens": None,
                               "prompt_tokens": None, "cached_tokens": None, "finish_reason": None,

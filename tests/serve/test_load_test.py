@@ -232,7 +232,7 @@ def request_with(body: bytes, status: int = 200, timeout: float = 5.0) -> dict:
         client = AsyncOpenAI(base_url="http://test/v1", api_key="k", max_retries=0,
                              http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
         try:
-            return await lt.one_request(client, "m", "hi", 8, timeout)
+            return await lt.one_request(client, "m", [{"role": "user", "content": "hi"}], 8, timeout)
         finally:
             await client.close()
 
