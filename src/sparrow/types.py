@@ -78,6 +78,9 @@ class Verdict:
     path: Tensor | None = None
     """[num_accepted] int64 indices of the accepted draft nodes, root to leaf; None means the chain
     prefix arange(num_accepted)."""
+    ids: tuple[int, ...] | None = None
+    """`tokens` on the host, when the verifier read them there anyway (None: read once by `host_ids`); on a GPU
+    each read is a device-to-host copy that waits for the device."""
 
     def __post_init__(self) -> None:
         assert self.tokens.ndim == 1 and self.tokens.numel() == self.num_accepted + 1, (
@@ -86,6 +89,11 @@ class Verdict:
         )
         if self.path is not None:
             assert self.path.shape == (self.num_accepted,), (tuple(self.path.shape), self.num_accepted)
+        assert self.ids is None or len(self.ids) == self.num_accepted + 1, (self.ids, self.num_accepted)
+
+    def host_ids(self) -> list[int]:
+        """The committed tokens as Python ints (one device-to-host copy at most)."""
+        return list(self.ids) if self.ids is not None else self.tokens.tolist()
 
     @property
     def accepted_nodes(self) -> Tensor:

@@ -25,8 +25,9 @@ def plain_decode(target: CachedModel, prompt: Prompt, sampling: SamplingConfig, 
     logits = target.prefill(prompt).logits[-1]
     position = prompt.input_ids.numel()  # of the token sampled next
     token = S.choose(masked(logits, grammar.allowed()), sampling, at(generator, position))
-    grammar.commit([int(token)])
-    stopper.push([int(token)])
+    chosen = [int(token)]  # the step's one read
+    grammar.commit(chosen)
+    stopper.push(chosen)
     prefill_seconds = clock(device) - start
     steps: list[StepStats] = []
     while not stopper.done:
@@ -34,8 +35,9 @@ def plain_decode(target: CachedModel, prompt: Prompt, sampling: SamplingConfig, 
         logits = target.forward(token.reshape(1)).logits[-1]
         position += 1
         token = S.choose(masked(logits, grammar.allowed()), sampling, at(generator, position))
-        grammar.commit([int(token)])
-        stopper.push([int(token)])
+        chosen = [int(token)]
+        grammar.commit(chosen)
+        stopper.push(chosen)
         steps.append(StepStats(0, 0, 0.0, clock(device) - t0))
     return Decoded(list(stopper.tokens), stopper.finish_reason or "length",
                    GenerationStats.from_steps(steps, prefill_seconds))

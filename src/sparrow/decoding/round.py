@@ -78,9 +78,10 @@ def start(gen: Generation, sync_timing: bool = True, prefilled: TargetOutput | N
         gen.drafter.prefill(gen.prompt, gen.target, out)
     first = S.choose(masked(out.logits[-1], gen.grammar.allowed()), gen.sampling,
                      at(gen.generator, gen.prompt.input_ids.numel()))  # position: the prompt length
-    gen.grammar.commit([int(first)])
+    token = int(first)
+    gen.grammar.commit([token])
     gen.committed = torch.cat([gen.prompt.input_ids.to(device), first.reshape(1)])
-    gen.stopper.push([int(first)])
+    gen.stopper.push([token])
     gen.prefill_seconds = now(device, sync_timing) - begin
 
 
@@ -99,14 +100,18 @@ def finish(gen: Generation, draft: Draft, out: TargetOutput, allowed: Tensor | N
         verdict = Verdict(S.choose(logits[-1], gen.sampling, noise).reshape(1), 0)
     # 4. Commit: the target keeps the accepted path's KV (compaction; a crop for chains).
     nodes = verdict.accepted_nodes
-    gen.target.keep(base, nodes)
+    if verdict.path is None:  # a chain prefix: a crop, with no look at the nodes (on a GPU: no device-to-host copy)
+        gen.target.rewind(base + 1 + verdict.num_accepted)
+    else:
+        gen.target.keep(base, nodes)
     gen.committed = torch.cat([gen.committed, verdict.tokens.to(gen.committed.device)])
-    gen.grammar.commit(verdict.tokens.tolist())
+    ids = verdict.host_ids()
+    gen.grammar.commit(ids)
     step = StepStats(len(draft), verdict.num_accepted, draft_seconds, verify_seconds(), tree=draft.is_tree,
                      first_branch=not draft.is_tree or on_first_branch(draft.parents, nodes))
     gen.steps.append(step)
     # 5. Feedback: the target's outputs for the committed rows [root, *path] and the round's timings.
     if gen.drafter is not None:
         gen.drafter.observe(draft, verdict, out.rows(torch.cat([nodes.new_zeros(1), nodes + 1])), step)
-    gen.stopper.push(verdict.tokens.tolist(), verdict.num_accepted)  # EOS / stop string / length cut inside the block
+    gen.stopper.push(ids, verdict.num_accepted)  # EOS / stop string / length cut inside the block
     return step

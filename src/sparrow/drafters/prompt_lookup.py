@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
@@ -32,22 +33,28 @@ def find_continuation(context: Tensor, min_n: int, max_n: int, k: int) -> Tensor
 
 def find_continuations(context: Tensor, min_n: int, max_n: int, k: int, limit: int) -> list[Tensor]:
     """Up to `limit` distinct continuations of at most k tokens: what followed earlier matches of the context's
-    suffix n-grams, longest n first, most recent match first (context [T] int64)."""
+    suffix n-grams, longest n first, most recent match first (context [T] int64; slices of it)."""
+    return [context[start:end] for start, end in matches(context, min_n, max_n, k, limit)[1]]
+
+
+def matches(context: Tensor, min_n: int, max_n: int, k: int, limit: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The context on the host and where `find_continuations`' continuations lie in it ([start, end) each). The
+    search runs on the host: one device-to-host copy of the context (none on a CPU, where it is a view)."""
     assert context.ndim == 1, tuple(context.shape)
-    found: list[Tensor] = []
+    ids = context.cpu().numpy()
+    found: list[tuple[int, int]] = []
     seen: set[tuple[int, ...]] = set()
-    for n in range(min(max_n, context.numel() - 1), min_n - 1, -1):
-        windows = context[:-1].unfold(0, n, 1)  # [T - n, n]: window i = context[i : i + n], i < T - n
-        hits = (windows == context[-n:]).all(-1).nonzero().flatten().tolist()
-        for hit in reversed(hits):
-            continuation = context[hit + n : hit + n + k]
-            key = tuple(continuation.tolist())
-            if continuation.numel() and key not in seen:
+    for n in range(min(max_n, ids.size - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # [T - n, n]: window i = ids[i : i + n]
+        for hit in np.flatnonzero((windows == ids[-n:]).all(-1))[::-1].tolist():
+            span = (hit + n, min(hit + n + k, ids.size))
+            key = tuple(ids[span[0] : span[1]].tolist())
+            if key and key not in seen:
                 seen.add(key)
-                found.append(continuation)
+                found.append(span)
                 if len(found) == limit:
-                    return found
-    return found
+                    return ids, found
+    return ids, found
 
 
 class PromptLookupDrafter(DrafterBase):
@@ -84,13 +91,14 @@ class PromptLookupDrafter(DrafterBase):
         k = self.length.cap(max_tokens)
         if self.tree is None:
             return Draft(tokens=find_continuation(committed, self.min_n, self.max_n, k))
-        found = find_continuations(committed, self.min_n, self.max_n, k, self.tree.topk)
+        ids, found = matches(committed, self.min_n, self.max_n, k, self.tree.topk)
         if not found:
             self._first = 0
             return Draft.empty(committed.device)
         depth = min(self.tree.depth, max_tokens)
-        tokens, parents = merge_paths([found[0].tolist(), *(c[:depth].tolist() for c in found[1:])])
-        self._first = found[0].numel()
+        paths = [ids[start:end].tolist() for start, end in found]
+        tokens, parents = merge_paths([paths[0], *(path[:depth] for path in paths[1:])])
+        self._first = len(paths[0])
         # Creation order keeps it a tree (a node after its parent); the best match (<= k <= max_tokens) stays whole.
         size = min(max_tokens, max(self._first, min(tokens.numel(), self.tree.budget)))
         return Draft(tokens=tokens[:size].to(committed.device), parents=parents[:size].to(committed.device))

@@ -209,7 +209,8 @@ class SuffixDrafter(DrafterBase):
         for probes in self._probes:  # a bucket just measured not to pay needs no probe at once
             probes.restart(probes.start)
         self._round = 0
-        self._last: tuple[list[int], int, bool] | None = None  # the last draft: tokens, match length, a probe
+        self._last: tuple[list[int], int, bool, Tensor] | None = None  # the last draft: tokens, match length, a
+        # probe, the tensor drafted
 
     def shared(self) -> tuple[object, ...]:
         """The store over outputs: one per served model, shared by every fork."""
@@ -223,21 +224,24 @@ class SuffixDrafter(DrafterBase):
         self._synced = len(ids)
         self._seq = self.store.start()
 
-    def _sync(self, committed: Tensor) -> None:
+    def _sync(self, committed: Tensor) -> list[int]:
         """Feed the tokens committed since the last round (all output: the prompt went in at prefill) to the
-        request's trie and to the store; only those tokens leave the tensor, not the whole sequence."""
-        new = committed[self._synced:].tolist()
+        request's trie and to the store; returns the context the tries match (the longest suffix they can). Both
+        leave the tensor in one device-to-host copy of the tail they span, not the whole sequence."""
+        window = max(self._local.depth, self.store.trie.depth) - 1  # the longest suffix a trie can match
+        first = max(0, min(self._synced, committed.numel() - window)) if window > 0 else 0
+        tail = committed[first:].tolist()
+        new = tail[self._synced - first:]
         if new:
             self._local.extend(0, new)
             if self.store.enabled:
                 self.store.extend(self._seq, new)
             self._synced += len(new)
+        return tail[-window:] if window > 0 else tail
 
     def propose(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
                 generator: Randomness) -> Draft:
-        self._sync(committed)
-        window = max(self._local.depth, self.store.trie.depth) - 1  # the longest suffix a trie can match
-        context = committed[-window:].tolist()
+        context = self._sync(committed)
         self._first, self._last = 0, None
         self._round += 1
         k = self.length.cap(max_tokens)
@@ -250,11 +254,11 @@ class SuffixDrafter(DrafterBase):
         if size == 0:
             return Draft.empty(committed.device)
         self._first = min(best.first, size)
+        drafted = best.tokens[:size] if self.tree is None else best.tokens
+        tokens = torch.tensor(drafted, dtype=torch.long, device=committed.device)
+        self._last = (drafted, best.match, probe, tokens)
         if self.tree is None:
-            self._last = (best.tokens[:size], best.match, probe)
-            return Draft(tokens=torch.tensor(best.tokens[:size], dtype=torch.long, device=committed.device))
-        self._last = (best.tokens, best.match, probe)
-        tokens = torch.tensor(best.tokens, dtype=torch.long, device=committed.device)
+            return Draft(tokens=tokens)
         return Draft(tokens=tokens, parents=torch.tensor(best.parents, dtype=torch.long, device=committed.device))
 
     def _continue(self, trie: SuffixTrie, context: Sequence[int], chain: Candidate, depth: int) -> Candidate:
@@ -340,8 +344,9 @@ class SuffixDrafter(DrafterBase):
         else:  # the cap rule follows the most probable path
             self.length.observe(replace(step, num_draft_tokens=self._first,
                                         num_accepted=min(verdict.num_accepted, self._first)))
-        if self._last is not None and self._last[0] == draft.tokens.tolist():  # not an older draft (auto's shadows)
-            _, match, probe = self._last
+        if self._last is not None and (draft.tokens is self._last[3] or self._last[0] == draft.tokens.tolist()):
+            _, match, probe, _ = self._last  # this round's draft, not an older one (auto's shadows); the same tensor
+            # as drafted (no read back) unless a caller copied it
             drafted = self._first
             self._rates.observe(match, drafted, min(verdict.num_accepted, drafted), PROBE_WEIGHT if probe else 1.0)
             self._last = None

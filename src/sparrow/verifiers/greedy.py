@@ -39,11 +39,13 @@ class GreedyVerifier:
 def verify_chain(tokens: Tensor, choice: Tensor) -> Verdict:
     """tokens: [k] draft chain; choice: [k + 1] target argmax per row."""
     k = tokens.numel()
-    mismatch = (tokens != choice[:k]).nonzero()
-    num_accepted = int(mismatch[0]) if mismatch.numel() else k
+    host = torch.cat([tokens.to(choice.device), choice]).tolist()  # the round's one device-to-host copy
+    drafted, chosen = host[:k], host[k:]
+    num_accepted = next((i for i, (a, b) in enumerate(zip(drafted, chosen)) if a != b), k)
     # The accepted drafts equal the target's choices, so the verdict is the target's own prefix:
     # accepted drafts, then the correction (first mismatch) or the bonus (all accepted).
-    return Verdict(tokens=choice[: num_accepted + 1].clone(), num_accepted=num_accepted)
+    return Verdict(tokens=choice[: num_accepted + 1].clone(), num_accepted=num_accepted,
+                   ids=tuple(chosen[: num_accepted + 1]))
 
 
 def verify_tree(tokens: Tensor, parents: Tensor, choice: Tensor) -> Verdict:
