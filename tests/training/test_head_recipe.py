@@ -1,8 +1,8 @@
 """The GPU recipe (sparrow.training.recipe) dry-run on the CPU with a tiny random target, and its carry-over pieces.
 
 a) One run: offline files + self-distilled answers, online target features, the batched training-time test,
-   held-out evaluation, the int8 export; the int8 head then decodes losslessly (float32 greedy) with drafts accepted.
-b) A run killed (SIGKILL) after a checkpoint leaves a loadable int8 export and a checkpoint a --resume continues;
+   held-out evaluation, the int4 export; the int4 head then decodes losslessly (float32 greedy) with drafts accepted.
+b) A run killed (SIGKILL) after a checkpoint leaves a loadable int4 export and a checkpoint a --resume continues;
    the killed run is a subprocess that cannot import sparrow's other dependencies (typer, rich, gguf, av, ...),
    as on the bare device machines.
 c) The batched training-time test equals the per-sequence one (sparrow.training.heads.ttt_loss) and ignores padding.
@@ -73,7 +73,7 @@ def decode_through(target: LoadedModel, head_dir: Path) -> int:
     return accepted
 
 
-def test_a_dry_run_trains_evaluates_and_exports_an_int8_head_that_decodes_losslessly(files, target, tmp_path):
+def test_a_dry_run_trains_evaluates_and_exports_an_int4_head_that_decodes_losslessly(files, target, tmp_path):
     out = tmp_path / "run"
     report = run(RecipeSettings(out=str(out), target=str(files / "target"), data=(str(files / "data"),),
                                 time_budget=120, max_steps=120, checkpoint_every=1e6, **SMALL))
@@ -87,11 +87,11 @@ def test_a_dry_run_trains_evaluates_and_exports_an_int8_head_that_decodes_lossle
     stages = [r["stage"] for r in rows]
     assert stages[0] == "target loaded" and stages[-1] == "done" and "corpus" in stages
     assert [r["answers"] for r in rows if r["stage"] == "distilling"] == [1, 8, 16]  # a row per generate call
-    assert report["head"]["draft_vocab_size"] == 200 and report["int8"]["bytes"] > 0
+    assert report["head"]["draft_vocab_size"] == 200 and report["export"]["bytes"] > 0
     config = json.loads((out / "checkpoint" / "config.json").read_text())  # the dense SpecForge layout
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["sparrow_format"] == 2
-    assert load_head(out / "checkpoint", target.model).config == load_head(out / "int8", target.model).config
-    assert decode_through(target, out / "int8") > 0
+    assert load_head(out / "checkpoint", target.model).config == load_head(out / "int4", target.model).config
+    assert decode_through(target, out / "int4") > 0
     with pytest.raises(UserError, match="already holds a run: pass --resume"):
         run(RecipeSettings(out=str(out), target=str(files / "target"), data=(str(files / "data"),), **SMALL))
 
@@ -110,7 +110,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_runs_without_sparrows_othe
     state = out / "checkpoint" / "recipe_state.pt"
     try:
         deadline = time.monotonic() + 90
-        while not (state.is_file() and (out / "int8" / "manifest.json").is_file()):
+        while not (state.is_file() and (out / "int4" / "manifest.json").is_file()):
             assert process.poll() is None, process.communicate()
             assert time.monotonic() < deadline, "no checkpoint within 90 s"
             time.sleep(0.2)
@@ -121,7 +121,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_runs_without_sparrows_othe
     assert not (out / "eval.json").exists()  # killed before its end
     saved = torch.load(state, weights_only=True)["progress"]["step"]
     assert saved > 0
-    exported = out / "int8" if (out / "int8" / "manifest.json").is_file() else out / "int8.old"  # killed mid-swap
+    exported = out / "int4" if (out / "int4" / "manifest.json").is_file() else out / "int4.old"  # killed mid-swap
     assert load_head(exported, target.model).config.draft_vocab_size == 200
     report = run(RecipeSettings(out=str(out), target=str(files / "target"), resume=True, time_budget=60,
                                 max_steps=saved + 5, threads=1))
@@ -252,7 +252,7 @@ def test_sigterm_ends_training_and_the_exports_still_run(files, target, tmp_path
     report = run(RecipeSettings(out=str(out), target=str(files / "target"), data=(str(files / "data"),),
                                 time_budget=120, checkpoint_every=1e6, **{**SMALL, "distill": 2}))
     assert report["stopped"] == f"signal {int(signal.SIGTERM)}" and report["step"] == 3
-    assert (out / "eval.json").is_file() and load_head(out / "int8", target.model).config.draft_vocab_size == 200
+    assert (out / "eval.json").is_file() and load_head(out / "int4", target.model).config.draft_vocab_size == 200
     assert signal.getsignal(signal.SIGTERM) is before
 
 

@@ -166,10 +166,13 @@ def distilled(model: nn.Module, tokenizer: Any, snippets: Sequence[str], setting
 
 
 def build_corpus(model: nn.Module, tokenizer: Any, settings: RecipeSettings, deadline: float, eos: list[int],
-                 progress: Callable[[str, int], None] | None = None
+                 progress: Callable[[str, int], None] | None = None,
+                 answers: tuple[list[Tensor], list[Tensor]] | None = None
                  ) -> tuple[list[Tensor], list[Tensor], dict[str, Any]]:
-    """(training sequences, held-out sequences, a summary) from files and self-distilled answers;
-    `progress(split, answers)` after each generate call."""
+    """(training sequences, held-out sequences, a summary) from files and self-distilled answers: generated
+    (`progress(split, answers)` after each generate call), or `answers` (training, held-out) kept from an earlier
+    run. The answers are the last `summary["distilled"]` training and `summary["distilled_held_out"]` held-out
+    sequences."""
     roots = settings.data or tuple(str(r) for r in default_roots())
     spec = CorpusSpec(roots=tuple(roots), tokens=settings.tokens, held_out_tokens=settings.held_out_tokens,
                       sequence_length=settings.seq_len, seed=settings.seed)
@@ -177,10 +180,13 @@ def build_corpus(model: nn.Module, tokenizer: Any, settings: RecipeSettings, dea
     start = time.monotonic()
     held_count = max(1, settings.distill // 10) if settings.distill else 0
     report = (lambda split: None) if progress is None else (lambda split: lambda n: progress(split, n))
-    answers_held = distilled(model, tokenizer, snippets["held_out"][:held_count], settings, deadline, eos,
-                             report("held_out"))
-    answers = distilled(model, tokenizer, snippets["train"][: settings.distill], settings, deadline, eos,
-                        report("train"))
+    if answers is not None:
+        answers, answers_held = answers
+    else:
+        answers_held = distilled(model, tokenizer, snippets["held_out"][:held_count], settings, deadline, eos,
+                                 report("held_out"))
+        answers = distilled(model, tokenizer, snippets["train"][: settings.distill], settings, deadline, eos,
+                            report("train"))
     summary = {"files": {k: len(v) for k, v in files.items()}, "file_sequences": len(train),
                "file_tokens": sum(t.numel() for t in train), "distilled": len(answers),
                "distilled_tokens": sum(t.numel() for t in answers), "distilled_held_out": len(answers_held),
@@ -242,7 +248,11 @@ class RecipeSettings:
     distill_batch: int = 256
     distill_share: float = 0.25  # of the time left after loading the target
     draft_vocab: int = 16384
-    intermediate_size: int | None = 3584  # fits the int8 export in 60 MB for a 1.5B target (None: the target's)
+    # with the LM head the target's rows (train_lm_head off), the int4 export of a 1.5B target's head fits 16 MB
+    intermediate_size: int | None = 2816  # None: the target's
+    train_lm_head: bool = False  # off: the LM head stays the target's rows of the draft vocabulary, not exported
+    init_head: str = "auto"  # an export or head directory to start from; auto: the preset's shipped head; none
+    answers: tuple[str, ...] = ()  # answers files of earlier runs (answers.npz): trained on, none generated
     ttt_steps: int = 6  # = the eagle drafter's default draft length
     batch_size: int = 32
     top_k: int = 32
