@@ -274,3 +274,95 @@ def test_bad_recipe_options_are_one_line_errors(tmp_path, capsys):
     assert "--batch-size must be an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["run", "--out", str(tmp_path / "o"), "--gguf-chunks", str(tmp_path), "--resume"]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+# resuming from the newest committed head, and the target's answers kept (issue #42) ------------------------------
+
+
+def test_a_run_starts_from_an_int4_export_where_the_last_one_ended_on_its_kept_answers(files, target, tmp_path,
+                                                                                      monkeypatch):
+    """Run 1 trains a head and writes OUT/int4 and OUT/answers.npz; run 2 starts from that export (its dequantized
+    weights, shape and draft vocabulary) on those answers (none generated): its first training loss is run 1's
+    last, far below a fresh head's on the same first batch (both runs draw the same batches)."""
+    from sparrow.training import recipe
+
+    seen: list[tuple[float, dict | None]] = []
+    loss = recipe.batched_ttt_loss
+
+    def recording(head, *args, **kwargs):
+        batch = loss(head, *args, **kwargs)
+        if head.training:
+            state = {k: v.detach().clone() for k, v in head.state_dict().items()} if not seen else None
+            seen.append((float(batch.loss.detach()), state))
+        return batch
+
+    monkeypatch.setattr(recipe, "batched_ttt_loss", recording)
+    common = {"target": str(files / "target"), "data": (str(files / "data"),), "time_budget": 120,
+              "checkpoint_every": 1e6, **SMALL}
+    first = run(RecipeSettings(out=str(tmp_path / "one"), max_steps=80, **common))
+    fresh, last = seen[0][0], sum(s[0] for s in seen[-10:]) / 10
+    export = tmp_path / "one" / "int4"
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert "lm_head.weight" not in manifest["tensors"]  # frozen: the target's rows, left out
+    assert first["init_head"] is None and first["corpus"]["distilled"] == 16
+    print(f"answers.npz: {first['answers']['bytes']} bytes for {first['corpus']['distilled_tokens']} tokens")
+    seen.clear()
+    second = run(RecipeSettings(out=str(tmp_path / "two"), max_steps=3, init_head=str(export),
+                                answers=(str(tmp_path / "one" / "answers.npz"),), **{**common, "draft_vocab": 50}))
+    started = load_head(export, target.model).state_dict()
+    assert second["init_head"] == str(export) and second["head"]["draft_vocab_size"] == 200  # the export's
+    assert all(torch.equal(seen[0][1][k], v.float()) for k, v in started.items())
+    resumed = seen[0][0]
+    print(f"fresh head {fresh:.3f}, run 1's last 10 steps {last:.3f}, run 2's first step {resumed:.3f}")
+    assert abs(resumed - last) < 0.25 * (fresh - last)  # measured: fresh 15.2, last 9.07, resumed 8.86
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r["stage"] == "distilling"]  # the kept answers, none generated
+    assert second["corpus"]["distilled"] == 16 and second["corpus"]["distilled_held_out"] == 1
+    assert second["corpus"]["answers_from"] == [str(tmp_path / "one" / "answers.npz")]
+    assert second["held_out"]["loss"] == pytest.approx(first["held_out"]["loss"], rel=0.15)
+
+
+def test_answers_round_trip_compressed_and_foreign_or_damaged_files_are_refused(tmp_path):
+    from sparrow.training.answers import read_answers, tokenizer_fingerprint, write_answers
+
+    tokenizer = tiny_tokenizer()
+    mine = tokenizer_fingerprint(tokenizer, 320)
+    generator = torch.Generator().manual_seed(0)
+    train = [torch.randint(320, (n,), generator=generator) for n in (4000, 7, 16000)]
+    held_out = [torch.randint(320, (12,), generator=generator)]
+    path = write_answers(tmp_path / "answers.npz", train, held_out, mine)
+    assert path.stat().st_size < 2 * 20019  # compressed: ~1 byte an id of 320 (uint32: 4)
+    back_train, back_held_out = read_answers(path, mine)
+    assert [t.tolist() for t in back_train] == [t.tolist() for t in train]
+    assert [t.tolist() for t in back_held_out] == [t.tolist() for t in held_out]
+    assert read_answers(write_answers(tmp_path / "none.npz", [], [], mine), mine) == ([], [])
+    with pytest.raises(UserError, match="made with another tokenizer"):
+        read_answers(path, {**mine, "tokenizer_sha256": "0" * 64})
+    with pytest.raises(UserError, match="vocab_size 320, the target's is 151936"):
+        read_answers(path, {**mine, "vocab_size": 151936})
+    (tmp_path / "cut.npz").write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(UserError, match="is not a readable answers file"):
+        read_answers(tmp_path / "cut.npz", mine)
+    with pytest.raises(UserError, match="no such file"):
+        read_answers(tmp_path / "nowhere.npz", mine)
+
+
+def test_init_head_auto_picks_the_shipped_head_of_the_preset_the_gguf_names(tmp_path, monkeypatch):
+    from sparrow.heads import layout
+    from sparrow.training.recipe import initial_head_dir
+
+    monkeypatch.setattr(layout, "SHIPPED", tmp_path / "shipped")
+    gguf = RecipeSettings(out="o", target=str(tmp_path / "qwen2.5-coder-1.5b.gguf"))
+    assert initial_head_dir(gguf) is None  # none shipped
+    shipped = tmp_path / "shipped" / "qwen2.5-coder-1.5b"
+    shipped.mkdir(parents=True)
+    (shipped / "manifest.json").write_text("{}")
+    assert initial_head_dir(gguf) == shipped
+    (tmp_path / "chunks").mkdir()
+    (tmp_path / "chunks" / SUMS).write_text(f"{'0' * 64}  qwen2.5-coder-1.5b.gguf.part-01\n"
+                                             f"{'1' * 64}  qwen2.5-coder-1.5b.gguf\n")
+    assert initial_head_dir(RecipeSettings(out="o", gguf_chunks=str(tmp_path / "chunks"))) == shipped
+    assert initial_head_dir(RecipeSettings(out="o", target=str(tmp_path / "model-dir"))) is None
+    assert initial_head_dir(RecipeSettings(out="o", target=str(tmp_path / "x.gguf"), init_head="none")) is None
+    with pytest.raises(UserError, match="--init-head .* no such directory"):
+        initial_head_dir(RecipeSettings(out="o", target="x", init_head=str(tmp_path / "nowhere")))
