@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from typer.testing import CliRunner
 
 from sparrow.drafters import build_drafter
 from sparrow.errors import UserError
+from sparrow.heads import layout as layout_module
 from sparrow.heads import load_head, save_head
 from sparrow.heads.eagle import EagleHead
 from sparrow.heads.factory import new_head
@@ -309,6 +311,42 @@ def test_the_recipes_default_head_for_qwen2_5_coder_1_5b_fits_16_mb_at_int4(tmp_
     assert error < 0.08  # half a step of a group's 15 levels, at most 1/14 of a matrix's largest weight
     with pytest.raises(UserError, match="over the 16 MB limit"):  # its LM head stored too: no longer fits
         write_quantized(dict(head.state_dict()), config_record(head), tmp_path / "big", bits=4)
+
+
+def test_cli_export_int4_then_generate_with_it(target, head, tmp_path, monkeypatch):
+    from sparrow.cli import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target.model.save_pretrained(tmp_path / "target")
+    target.tokenizer.save_pretrained(tmp_path / "target")
+    save_head(head, tmp_path / "dense")
+    runner = CliRunner()
+    export = ["train", "export-int4", "--head", str(tmp_path / "dense"), "--out", str(tmp_path / "q")]
+    result = runner.invoke(app, export)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["bits"] == 4 and next((tmp_path / "q").glob("int4-*.safetensors"))
+    result = runner.invoke(app, ["generate", PROMPTS[2], "--target", str(tmp_path / "target"), "--dtype", "float32",
+                                 "--device", "cpu", "--max-new-tokens", "20", "--json", "--drafter", "eagle",
+                                 "--head", str(tmp_path / "q"), "--compare"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["identical"] is True and record["stats"]["num_accepted_tokens"] > 0
+
+
+SHIPPED_DIRS = sorted(p for p in (Path(layout_module.__file__).parent / "shipped").iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("directory", SHIPPED_DIRS, ids=[p.name for p in SHIPPED_DIRS])
+def test_every_shipped_head_is_a_whole_export_within_16_mb_for_its_preset(directory):
+    """Each head in src/sparrow/heads/shipped/<preset>/ verifies (every shard's size and sha256), fits 16 MB, and
+    names a preset (decoding through it needs that preset's target: tests/test_real_model.py, where installed)."""
+    from sparrow.heads.quantized import verify_quantized
+    from sparrow.models.presets import PRESETS
+
+    manifest = verify_quantized(directory)
+    assert directory.name in PRESETS
+    assert sum(r["bytes"] for r in manifest["shards"]) <= 16_000_000
+    assert sorted(p.name for p in directory.iterdir()) == sorted([MANIFEST, *(r["file"] for r in manifest["shards"])])
 
 
 # shipping: a head in the package, found before the user cache (issue #28 item 6) ---------------------------------

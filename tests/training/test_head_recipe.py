@@ -366,3 +366,20 @@ def test_init_head_auto_picks_the_shipped_head_of_the_preset_the_gguf_names(tmp_
     assert initial_head_dir(RecipeSettings(out="o", target=str(tmp_path / "x.gguf"), init_head="none")) is None
     with pytest.raises(UserError, match="--init-head .* no such directory"):
         initial_head_dir(RecipeSettings(out="o", target="x", init_head=str(tmp_path / "nowhere")))
+
+
+def test_chunks_are_sized_to_fit_a_device_call_beside_the_working_tree(tmp_path):
+    from sparrow.training.chunks import chunk_bytes_beside, tree_bytes
+
+    mib = 1 << 20
+    assert chunk_bytes_beside(8 * mib) == 54 * mib  # 64 MiB - the tree - a 2 MiB margin, whole MiB
+    assert chunk_bytes_beside(int(22.9 * mib)) == 39 * mib  # with a 15 MB int4 head shipped in the tree
+    with pytest.raises(UserError, match="too little is left for GGUF chunks"):
+        chunk_bytes_beside(55 * mib)
+    assert tree_bytes(tmp_path) is None  # not a git checkout
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "big").write_bytes(b"x" * 5000)
+    (tmp_path / "a.py").write_bytes(b"y" * 300)  # untracked, not ignored: a device call copies it too
+    assert tree_bytes(tmp_path) == 300 + len("ignored/\n")

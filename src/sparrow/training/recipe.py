@@ -60,7 +60,7 @@ from sparrow.heads.quantized import TOTAL_BYTES, stored_bytes
 from sparrow.models.presets import PRESETS, _part_paths, get_preset, not_installed_error
 from sparrow.training.answers import read_answers, tokenizer_fingerprint, write_answers
 from sparrow.training.batched import batched_ttt_loss
-from sparrow.training.chunks import CHUNK_BYTES, SUMS, split_file
+from sparrow.training.chunks import CHUNK_BYTES, SUMS, chunk_bytes_beside, split_file, tree_bytes
 from sparrow.training.heads import frequent_tokens, init_from_target
 from sparrow.training.loop import Evaluation, new_optimiser
 from sparrow.training.recipe_data import (
@@ -428,9 +428,13 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def prepare(preset: str, directory: str, chunk_bytes: int) -> list[Path]:
+def prepare(preset: str, directory: str, chunk_bytes: int | None) -> list[Path]:
     """Cut an installed preset's GGUF (its package parts, as sparrow's loader joins them) into chunks + SHA256SUMS
-    under `directory`, checked against the preset's sha256. Runs here (sparrow installed), not on the device."""
+    under `directory`, checked against the preset's sha256; chunks of `chunk_bytes`, by default as large as fits
+    one device call beside the working tree here (a shipped head included). Runs here, not on the device."""
+    if chunk_bytes is None:
+        tree = tree_bytes()
+        chunk_bytes = CHUNK_BYTES if tree is None else chunk_bytes_beside(tree)
     spec = get_preset(preset)
     parts = _part_paths(spec)
     if parts is None:
@@ -444,7 +448,8 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("prepare", help="split an installed preset's GGUF into chunks to carry to a device")
     p.add_argument("--preset", default="qwen2.5-coder-1.5b")
     p.add_argument("--dir", default=".gpu/gguf")
-    p.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES)
+    p.add_argument("--chunk-bytes", type=int, default=None,
+                   help="default: what fits one device call beside the working tree (64 MiB - tree - 2 MiB)")
     r = commands.add_parser("run", help="the whole recipe within --time-budget seconds")
     defaults = RecipeSettings(out="", target="-")
     for f in fields(RecipeSettings):
