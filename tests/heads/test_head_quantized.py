@@ -219,7 +219,7 @@ def test_int4_groups_are_symmetric_bounded_and_padded():
         quantize_groups(w, 63)
 
 
-def test_the_int4_export_round_trips_and_drafts_close_to_the_dense_head(target, head, exported4):
+def test_the_int4_export_round_trips_and_drafts_close_to_the_dense_head(target, head, exported, exported4):
     manifest = json.loads((exported4 / MANIFEST).read_text())
     assert manifest["format"] == "sparrow-head-int4" and manifest["tensors"]["fc.weight"]["group"] == 64
     assert all(r["file"].startswith("int4-") for r in manifest["shards"])
@@ -227,32 +227,44 @@ def test_the_int4_export_round_trips_and_drafts_close_to_the_dense_head(target, 
     for name, tensor in head.state_dict().items():
         if not (tensor.is_floating_point() and tensor.ndim == 2):
             assert torch.equal(tensors[name], tensor), name
-    loaded = load_head(exported4, target.model)
-    assert loaded.config == head.config
-    hidden = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))  # the LM head alone (one group a row)
-    dense, small = head.draft_logits(hidden).detach(), loaded.draft_logits(hidden)
-    error = float((dense - small).abs().max()) / float(dense.abs().max())
-    agree = float((dense.argmax(-1) == small.argmax(-1)).float().mean())
-    assert error < 0.15 and agree >= 0.7, (error, agree)  # measured 0.096, 0.78 (int8: 0.006, 0.98)
     features = extract_features(target, head.config.target_layers, continuations(target, PROMPTS), top_k=8)
+    hidden = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))  # the LM head alone (one group a row)
+    dense = head.draft_logits(hidden).detach()
     with torch.no_grad():  # the whole head on the target's features: top-1 agreement with the target per depth
         before = torch.tensor([list(ttt_loss(head, f, 3)[1]) for f in features]).mean(0)
-        after = torch.tensor([list(ttt_loss(loaded, f, 3)[1]) for f in features]).mean(0)
+    measured = {}
+    for name, directory in (("int8", exported), ("int4", exported4)):
+        loaded = load_head(directory, target.model)
+        assert loaded.config == head.config
+        small = loaded.draft_logits(hidden).detach()
+        error = float((dense - small).abs().max()) / float(dense.abs().max())
+        agree = float((dense.argmax(-1) == small.argmax(-1)).float().mean())
+        with torch.no_grad():
+            after = torch.tensor([list(ttt_loss(loaded, f, 3)[1]) for f in features]).mean(0)
+        measured[name] = (error, agree, after)
+        print(f"{name}: LM-head logits max error {error:.4f} of the largest, argmax agreement {agree:.3f}; agreement "
+              f"by depth {[round(float(a), 3) for a in after]} (dense {[round(float(a), 3) for a in before]})")
+    error, agree, after = measured["int4"]
+    assert error < 0.15 and agree >= 0.7, (error, agree)  # measured 0.096, 0.78 (int8: 0.006, 0.98)
     assert bool(((before - after).abs() <= 0.05).all()), (before, after)
     int8_dir = export_quantized(head, exported4.parent / "as-int8").directory
     assert sum(p.stat().st_size for p in exported4.glob("*.safetensors")) < 0.6 * sum(
         p.stat().st_size for p in int8_dir.glob("*.safetensors"))
 
 
-def test_decoding_through_the_int4_head_is_lossless_with_drafts_accepted(target, exported4):
+def test_decoding_through_the_int4_head_is_lossless_with_drafts_accepted(target, head, exported4, tmp_path):
     plain = Pipeline(target, None)
-    pipe = Pipeline(target, build_drafter("eagle", target, None, 4, head=str(exported4)))
-    accepted = 0
-    for prompt in PROMPTS:
-        result = pipe.generate(prompt, max_new_tokens=30)
-        assert result.token_ids == plain.generate_plain(prompt, max_new_tokens=30).token_ids
-        accepted += result.stats.num_accepted_tokens
-    assert accepted > 0
+    save_head(head, tmp_path / "dense")
+    accepted = {}
+    for name, directory in (("dense", tmp_path / "dense"), ("int4", exported4)):
+        pipe = Pipeline(target, build_drafter("eagle", target, None, 4, head=str(directory)))
+        accepted[name] = 0
+        for prompt in PROMPTS:
+            result = pipe.generate(prompt, max_new_tokens=30)
+            assert result.token_ids == plain.generate_plain(prompt, max_new_tokens=30).token_ids
+            accepted[name] += result.stats.num_accepted_tokens
+    print(f"drafts accepted over 3 prompts x 30 tokens: {accepted}")
+    assert accepted["int4"] > 0.8 * accepted["dense"]
 
 
 def test_an_int4_shard_damaged_or_cut_is_refused(target, exported4, tmp_path):
