@@ -383,3 +383,15 @@ def test_chunks_are_sized_to_fit_a_device_call_beside_the_working_tree(tmp_path)
     (tmp_path / "ignored" / "big").write_bytes(b"x" * 5000)
     (tmp_path / "a.py").write_bytes(b"y" * 300)  # untracked, not ignored: a device call copies it too
     assert tree_bytes(tmp_path) == 300 + len("ignored/\n")
+
+
+def test_a_head_whose_int4_export_would_not_fit_is_refused_before_training(files, tmp_path, monkeypatch):
+    from sparrow.heads import quantized
+
+    monkeypatch.setitem(quantized.TOTAL_BYTES, 4, 40_000)  # the tiny head: ~35 kB, its own LM head ~42 kB
+    common = {"target": str(files / "target"), "data": (str(files / "data"),), "time_budget": 120, "max_steps": 1,
+              **{**SMALL, "distill": 2}}
+    with pytest.raises(UserError, match=r"the int4 head would take 0\.0 MB, over the 0 MB limit"):
+        run(RecipeSettings(out=str(tmp_path / "big"), train_lm_head=True, **common))
+    assert not (tmp_path / "big" / "checkpoint").exists()  # before any training
+    assert run(RecipeSettings(out=str(tmp_path / "small"), **common))["export"]["bytes"] <= 40_000

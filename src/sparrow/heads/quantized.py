@@ -144,6 +144,17 @@ def stored_bytes(tensors: dict[str, Tensor], bits: int, group: int = GROUP) -> i
     return total
 
 
+def check_size(tensors: dict[str, Tensor], bits: int, group: int = GROUP, total_bytes: int | None = None) -> int:
+    """The bytes `tensors` take quantized to `bits` (`stored_bytes`); UserError when they leave no room for the
+    shards' headers within `total_bytes` (default: the limit for `bits`)."""
+    total_bytes = TOTAL_BYTES[_bits(bits)] if total_bytes is None else total_bytes
+    size = stored_bytes(tensors, bits, group)
+    if size > total_bytes - _header_room(total_bytes):
+        raise UserError(f"the int{bits} head would take {size / 1e6:.1f} MB, over the {total_bytes / 1e6:.0f} MB "
+                        "limit: train a smaller head (--draft-vocab, --intermediate-size, the LM head the target's)")
+    return size
+
+
 def _stored(tensors: dict[str, Tensor], bits: int, group: int) -> tuple[dict[str, Tensor], dict[str, str]]:
     """(the tensors as stored: matrices quantized, their scales beside them; matrix name -> its scale's name)."""
     stored: dict[str, Tensor] = {}
@@ -201,10 +212,7 @@ def write_quantized(tensors: dict[str, Tensor], config: dict[str, Any], director
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()):
         raise UserError(f"--out {str(directory)!r} is not empty: give a new directory for the int{bits} export")
-    size = stored_bytes(tensors, bits, group)
-    if size > total_bytes - _header_room(total_bytes):
-        raise UserError(f"the int{bits} head would take {size / 1e6:.1f} MB, over the {total_bytes / 1e6:.0f} MB "
-                        "limit: train a smaller head (--draft-vocab, --intermediate-size)")
+    size = check_size(tensors, bits, group, total_bytes)
     stored, scales = _stored(tensors, bits, group)
     assert sum(t.numel() * t.element_size() for t in stored.values()) == size
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
@@ -340,6 +348,7 @@ def read_quantized(directory: str | Path) -> tuple[dict[str, Any], dict[str, Ten
     return manifest["config"], tensors
 
 
-__all__ = ["FORMATS", "GROUP", "MANIFEST", "SHARD_BYTES", "TOTAL_BYTES", "QuantizedExport", "dequantize_groups",
-           "dequantize_rows", "is_quantized_dir", "quantize_groups", "quantize_rows", "read_manifest",
-           "read_quantized", "replace_quantized", "stored_bytes", "verify_quantized", "write_quantized"]
+__all__ = ["FORMATS", "GROUP", "MANIFEST", "SHARD_BYTES", "TOTAL_BYTES", "QuantizedExport", "check_size",
+           "dequantize_groups", "dequantize_rows", "is_quantized_dir", "quantize_groups", "quantize_rows",
+           "read_manifest", "read_quantized", "replace_quantized", "stored_bytes", "verify_quantized",
+           "write_quantized"]

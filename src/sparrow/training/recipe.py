@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from sparrow.errors import UserError
 from sparrow.heads.factory import new_head
 from sparrow.heads.layout import export_quantized, exported_tensors, load_head, save_head, shipped_head_dir
-from sparrow.heads.quantized import TOTAL_BYTES, stored_bytes
+from sparrow.heads.quantized import check_size
 from sparrow.models.presets import PRESETS, _part_paths, get_preset, not_installed_error
 from sparrow.training.answers import read_answers, tokenizer_fingerprint, write_answers
 from sparrow.training.batched import batched_ttt_loss
@@ -264,7 +264,8 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
             head = new_head(model, "eagle3", generator, draft_vocab=ids, **shape).float()
             init_from_target(head, model)
         progress = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0}
-    _check_export_fits(head)
+    # refused before any training, not at its end (a trained LM head is exported with the head)
+    check_size(dict(head.state_dict()) if settings.train_lm_head else exported_tensors(head)[1], EXPORT_BITS)
     optimiser = new_optimiser(head, settings.lr, frozen=() if settings.train_lm_head else ("lm_head",))
     order = torch.Generator().manual_seed(settings.seed)
     if state is not None:
@@ -381,15 +382,6 @@ def initial_head_dir(settings: RecipeSettings) -> Path | None:
         name = Path(settings.target or "").name
     presets = [key for key, preset in PRESETS.items() if preset.gguf_file == name]
     return shipped_head_dir(presets[0]) if presets else None
-
-
-def _check_export_fits(head: Any) -> None:
-    """Refuse (before training) a head whose int4 export would not fit its limit."""
-    size = stored_bytes(exported_tensors(head)[1], EXPORT_BITS)
-    if size > 0.99 * TOTAL_BYTES[EXPORT_BITS]:
-        lm_head = "" if "lm_head.weight" not in head.state_dict() else ", leave --train-lm-head off"
-        raise UserError(f"the head's int{EXPORT_BITS} export would take {size / 1e6:.1f} MB, over "
-                        f"{TOTAL_BYTES[EXPORT_BITS] / 1e6:.0f} MB: lower --intermediate-size or --draft-vocab{lm_head}")
 
 
 def _kept_answers(files: Sequence[str], fingerprint: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]] | None:
