@@ -307,8 +307,9 @@ def test_a_run_starts_from_an_int4_export_where_the_last_one_ended_on_its_kept_a
     assert first["init_head"] is None and first["corpus"]["distilled"] == 16
     print(f"answers.npz: {first['answers']['bytes']} bytes for {first['corpus']['distilled_tokens']} tokens")
     seen.clear()
-    second = run(RecipeSettings(out=str(tmp_path / "two"), max_steps=3, init_head=str(export),
-                                answers=(str(tmp_path / "one" / "answers.npz"),), **{**common, "draft_vocab": 50}))
+    answers = str(tmp_path / "one" / "answers.npz")
+    second = run(RecipeSettings(out=str(tmp_path / "two"), max_steps=3, init_head=str(export), answers=(answers,),
+                                **{**common, "draft_vocab": 50, "distill": 0}))
     started = load_head(export, target.model).state_dict()
     assert second["init_head"] == str(export) and second["head"]["draft_vocab_size"] == 200  # the export's
     assert all(torch.equal(seen[0][1][k], v.float()) for k, v in started.items())
@@ -318,24 +319,48 @@ def test_a_run_starts_from_an_int4_export_where_the_last_one_ended_on_its_kept_a
     rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert not [r for r in rows if r["stage"] == "distilling"]  # the kept answers, none generated
     assert second["corpus"]["distilled"] == 16 and second["corpus"]["distilled_held_out"] == 1
-    assert second["corpus"]["answers_from"] == [str(tmp_path / "one" / "answers.npz")]
+    assert second["corpus"]["answers_from"] == [answers] and second["corpus"]["distilled_new"] == 0
     assert second["held_out"]["loss"] == pytest.approx(first["held_out"]["loss"], rel=0.15)
 
 
-def test_answers_round_trip_compressed_and_foreign_or_damaged_files_are_refused(tmp_path):
-    from sparrow.training.answers import read_answers, tokenizer_fingerprint, write_answers
+def test_kept_answers_are_trained_on_and_only_new_prompts_are_answered(files, tmp_path):
+    """A run given an earlier run's answers asks the target only prompts those did not answer, and its answers.npz
+    holds both runs' answers."""
+    from sparrow.training.answers import SPLITS, read_answers, tokenizer_fingerprint
 
-    tokenizer = tiny_tokenizer()
-    mine = tokenizer_fingerprint(tokenizer, 320)
+    common = {"target": str(files / "target"), "data": (str(files / "data"),), "time_budget": 120, "max_steps": 1,
+              "checkpoint_every": 1e6, **{**SMALL, "distill": 8}}
+    run(RecipeSettings(out=str(tmp_path / "one"), **common))
+    report = run(RecipeSettings(out=str(tmp_path / "two"), answers=(str(tmp_path / "one" / "answers.npz"),),
+                                **common))
+    fingerprint = tokenizer_fingerprint(tiny_tokenizer(), 320)
+    one = read_answers(tmp_path / "one" / "answers.npz", fingerprint)
+    both = read_answers(tmp_path / "two" / "answers.npz", fingerprint)
+    new = report["corpus"]["distilled_new"]
+    assert one.count("train") == 8 and 0 < new < 8 and both.count("train") == 8 + new  # the tiny data: few left
+    assert all(torch.equal(a, b) for s in SPLITS for a, b in zip(one.sequences[s], both.sequences[s]))  # kept first
+    asked = {tuple(seq[:n].tolist()) for s in SPLITS for seq, n in
+             zip(both.sequences[s][one.count(s):], both.prompt_lengths[s][one.count(s):])}
+    assert asked and not asked & one.prompts()  # none of the first run's prompts asked again
+
+
+def test_answers_round_trip_compressed_and_foreign_or_damaged_files_are_refused(tmp_path):
+    from sparrow.training.answers import Answers, read_answers, tokenizer_fingerprint, write_answers
+
+    mine = tokenizer_fingerprint(tiny_tokenizer(), 320)
     generator = torch.Generator().manual_seed(0)
-    train = [torch.randint(320, (n,), generator=generator) for n in (4000, 7, 16000)]
-    held_out = [torch.randint(320, (12,), generator=generator)]
-    path = write_answers(tmp_path / "answers.npz", train, held_out, mine)
+    train = tuple(torch.randint(320, (n,), generator=generator) for n in (4000, 7, 16000))
+    held_out = (torch.randint(320, (12,), generator=generator),)
+    answers = Answers({"train": train, "held_out": held_out}, {"train": (30, 2, 100), "held_out": (5,)})
+    path = write_answers(tmp_path / "answers.npz", answers, mine)
     assert path.stat().st_size < 2 * 20019  # compressed: ~1 byte an id of 320 (uint32: 4)
-    back_train, back_held_out = read_answers(path, mine)
-    assert [t.tolist() for t in back_train] == [t.tolist() for t in train]
-    assert [t.tolist() for t in back_held_out] == [t.tolist() for t in held_out]
-    assert read_answers(write_answers(tmp_path / "none.npz", [], [], mine), mine) == ([], [])
+    back = read_answers(path, mine)
+    assert back.prompt_lengths == answers.prompt_lengths
+    assert all(torch.equal(a, b) for s in answers.sequences for a, b in zip(back.sequences[s], answers.sequences[s]))
+    assert [len(back.sequences[s]) for s in ("train", "held_out")] == [3, 1]
+    assert back.prompts() == {tuple(train[0][:30].tolist()), tuple(train[1][:2].tolist()),
+                              tuple(train[2][:100].tolist()), tuple(held_out[0][:5].tolist())}
+    assert read_answers(write_answers(tmp_path / "none.npz", Answers(), mine), mine) == Answers()
     with pytest.raises(UserError, match="made with another tokenizer"):
         read_answers(path, {**mine, "tokenizer_sha256": "0" * 64})
     with pytest.raises(UserError, match="vocab_size 320, the target's is 151936"):

@@ -1,10 +1,11 @@
 """The target's own answers kept as compressed token ids, so a later run trains on them without generating them again.
 
 An answers file (`np.savez_compressed`, `.npz`) holds, for the training and the held-out split, every sequence
-(prompt + the target's greedy answer) concatenated as uint32 token ids (`train_ids`, `held_out_ids`) and where each
-ends (`train_ends`, `held_out_ends`: int64 cumulative lengths), plus `meta`: a JSON string with the format, the
-target vocabulary's size and a sha256 of the tokenizer's vocabulary (token -> id), which `read_answers` checks so
-answers of another tokenizer are refused. Token ids of a 152k vocabulary compress to about 2 bytes each.
+(prompt + the target's greedy answer) concatenated as uint32 token ids (`train_ids`, `held_out_ids`), where each
+ends (`train_ends`, `held_out_ends`: int64 cumulative lengths) and how long its prompt is (`train_prompts`,
+`held_out_prompts`: int32, so a later run answers only prompts not answered yet), plus `meta`: a JSON string with the
+format, the target vocabulary's size and a sha256 of the tokenizer's vocabulary (token -> id), which `read_answers`
+checks so answers of another tokenizer are refused.
 
 Imports: numpy and torch only (the GPU recipe runs on bare machines).
 """
@@ -15,7 +16,7 @@ import hashlib
 import json
 import os
 import zipfile
-from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +39,45 @@ def tokenizer_fingerprint(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
     return {"vocab_size": int(vocab_size), "tokenizer_sha256": digest}
 
 
-def write_answers(path: str | Path, train: Sequence[Tensor], held_out: Sequence[Tensor],
-                  fingerprint: dict[str, Any]) -> Path:
-    """Write the answer sequences of both splits to `path` (an .npz, replaced whole); returns the path."""
+@dataclass(frozen=True)
+class Answers:
+    """The target's answers by split ("train", "held_out"): each a prompt + answer token sequence and the length of
+    its prompt."""
+
+    sequences: dict[str, tuple[Tensor, ...]] = field(default_factory=lambda: {split: () for split in SPLITS})
+    prompt_lengths: dict[str, tuple[int, ...]] = field(default_factory=lambda: {split: () for split in SPLITS})
+
+    def __post_init__(self) -> None:
+        for split in SPLITS:
+            assert len(self.sequences[split]) == len(self.prompt_lengths[split]), split
+
+    def plus(self, other: Answers) -> Answers:
+        """These answers, then `other`'s."""
+        return Answers({s: self.sequences[s] + other.sequences[s] for s in SPLITS},
+                       {s: self.prompt_lengths[s] + other.prompt_lengths[s] for s in SPLITS})
+
+    def prompts(self) -> set[tuple[int, ...]]:
+        """The prompts answered (token ids), of both splits."""
+        return {tuple(seq[:n].tolist()) for s in SPLITS for seq, n in zip(self.sequences[s], self.prompt_lengths[s])}
+
+    def count(self, split: str) -> int:
+        return len(self.sequences[split])
+
+
+def write_answers(path: str | Path, answers: Answers, fingerprint: dict[str, Any]) -> Path:
+    """Write `answers` to `path` (an .npz, replaced whole); returns the path."""
     path = Path(path)
     arrays: dict[str, np.ndarray] = {}
-    for split, sequences in zip(SPLITS, (train, held_out)):
-        ids = [s.reshape(-1).to(torch.int64).numpy() for s in sequences]
+    for split in SPLITS:
+        ids = [s.reshape(-1).to(torch.int64).numpy() for s in answers.sequences[split]]
         joined = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
         if joined.size and (joined.min() < 0 or joined.max() >= 2**32):
             raise UserError(f"answers for {path}: a token id outside 0..2**32 - 1")
         arrays[f"{split}_ids"] = joined.astype(np.uint32)
         arrays[f"{split}_ends"] = np.cumsum([len(i) for i in ids], dtype=np.int64)
+        arrays[f"{split}_prompts"] = np.array(answers.prompt_lengths[split], dtype=np.int32)
     meta = {"format": FORMAT, "version": VERSION, **fingerprint,
-            "sequences": {split: len(seqs) for split, seqs in zip(SPLITS, (train, held_out))}}
+            "sequences": {split: answers.count(split) for split in SPLITS}}
     arrays["meta"] = np.array(json.dumps(meta))
     partial = path.with_name(path.name + ".partial.npz")
     np.savez_compressed(partial, **arrays)
@@ -59,9 +85,9 @@ def write_answers(path: str | Path, train: Sequence[Tensor], held_out: Sequence[
     return path
 
 
-def read_answers(path: str | Path, fingerprint: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
-    """(training, held-out) answer sequences (int64 tensors) of an answers file made with the tokenizer of
-    `fingerprint`; UserError (one line) for a missing, damaged or foreign file."""
+def read_answers(path: str | Path, fingerprint: dict[str, Any]) -> Answers:
+    """The answers in a file made with the tokenizer of `fingerprint`; UserError (one line) for a missing, damaged
+    or foreign file."""
     path = Path(path)
     where = f"--answers {str(path)!r}"
     try:
@@ -78,14 +104,16 @@ def read_answers(path: str | Path, fingerprint: dict[str, Any]) -> tuple[list[Te
         if meta.get(key) != fingerprint[key]:
             raise UserError(f"{where} was made with another tokenizer ({key} {meta.get(key)!r}, the target's is "
                             f"{fingerprint[key]!r}): its token ids mean other text")
-    splits = []
+    sequences, prompts = {}, {}
     for split in SPLITS:
-        ids, ends = arrays.get(f"{split}_ids"), arrays.get(f"{split}_ends")
-        if ids is None or ends is None or (ends.size and int(ends[-1]) != ids.size):
-            raise UserError(f"{where}: its {split} ids and their ends disagree (damaged)")
+        ids, ends, lengths = (arrays.get(f"{split}_{name}") for name in ("ids", "ends", "prompts"))
+        if ids is None or ends is None or lengths is None or lengths.size != ends.size or (
+                ends.size and int(ends[-1]) != ids.size):
+            raise UserError(f"{where}: its {split} ids, their ends and prompt lengths disagree (damaged)")
         tensor = torch.from_numpy(ids.astype(np.int64))
-        splits.append(list(torch.tensor_split(tensor, torch.from_numpy(ends[:-1]))) if ends.size else [])
-    return splits[0], splits[1]
+        sequences[split] = tuple(torch.tensor_split(tensor, torch.from_numpy(ends[:-1]))) if ends.size else ()
+        prompts[split] = tuple(int(n) for n in lengths)
+    return Answers(sequences, prompts)
 
 
-__all__ = ["read_answers", "tokenizer_fingerprint", "write_answers"]
+__all__ = ["Answers", "read_answers", "tokenizer_fingerprint", "write_answers"]

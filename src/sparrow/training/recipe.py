@@ -11,8 +11,9 @@ latest results survive the process being killed.
    standard library and installed packages), a held-out split by file; then the target's own greedy answers to
    prompts built from the training files (self-distillation), `--distill-batch` prompts a `generate` call, for at
    most `--distill-share` of the time left after loading; kept in OUT/corpus.safetensors (a resumed run reuses it)
-   and, as compressed token ids, in OUT/answers.npz (`sparrow.training.answers`), which a later run reads back
-   with `--answers FILE` (repeatable) instead of generating answers;
+   and, as compressed token ids, in OUT/answers.npz (`sparrow.training.answers`); `--answers FILE` (repeatable)
+   trains on the answers of earlier runs too and generates new ones only to prompts they have not answered
+   (`--distill 0`: none), and that run's answers.npz holds them all;
 3. the head: started from `--init-head` (an export or head directory; `auto`, the default: the head shipped for
    the preset whose GGUF the target is, `sparrow/heads/shipped/<preset>/`, when there is one; `none`), its shape
    and draft vocabulary then the export's; else a fresh one with a draft vocabulary of the `--draft-vocab` most
@@ -58,7 +59,7 @@ from sparrow.heads.factory import new_head
 from sparrow.heads.layout import export_quantized, exported_tensors, load_head, save_head, shipped_head_dir
 from sparrow.heads.quantized import check_size
 from sparrow.models.presets import PRESETS, _part_paths, get_preset, not_installed_error
-from sparrow.training.answers import read_answers, tokenizer_fingerprint, write_answers
+from sparrow.training.answers import Answers, read_answers, tokenizer_fingerprint, write_answers
 from sparrow.training.batched import batched_ttt_loss
 from sparrow.training.chunks import CHUNK_BYTES, SUMS, chunk_bytes_beside, split_file, tree_bytes
 from sparrow.training.heads import frequent_tokens, init_from_target
@@ -235,15 +236,16 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
         now = time.monotonic()
         distill_deadline = now + settings.distill_share * max(0.0, deadline - reserve - now)
         fingerprint = tokenizer_fingerprint(tokenizer, model.get_output_embeddings().weight.shape[0])
-        kept = _kept_answers(settings.answers, fingerprint)
-        train, held_out, corpus = build_corpus(
+        kept = Answers()
+        for file in settings.answers:
+            kept = kept.plus(read_answers(file, fingerprint))
+        train, held_out, corpus, answers = build_corpus(
             model, tokenizer, settings, distill_deadline, eos,
             lambda split, n: _metrics(out, {"elapsed": time.monotonic() - started, "stage": "distilling",
-                                            "split": split, "answers": n}), answers=kept)
+                                            "split": split, "answers": n}), kept)
         corpus["answers_from"] = list(settings.answers)
         save_corpus(out / CORPUS, train, held_out, corpus)
-        write_answers(out / ANSWERS, train[len(train) - corpus["distilled"] :],
-                      held_out[len(held_out) - corpus["distilled_held_out"] :], fingerprint)
+        write_answers(out / ANSWERS, answers, fingerprint)
     timings["corpus_seconds"] = time.monotonic() - started - timings["load_seconds"]
     train = [s for s in train if s.numel() >= 2]
     _metrics(out, {"elapsed": time.monotonic() - started, "stage": "corpus", **corpus,
@@ -382,19 +384,6 @@ def initial_head_dir(settings: RecipeSettings) -> Path | None:
         name = Path(settings.target or "").name
     presets = [key for key, preset in PRESETS.items() if preset.gguf_file == name]
     return shipped_head_dir(presets[0]) if presets else None
-
-
-def _kept_answers(files: Sequence[str], fingerprint: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]] | None:
-    """The answers of earlier runs (`--answers`, in order), or None to generate them."""
-    if not files:
-        return None
-    train: list[Tensor] = []
-    held_out: list[Tensor] = []
-    for file in files:
-        more_train, more_held_out = read_answers(file, fingerprint)
-        train += more_train
-        held_out += more_held_out
-    return train, held_out
 
 
 def _resume_state(out: Path, settings: RecipeSettings) -> dict[str, Any] | None:
