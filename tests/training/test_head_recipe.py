@@ -274,6 +274,10 @@ def test_bad_recipe_options_are_one_line_errors(tmp_path, capsys):
     assert "--batch-size must be an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["run", "--out", str(tmp_path / "o"), "--gguf-chunks", str(tmp_path), "--resume"]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+    assert main(["run", "--out", str(tmp_path / "p"), "--target", "x", "--init-head", str(tmp_path / "none")]) == 2
+    assert "--init-head" in capsys.readouterr().err and not (tmp_path / "p").exists()  # before loading anything
+    assert main(["run", "--out", str(tmp_path / "p"), "--target", "x", "--answers", str(tmp_path / "a.npz")]) == 2
+    assert f"--answers {str(tmp_path / 'a.npz')!r}: no such file" in capsys.readouterr().err
 
 
 # resuming from the newest committed head, and the target's answers kept (issue #42) ------------------------------

@@ -216,6 +216,10 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
                            out=settings.out, target=settings.target, gguf_chunks=settings.gguf_chunks,
                            device=settings.device, time_budget=settings.time_budget, max_steps=settings.max_steps,
                            resume=True)
+    init = None if state is not None else initial_head_dir(settings)  # options checked before the target loads
+    for file in () if state is not None else settings.answers:
+        if not Path(file).is_file():
+            raise UserError(f"--answers {file!r}: no such file")
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     autocast = settings.autocast if settings.autocast is not None else device.type == "cuda"
@@ -250,12 +254,10 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
     train = [s for s in train if s.numel() >= 2]
     _metrics(out, {"elapsed": time.monotonic() - started, "stage": "corpus", **corpus,
                    "train_sequences": len(train), "held_out_sequences": len(held_out)})
-    init = None
     if state is not None:
         head = resumed_head(out / "checkpoint", state, model, device)
         progress = dict(state["progress"])
     else:
-        init = initial_head_dir(settings)
         if init is not None:  # the export's shape, draft vocabulary and (dequantized) weights
             head = load_head(init, model, device=device).float()
         else:
