@@ -91,14 +91,17 @@ def test_the_export_round_trips(head, exported):
             assert torch.equal(tensors[name], tensor), name  # norms, d2t, t2d as they are
 
 
-def test_shards_and_total_are_bounded(head, tmp_path):
-    written = write_quantized(dict(head.state_dict()), config_record(head), tmp_path / "small", shard_bytes=8_000,
-                         total_bytes=200_000)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_shards_and_total_are_bounded(head, tmp_path, bits):
+    written = write_quantized(dict(head.state_dict()), config_record(head), tmp_path / "small", bits=bits,
+                              shard_bytes=8_000, total_bytes=200_000)
     assert len(written.shard_bytes) > 3 and max(written.shard_bytes) <= 8_000 and written.total_bytes <= 200_000
     manifest = json.loads((tmp_path / "small" / MANIFEST).read_text())
-    assert len(manifest["tensors"]["lm_head.weight"]["pieces"]) > 1  # cut along its rows
+    assert any(len(entry["pieces"]) > 1 for entry in manifest["tensors"].values())  # cut along its rows
+    for name, entry in manifest["tensors"].items():  # a scale never cut: one piece, whole
+        assert entry["scale"] is None or entry["scale"][1] == name + ".scale", name
     _, tensors = read_quantized(tmp_path / "small")
-    _, whole = read_quantized(export_quantized(head, tmp_path / "whole").directory)
+    _, whole = read_quantized(export_quantized(head, tmp_path / "whole", bits=bits).directory)
     assert all(torch.equal(tensors[k], whole[k]) for k in whole)
     with pytest.raises(UserError, match=r"over the 0 MB limit: train a smaller head"):
         write_quantized(dict(head.state_dict()), config_record(head), tmp_path / "big", total_bytes=50_000)

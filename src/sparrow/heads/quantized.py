@@ -184,8 +184,10 @@ def _sharded(stored: dict[str, Tensor], uncut: set[str], room: int
         while start < count:
             free = room - used[-1]
             take = min(count - start, free // row_bytes) if tensor.ndim else int(row_bytes <= free)
-            if name in uncut and take < count:
-                take = 0 if shards[-1] else take
+            if name in uncut and take < count:  # a scale goes whole into the next shard
+                if not shards[-1]:
+                    raise UserError(f"tensor {name} takes {count * row_bytes} bytes, over a shard's {room}")
+                take = 0
             if take == 0:
                 if not shards[-1]:
                     raise UserError(f"tensor {name} has rows of {row_bytes} bytes, over a shard's {room}")
