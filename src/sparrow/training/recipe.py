@@ -341,7 +341,8 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
         "head": {"draft_vocab_size": head.config.draft_vocab_size, "intermediate_size": head.config.intermediate_size,
                  "target_layers": list(head.config.target_layers), "ttt_steps": settings.ttt_steps},
         "held_out": evaluation, "export": {"dir": str(out / EXPORT), "bits": EXPORT_BITS, "bytes": export_bytes},
-        "answers": {"file": str(out / ANSWERS), "bytes": (out / ANSWERS).stat().st_size},
+        "answers": {"file": str(out / ANSWERS),
+                    "bytes": (out / ANSWERS).stat().st_size if (out / ANSWERS).is_file() else None},
         "settings": asdict(settings),
     }
     (out / EVAL).write_text(json.dumps(report, indent=1) + "\n")
