@@ -419,9 +419,9 @@ def test_a_head_sparrow_saved_before_format_2_is_read_with_its_own_meaning(deep_
     config["eagle_aux_hidden_state_layer_ids"] = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
     (tmp_path / "old" / "config.json").write_text(json.dumps(config))
     assert load_head(tmp_path / "old", deep_target.model).config.target_layers == (2, 4, 5)
-    from sparrow.heads.layout import export_int8
+    from sparrow.heads.layout import export_quantized
 
-    export_int8(tmp_path / "old", tmp_path / "old-int8")  # the export keeps the old meaning (sparrow_format 1)
+    export_quantized(tmp_path / "old", tmp_path / "old-int8")  # the export keeps the old meaning (sparrow_format 1)
     assert json.loads((tmp_path / "old-int8" / "manifest.json").read_text())["config"]["sparrow_format"] == 1
     assert load_head(tmp_path / "old-int8", deep_target.model).config.target_layers == (2, 4, 5)
     del config["bias"]  # not sparrow's key set: SpecForge's meaning

@@ -1,8 +1,8 @@
 """The GPU recipe (sparrow.training.recipe) dry-run on the CPU with a tiny random target, and its carry-over pieces.
 
 a) One run: offline files + self-distilled answers, online target features, the batched training-time test,
-   held-out evaluation, the int8 export; the int8 head then decodes losslessly (float32 greedy) with drafts accepted.
-b) A run killed (SIGKILL) after a checkpoint leaves a loadable int8 export and a checkpoint a --resume continues;
+   held-out evaluation, the int4 export; the int4 head then decodes losslessly (float32 greedy) with drafts accepted.
+b) A run killed (SIGKILL) after a checkpoint leaves a loadable int4 export and a checkpoint a --resume continues;
    the killed run is a subprocess that cannot import sparrow's other dependencies (typer, rich, gguf, av, ...),
    as on the bare device machines.
 c) The batched training-time test equals the per-sequence one (sparrow.training.heads.ttt_loss) and ignores padding.
@@ -73,7 +73,7 @@ def decode_through(target: LoadedModel, head_dir: Path) -> int:
     return accepted
 
 
-def test_a_dry_run_trains_evaluates_and_exports_an_int8_head_that_decodes_losslessly(files, target, tmp_path):
+def test_a_dry_run_trains_evaluates_and_exports_an_int4_head_that_decodes_losslessly(files, target, tmp_path):
     out = tmp_path / "run"
     report = run(RecipeSettings(out=str(out), target=str(files / "target"), data=(str(files / "data"),),
                                 time_budget=120, max_steps=120, checkpoint_every=1e6, **SMALL))
@@ -87,11 +87,11 @@ def test_a_dry_run_trains_evaluates_and_exports_an_int8_head_that_decodes_lossle
     stages = [r["stage"] for r in rows]
     assert stages[0] == "target loaded" and stages[-1] == "done" and "corpus" in stages
     assert [r["answers"] for r in rows if r["stage"] == "distilling"] == [1, 8, 16]  # a row per generate call
-    assert report["head"]["draft_vocab_size"] == 200 and report["int8"]["bytes"] > 0
+    assert report["head"]["draft_vocab_size"] == 200 and report["export"]["bytes"] > 0
     config = json.loads((out / "checkpoint" / "config.json").read_text())  # the dense SpecForge layout
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["sparrow_format"] == 2
-    assert load_head(out / "checkpoint", target.model).config == load_head(out / "int8", target.model).config
-    assert decode_through(target, out / "int8") > 0
+    assert load_head(out / "checkpoint", target.model).config == load_head(out / "int4", target.model).config
+    assert decode_through(target, out / "int4") > 0
     with pytest.raises(UserError, match="already holds a run: pass --resume"):
         run(RecipeSettings(out=str(out), target=str(files / "target"), data=(str(files / "data"),), **SMALL))
 
@@ -110,7 +110,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_runs_without_sparrows_othe
     state = out / "checkpoint" / "recipe_state.pt"
     try:
         deadline = time.monotonic() + 90
-        while not (state.is_file() and (out / "int8" / "manifest.json").is_file()):
+        while not (state.is_file() and (out / "int4" / "manifest.json").is_file()):
             assert process.poll() is None, process.communicate()
             assert time.monotonic() < deadline, "no checkpoint within 90 s"
             time.sleep(0.2)
@@ -121,7 +121,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_runs_without_sparrows_othe
     assert not (out / "eval.json").exists()  # killed before its end
     saved = torch.load(state, weights_only=True)["progress"]["step"]
     assert saved > 0
-    exported = out / "int8" if (out / "int8" / "manifest.json").is_file() else out / "int8.old"  # killed mid-swap
+    exported = out / "int4" if (out / "int4" / "manifest.json").is_file() else out / "int4.old"  # killed mid-swap
     assert load_head(exported, target.model).config.draft_vocab_size == 200
     report = run(RecipeSettings(out=str(out), target=str(files / "target"), resume=True, time_budget=60,
                                 max_steps=saved + 5, threads=1))
@@ -252,7 +252,7 @@ def test_sigterm_ends_training_and_the_exports_still_run(files, target, tmp_path
     report = run(RecipeSettings(out=str(out), target=str(files / "target"), data=(str(files / "data"),),
                                 time_budget=120, checkpoint_every=1e6, **{**SMALL, "distill": 2}))
     assert report["stopped"] == f"signal {int(signal.SIGTERM)}" and report["step"] == 3
-    assert (out / "eval.json").is_file() and load_head(out / "int8", target.model).config.draft_vocab_size == 200
+    assert (out / "eval.json").is_file() and load_head(out / "int4", target.model).config.draft_vocab_size == 200
     assert signal.getsignal(signal.SIGTERM) is before
 
 
@@ -274,3 +274,153 @@ def test_bad_recipe_options_are_one_line_errors(tmp_path, capsys):
     assert "--batch-size must be an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["run", "--out", str(tmp_path / "o"), "--gguf-chunks", str(tmp_path), "--resume"]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+    assert main(["run", "--out", str(tmp_path / "p"), "--target", "x", "--init-head", str(tmp_path / "none")]) == 2
+    assert "--init-head" in capsys.readouterr().err and not (tmp_path / "p").exists()  # before loading anything
+    assert main(["run", "--out", str(tmp_path / "p"), "--target", "x", "--answers", str(tmp_path / "a.npz")]) == 2
+    assert f"--answers {str(tmp_path / 'a.npz')!r}: no such file" in capsys.readouterr().err
+
+
+# resuming from the newest committed head, and the target's answers kept (issue #42) ------------------------------
+
+
+def test_a_run_starts_from_an_int4_export_where_the_last_one_ended_on_its_kept_answers(files, target, tmp_path,
+                                                                                      monkeypatch):
+    """Run 1 trains a head and writes OUT/int4 and OUT/answers.npz; run 2 starts from that export (its dequantized
+    weights, shape and draft vocabulary) on those answers (none generated): its first training loss is run 1's
+    last, far below a fresh head's on the same first batch (both runs draw the same batches)."""
+    from sparrow.training import recipe
+
+    seen: list[tuple[float, dict | None]] = []
+    loss = recipe.batched_ttt_loss
+
+    def recording(head, *args, **kwargs):
+        batch = loss(head, *args, **kwargs)
+        if head.training:
+            state = {k: v.detach().clone() for k, v in head.state_dict().items()} if not seen else None
+            seen.append((float(batch.loss.detach()), state))
+        return batch
+
+    monkeypatch.setattr(recipe, "batched_ttt_loss", recording)
+    common = {"target": str(files / "target"), "data": (str(files / "data"),), "time_budget": 120,
+              "checkpoint_every": 1e6, **SMALL}
+    first = run(RecipeSettings(out=str(tmp_path / "one"), max_steps=80, **common))
+    fresh, last = seen[0][0], sum(s[0] for s in seen[-10:]) / 10
+    export = tmp_path / "one" / "int4"
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert "lm_head.weight" not in manifest["tensors"]  # frozen: the target's rows, left out
+    assert first["init_head"] is None and first["corpus"]["distilled"] == 16
+    print(f"answers.npz: {first['answers']['bytes']} bytes for {first['corpus']['distilled_tokens']} tokens")
+    seen.clear()
+    answers = str(tmp_path / "one" / "answers.npz")
+    second = run(RecipeSettings(out=str(tmp_path / "two"), max_steps=3, init_head=str(export), answers=(answers,),
+                                **{**common, "draft_vocab": 50, "distill": 0}))
+    started = load_head(export, target.model).state_dict()
+    assert second["init_head"] == str(export) and second["head"]["draft_vocab_size"] == 200  # the export's
+    assert all(torch.equal(seen[0][1][k], v.float()) for k, v in started.items())
+    resumed = seen[0][0]
+    print(f"fresh head {fresh:.3f}, run 1's last 10 steps {last:.3f}, run 2's first step {resumed:.3f}")
+    assert abs(resumed - last) < 0.25 * (fresh - last)  # measured: fresh 15.2, last 9.07, resumed 8.86
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r["stage"] == "distilling"]  # the kept answers, none generated
+    assert second["corpus"]["distilled"] == 16 and second["corpus"]["distilled_held_out"] == 1
+    assert second["corpus"]["answers_from"] == [answers] and second["corpus"]["distilled_new"] == 0
+    assert second["held_out"]["loss"] == pytest.approx(first["held_out"]["loss"], rel=0.15)
+
+
+def test_kept_answers_are_trained_on_and_only_new_prompts_are_answered(files, tmp_path):
+    """A run given an earlier run's answers asks the target only prompts those did not answer, and its answers.npz
+    holds both runs' answers."""
+    from sparrow.training.answers import SPLITS, read_answers, tokenizer_fingerprint
+
+    common = {"target": str(files / "target"), "data": (str(files / "data"),), "time_budget": 120, "max_steps": 1,
+              "checkpoint_every": 1e6, **{**SMALL, "distill": 8}}
+    run(RecipeSettings(out=str(tmp_path / "one"), **common))
+    report = run(RecipeSettings(out=str(tmp_path / "two"), answers=(str(tmp_path / "one" / "answers.npz"),),
+                                **common))
+    fingerprint = tokenizer_fingerprint(tiny_tokenizer(), 320)
+    one = read_answers(tmp_path / "one" / "answers.npz", fingerprint)
+    both = read_answers(tmp_path / "two" / "answers.npz", fingerprint)
+    new = report["corpus"]["distilled_new"]
+    assert one.count("train") == 8 and 0 < new < 8 and both.count("train") == 8 + new  # the tiny data: few left
+    assert all(torch.equal(a, b) for s in SPLITS for a, b in zip(one.sequences[s], both.sequences[s]))  # kept first
+    asked = {tuple(seq[:n].tolist()) for s in SPLITS for seq, n in
+             zip(both.sequences[s][one.count(s):], both.prompt_lengths[s][one.count(s):])}
+    assert asked and not asked & one.prompts()  # none of the first run's prompts asked again
+
+
+def test_answers_round_trip_compressed_and_foreign_or_damaged_files_are_refused(tmp_path):
+    from sparrow.training.answers import Answers, read_answers, tokenizer_fingerprint, write_answers
+
+    mine = tokenizer_fingerprint(tiny_tokenizer(), 320)
+    generator = torch.Generator().manual_seed(0)
+    train = tuple(torch.randint(320, (n,), generator=generator) for n in (4000, 7, 16000))
+    held_out = (torch.randint(320, (12,), generator=generator),)
+    answers = Answers({"train": train, "held_out": held_out}, {"train": (30, 2, 100), "held_out": (5,)})
+    path = write_answers(tmp_path / "answers.npz", answers, mine)
+    assert path.stat().st_size < 2 * 20019  # compressed: ~1 byte an id of 320 (uint32: 4)
+    back = read_answers(path, mine)
+    assert back.prompt_lengths == answers.prompt_lengths
+    assert all(torch.equal(a, b) for s in answers.sequences for a, b in zip(back.sequences[s], answers.sequences[s]))
+    assert [len(back.sequences[s]) for s in ("train", "held_out")] == [3, 1]
+    assert back.prompts() == {tuple(train[0][:30].tolist()), tuple(train[1][:2].tolist()),
+                              tuple(train[2][:100].tolist()), tuple(held_out[0][:5].tolist())}
+    assert read_answers(write_answers(tmp_path / "none.npz", Answers(), mine), mine) == Answers()
+    with pytest.raises(UserError, match="made with another tokenizer"):
+        read_answers(path, {**mine, "tokenizer_sha256": "0" * 64})
+    with pytest.raises(UserError, match="vocab_size 320, the target's is 151936"):
+        read_answers(path, {**mine, "vocab_size": 151936})
+    (tmp_path / "cut.npz").write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(UserError, match="is not a readable answers file"):
+        read_answers(tmp_path / "cut.npz", mine)
+    with pytest.raises(UserError, match="no such file"):
+        read_answers(tmp_path / "nowhere.npz", mine)
+
+
+def test_init_head_auto_picks_the_shipped_head_of_the_preset_the_gguf_names(tmp_path, monkeypatch):
+    from sparrow.heads import layout
+    from sparrow.training.recipe import initial_head_dir
+
+    monkeypatch.setattr(layout, "SHIPPED", tmp_path / "shipped")
+    gguf = RecipeSettings(out="o", target=str(tmp_path / "qwen2.5-coder-1.5b.gguf"))
+    assert initial_head_dir(gguf) is None  # none shipped
+    shipped = tmp_path / "shipped" / "qwen2.5-coder-1.5b"
+    shipped.mkdir(parents=True)
+    (shipped / "manifest.json").write_text("{}")
+    assert initial_head_dir(gguf) == shipped
+    (tmp_path / "chunks").mkdir()
+    (tmp_path / "chunks" / SUMS).write_text(f"{'0' * 64}  qwen2.5-coder-1.5b.gguf.part-01\n"
+                                             f"{'1' * 64}  qwen2.5-coder-1.5b.gguf\n")
+    assert initial_head_dir(RecipeSettings(out="o", gguf_chunks=str(tmp_path / "chunks"))) == shipped
+    assert initial_head_dir(RecipeSettings(out="o", target=str(tmp_path / "model-dir"))) is None
+    assert initial_head_dir(RecipeSettings(out="o", target=str(tmp_path / "x.gguf"), init_head="none")) is None
+    with pytest.raises(UserError, match="--init-head .* no such directory"):
+        initial_head_dir(RecipeSettings(out="o", target="x", init_head=str(tmp_path / "nowhere")))
+
+
+def test_chunks_are_sized_to_fit_a_device_call_beside_the_working_tree(tmp_path):
+    from sparrow.training.chunks import chunk_bytes_beside, tree_bytes
+
+    mib = 1 << 20
+    assert chunk_bytes_beside(8 * mib) == 54 * mib  # 64 MiB - the tree - a 2 MiB margin, whole MiB
+    assert chunk_bytes_beside(int(22.9 * mib)) == 39 * mib  # with a 15 MB int4 head shipped in the tree
+    with pytest.raises(UserError, match="too little is left for GGUF chunks"):
+        chunk_bytes_beside(55 * mib)
+    assert tree_bytes(tmp_path) is None  # not a git checkout
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "big").write_bytes(b"x" * 5000)
+    (tmp_path / "a.py").write_bytes(b"y" * 300)  # untracked, not ignored: a device call copies it too
+    assert tree_bytes(tmp_path) == 300 + len("ignored/\n")
+
+
+def test_a_head_whose_int4_export_would_not_fit_is_refused_before_training(files, tmp_path, monkeypatch):
+    from sparrow.heads import quantized
+
+    monkeypatch.setitem(quantized.TOTAL_BYTES, 4, 40_000)  # the tiny head: ~35 kB, its own LM head ~42 kB
+    common = {"target": str(files / "target"), "data": (str(files / "data"),), "time_budget": 120, "max_steps": 1,
+              **{**SMALL, "distill": 2}}
+    with pytest.raises(UserError, match=r"the int4 head would take 0\.0 MB, over the 0 MB limit"):
+        run(RecipeSettings(out=str(tmp_path / "big"), train_lm_head=True, **common))
+    assert not (tmp_path / "big" / "checkpoint").exists()  # before any training
+    assert run(RecipeSettings(out=str(tmp_path / "small"), **common))["export"]["bytes"] <= 40_000

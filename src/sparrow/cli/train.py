@@ -327,21 +327,40 @@ def head(
     run.go(dtype.value, device)
 
 
+_EXPORT_HEAD_HELP = "A dense head directory (config.json + model.safetensors: saved by `sparrow train head` or " \
+    "exported by SpecForge)."
+
+
 @train_app.command("export-int8")
 @cli_errors
 def export_int8(
-    head: Annotated[Path, typer.Option(help="A dense head directory (config.json + model.safetensors: saved by "
-                                       "`sparrow train head` or exported by SpecForge).")],
+    head: Annotated[Path, typer.Option(help=_EXPORT_HEAD_HELP)],
     out: Annotated[Path, typer.Option(help="New directory for the int8 export: manifest.json + int8 safetensors shards "
                                       "of at most 15 MB, 60 MB in all; loads with --drafter eagle --head OUT.")],
 ) -> None:
     """Write a head's per-channel int8 export (symmetric per-row scales; norms and maps kept as they are), which
     --drafter eagle --head loads transparently, dequantized to the target's dtype."""
-    from sparrow.heads.layout import export_int8 as export
+    _export(head, out, 8)
 
-    written = export(head, out)
-    typer.echo(json.dumps({"out": str(out), "head_id": written.head_id, "shards": len(written.shard_bytes),
-                           "bytes": written.total_bytes}))
+
+@train_app.command("export-int4")
+@cli_errors
+def export_int4(
+    head: Annotated[Path, typer.Option(help=_EXPORT_HEAD_HELP)],
+    out: Annotated[Path, typer.Option(help="New directory for the int4 export: manifest.json + int4 safetensors shards "
+                                      "of at most 15 MB, 16 MB in all; loads with --drafter eagle --head OUT.")],
+) -> None:
+    """Write a head's int4 export (symmetric, a float16 scale per group of 64 inputs of a row; norms and maps kept
+    as they are), which --drafter eagle --head loads transparently, dequantized to the target's dtype."""
+    _export(head, out, 4)
+
+
+def _export(head: Path, out: Path, bits: int) -> None:
+    from sparrow.heads.layout import export_quantized
+
+    written = export_quantized(head, out, bits=bits)
+    typer.echo(json.dumps({"out": str(out), "head_id": written.head_id, "bits": bits,
+                           "shards": len(written.shard_bytes), "bytes": written.total_bytes}))
 
 
 def _check_variant(arch: str, fusion: str | None, layers: int | None, draft_vocab: int | None,

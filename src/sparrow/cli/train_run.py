@@ -238,10 +238,10 @@ class _Run:
 
     def export_int8(self, head: Any) -> dict[str, Any]:
         """OUT/int8: the head's int8 export beside the dense one (replaced at each finish); its size, or why not."""
-        from sparrow.heads.layout import export_int8
+        from sparrow.heads.layout import export_quantized
 
         try:
-            written = export_int8(head, self.out / "int8", replace=True)
+            written = export_quantized(head, self.out / "int8", bits=8, replace=True)
         except UserError as error:
             self.say(f"no int8 export: {error}")
             return {"error": str(error)}

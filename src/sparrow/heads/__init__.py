@@ -4,7 +4,7 @@ checkpoint layout; the seeds' variants: Dovetail's gated fusion and deeper heads
 
 from sparrow.heads.eagle import EagleHead, HeadConfig, TargetParts
 from sparrow.heads.factory import new_head
-from sparrow.heads.layout import default_head_dir, export_int8, find_head, load_head, save_head
+from sparrow.heads.layout import default_head_dir, export_quantized, find_head, load_head, save_head
 
-__all__ = ["EagleHead", "HeadConfig", "TargetParts", "default_head_dir", "export_int8", "find_head", "load_head",
+__all__ = ["EagleHead", "HeadConfig", "TargetParts", "default_head_dir", "export_quantized", "find_head", "load_head",
            "new_head", "save_head"]

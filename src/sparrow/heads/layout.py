@@ -25,8 +25,11 @@ config.json with the gate's tensors `gate.*` (and, for EAGLE-3, a `midlayer` wit
 `num_hidden_layers` > 1 with the deeper layers as `layers.1.*` .. (EAGLE-1 heads of several layers follow
 SafeAILab's / Dovetail's `layers.i.*` naming).
 
-Int8 (sparrow's, for shipping): `manifest.json` + int8 safetensors shards (`sparrow.heads.int8`); `load_head` reads
-it transparently (checked, dequantized), `export_int8` writes one from a dense head.
+Quantized (sparrow's, for shipping): `manifest.json` + int8 or int4 safetensors shards (`sparrow.heads.quantized`);
+`load_head` reads it transparently (checked, dequantized), `export_quantized` writes one from a dense head. An
+EAGLE-3 head whose LM head still equals the target's rows of its draft vocabulary (trained with it frozen) is
+exported without it: its config record says `"sparrow_lm_head": "target"` and `load_head` takes those rows from the
+target (the 1.5B preset's head then fits 16 MB at int4).
 """
 
 from __future__ import annotations
@@ -43,12 +46,20 @@ from torch import Tensor
 from sparrow.errors import UserError
 from sparrow.heads.config import HeadConfig, default_layers
 from sparrow.heads.eagle import EagleHead, TargetParts
-from sparrow.heads.int8 import MANIFEST as INT8_MANIFEST
-from sparrow.heads.int8 import Int8Export, is_int8_dir, read_int8, replace_int8, write_int8
 from sparrow.heads.longspec import load_longspec, save_longspec
+from sparrow.heads.quantized import MANIFEST as QUANTIZED_MANIFEST
+from sparrow.heads.quantized import (
+    QuantizedExport,
+    dequantize_rows,
+    is_quantized_dir,
+    read_quantized,
+    replace_quantized,
+    write_quantized,
+)
 from sparrow.heads.sparrow_head import SparrowSpec
 from sparrow.models.presets import PRESETS
 from sparrow.paths import default_cache_dir
+from sparrow.runtime.quant import DynamicInt8Linear, QuantizedLinear
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 EAGLE1_ARCHITECTURE = "LlamaForCausalLM"
@@ -56,6 +67,7 @@ WEIGHTS = "model.safetensors"
 FORMAT_KEY = "sparrow_format"
 FORMAT = 2  # 2: eagle_aux_hidden_state_layer_ids in SpecForge's / SGLang's meaning (1: hidden_states indices)
 LAYER_IDS = "eagle_aux_hidden_state_layer_ids"
+LM_HEAD_KEY = "sparrow_lm_head"  # "target": an export without lm_head.weight, whose rows are the target's
 
 
 def layer_ids_of(target_layers: Sequence[int]) -> list[int]:
@@ -119,17 +131,17 @@ def default_head_dir(target: str, cache_dir: str | Path | None = None) -> Path |
 
 
 SHIPPED = Path(__file__).parent / "shipped"
-"""Heads shipped in the package: SHIPPED/<preset>/ holding an int8 export (manifest.json + shards)."""
+"""Heads shipped in the package: SHIPPED/<preset>/ holding a quantized export (manifest.json + shards)."""
 
 
 def shipped_head_dir(target: str) -> Path | None:
-    """The head shipped in the package for preset `target` (an int8 export or a dense head), else None (also for
-    any target that is not a preset name)."""
+    """The head shipped in the package for preset `target` (a quantized export or a dense head), else None (also
+    for any target that is not a preset name)."""
     name = target.strip().lower()
     if name not in PRESETS:
         return None
     where = SHIPPED / name
-    return where if (where / INT8_MANIFEST).is_file() or (where / "config.json").is_file() else None
+    return where if (where / QUANTIZED_MANIFEST).is_file() or (where / "config.json").is_file() else None
 
 
 def find_head(target: str, cache_dir: str | Path | None = None) -> Path | None:
@@ -139,7 +151,7 @@ def find_head(target: str, cache_dir: str | Path | None = None) -> Path | None:
     if shipped is not None:
         return shipped
     trained = default_head_dir(target, cache_dir)
-    if trained is not None and ((trained / "config.json").is_file() or is_int8_dir(trained)):
+    if trained is not None and ((trained / "config.json").is_file() or is_quantized_dir(trained)):
         return trained
     return None
 
@@ -165,29 +177,74 @@ def config_record(head: EagleHead) -> dict[str, Any]:
     return record
 
 
-def export_int8(source: str | Path | EagleHead, directory: str | Path, replace: bool = False) -> Int8Export:
-    """The int8 export (`sparrow.heads.int8`) of a head: a dense head directory (config.json + weights, sparrow's
-    or SpecForge's) or an EagleHead; written into the new directory `directory`, or with `replace` swapped in for
-    the export there."""
+def export_quantized(source: str | Path | EagleHead, directory: str | Path, bits: int = 8, replace: bool = False
+                     ) -> QuantizedExport:
+    """The int8 or int4 export (`sparrow.heads.quantized`) of a head: a dense head directory (config.json + weights,
+    sparrow's or SpecForge's) or an EagleHead (an EAGLE-3 one whose LM head equals the target's rows goes without
+    it); written into the new directory `directory`, or with `replace` swapped in for the export there."""
     if isinstance(source, EagleHead):
-        config, tensors = config_record(source), dict(source.state_dict())
+        config, tensors = exported_tensors(source)
     else:
         source = Path(source)
         where = f"head {str(source)!r}"
-        if is_int8_dir(source):
-            raise UserError(f"{where} is already an int8 export")
+        if is_quantized_dir(source):
+            raise UserError(f"{where} is already a quantized export")
         config, tensors = _read_config(source, where), _read_tensors(source)
         if "SparrowLongSpecHead" in (config.get("architectures") or []):
-            raise UserError(f"{where} is a LongSpec head: the int8 export takes EAGLE-1/3 heads")
+            raise UserError(f"{where} is a LongSpec head: the quantized export takes EAGLE-1/3 heads")
         tensors = _normalised(tensors, _arch(config, tensors, where) == "eagle3")
     config = {**config, FORMAT_KEY: config.get(FORMAT_KEY, FORMAT if not is_format1(config) else 1)}
-    write = replace_int8 if replace else write_int8
-    return write(tensors, config, directory)
+    write = replace_quantized if replace else write_quantized
+    return write(tensors, config, directory, bits=bits)
+
+
+def exported_tensors(head: EagleHead) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(the config record, the tensors) a quantized export of `head` stores: all of its state but, for an EAGLE-3
+    head whose LM head equals the target's rows, its LM head (the record then says `"sparrow_lm_head": "target"`)."""
+    config, tensors = config_record(head), dict(head.state_dict())
+    if head.config.arch == "eagle3" and _lm_head_is_targets(head):
+        config[LM_HEAD_KEY] = "target"
+        del tensors["lm_head.weight"]
+    return config, tensors
+
+
+def _lm_head_is_targets(head: EagleHead) -> bool:
+    """Whether an EAGLE-3 head's LM head holds exactly the target's rows of its draft vocabulary (in the head's
+    dtype: a head trained with its LM head frozen after `init_from_target`)."""
+    weight = head.lm_head.weight
+    try:
+        rows = target_rows(head.target.lm_head, None, head.draft_to_target, "head")
+    except UserError:
+        return False
+    return rows.shape == weight.shape and torch.equal(rows.to(weight), weight)
+
+
+def target_rows(lm_head: torch.nn.Module, embed: torch.nn.Module | None, ids: Tensor, where: str) -> Tensor:
+    """The target's LM-head rows `ids` (float32 for a quantized LM head, else its dtype): from a dense, int8 or
+    dense-keeping int4 LM head, or from the input embedding `embed` when the LM head is tied to it (pass None when
+    it is not)."""
+    ids = ids.to(torch.long)
+    if type(lm_head) is torch.nn.Linear:
+        return lm_head.weight.detach()[ids.to(lm_head.weight.device)]
+    if isinstance(lm_head, QuantizedLinear) and lm_head.dense is not None:
+        return lm_head.dense.detach()[ids.to(lm_head.dense.device)]
+    if isinstance(lm_head, DynamicInt8Linear):
+        rows = ids.to(lm_head.scales.device)
+        return dequantize_rows(lm_head.int8_weight()[rows], lm_head.scales[rows])
+    if embed is not None:
+        return embed.weight.detach()[ids.to(embed.weight.device)]
+    raise UserError(f"{where} takes its LM head from the target's rows, but the target's LM head "
+                    f"({type(lm_head).__name__}) keeps no dense weights: load the target without quantizing it")
+
+
+def _tied_embedding(model: torch.nn.Module) -> torch.nn.Module | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return model.get_input_embeddings() if getattr(config, "tie_word_embeddings", False) else None
 
 
 def _read_config(directory: Path, where: str) -> dict[str, Any]:
     if not (directory / "config.json").is_file():
-        raise UserError(f"{where}: no config.json or {INT8_MANIFEST} (expected a directory saved by sparrow or "
+        raise UserError(f"{where}: no config.json or {QUANTIZED_MANIFEST} (expected a directory saved by sparrow or "
                         "exported by SpecForge)")
     try:
         return json.loads((directory / "config.json").read_text())
@@ -255,8 +312,8 @@ def load_head(directory: str | Path, model: torch.nn.Module, device: torch.devic
     dtype on its device, or on `device` (Dovetail's split). Refuses (UserError) a head that does not fit."""
     directory = Path(directory)
     where = f"head {str(directory)!r}"
-    if is_int8_dir(directory):  # dequantized to float32 here, to the target's dtype by load_state_dict
-        raw, tensors = read_int8(directory)
+    if is_quantized_dir(directory):  # dequantized to float32 here, to the target's dtype by load_state_dict
+        raw, tensors = read_quantized(directory)
     else:
         raw, tensors = _read_config(directory, where), _read_tensors(directory)
     if "SparrowLongSpecHead" in (raw.get("architectures") or []):
@@ -274,6 +331,13 @@ def load_head(directory: str | Path, model: torch.nn.Module, device: torch.devic
             raise UserError(f"{where} has a draft vocabulary of {config.draft_vocab_size} but no d2t map")
         tensors["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
         tensors["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
+    if arch == "eagle3" and raw.get(LM_HEAD_KEY) == "target" and "lm_head.weight" not in tensors and "d2t" in tensors:
+        ids = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
+        if int(ids.max()) >= vocab:
+            raise UserError(f"{where}: d2t maps a draft token to target id {int(ids.max())}, beyond the target's "
+                            f"vocabulary of {vocab}")
+        lm_head = model.get_output_embeddings()
+        tensors["lm_head.weight"] = target_rows(lm_head, _tied_embedding(model), ids, where).float().cpu()
     expected = head.state_dict()
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:

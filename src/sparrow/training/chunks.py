@@ -4,21 +4,47 @@
 `<name>.part-01`, `<name>.part-02`, ... of at most `chunk_bytes` each, and writes `SHA256SUMS` beside them: one
 line per chunk and a last line for the whole file (`sha256sum -c` reads it). `join_chunks` checks each chunk
 against the list (one clear UserError for a missing, short or damaged chunk) and writes the whole file, whose
-sha256 it checks too. Only the standard library is used.
+sha256 it checks too. `chunk_bytes_beside` sizes the chunks so that one chunk and the working tree (which travels
+with every device call, a shipped head included) fit the 64 MiB a call carries. Only the standard library is used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
 from sparrow.errors import UserError
 
 SUMS = "SHA256SUMS"
-CHUNK_BYTES = 56 * 1024 * 1024  # with the ~5 MiB working tree, under the 64 MiB a device call carries
+CARRY_BYTES = 64 * 1024 * 1024  # what one device call carries: the working tree and its carried paths
+MARGIN_BYTES = 2 * 1024 * 1024  # room for the tree to grow between `prepare` and the calls
+CHUNK_BYTES = 40 * 1024 * 1024  # when the tree's size is unknown: a ~8 MiB tree plus a 15 MiB shipped head
 _BLOCK = 1 << 22
+
+
+def chunk_bytes_beside(tree_bytes: int) -> int:
+    """The largest whole-MiB chunk that fits one device call beside a working tree of `tree_bytes` (and a 2 MiB
+    margin); UserError when under 8 MiB are left."""
+    room = (CARRY_BYTES - MARGIN_BYTES - tree_bytes) // (1 << 20) * (1 << 20)
+    if room < 8 << 20:
+        raise UserError(f"the working tree takes {tree_bytes / 2**20:.1f} MiB of the {CARRY_BYTES >> 20} MiB a device "
+                        "call carries: too little is left for GGUF chunks")
+    return room
+
+
+def tree_bytes(root: str | Path = ".") -> int | None:
+    """The bytes of the files git tracks or would add under `root` (what a device call copies), or None outside a
+    git checkout."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                                capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    paths = [Path(root) / name for name in listed.decode().split("\0") if name]
+    return sum(p.stat().st_size for p in paths if p.is_file())
 
 
 def split_file(parts: Sequence[str | Path], name: str, directory: str | Path, chunk_bytes: int = CHUNK_BYTES,
@@ -110,4 +136,4 @@ def join_chunks(directory: str | Path, out: str | Path | None = None) -> Path:
     return target
 
 
-__all__ = ["CHUNK_BYTES", "SUMS", "join_chunks", "split_file"]
+__all__ = ["CHUNK_BYTES", "SUMS", "chunk_bytes_beside", "join_chunks", "split_file", "tree_bytes"]

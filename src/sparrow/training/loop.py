@@ -3,6 +3,7 @@ and LongSpec's anchor-offset positions."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +48,12 @@ class StepResult:
 
 
 
-def new_optimiser(head: EagleHead, lr: float) -> torch.optim.AdamW:
-    """EAGLE-3's AdamW (betas 0.9, 0.95, no weight decay) over the head's trainable parameters."""
+def new_optimiser(head: EagleHead, lr: float, frozen: Sequence[str] = ()) -> torch.optim.AdamW:
+    """EAGLE-3's AdamW (betas 0.9, 0.95, no weight decay) over the head's trainable parameters: all but those of
+    the submodules named in `frozen` (e.g. "lm_head"), which are left without gradients."""
     head.requires_grad_(True)
+    for name in frozen:
+        head.get_submodule(name).requires_grad_(False)
     return torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
                              weight_decay=0.0)
 

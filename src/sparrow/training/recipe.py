@@ -10,19 +10,27 @@ latest results survive the process being killed.
 2. the corpus (`sparrow.training.data`): token sequences from offline .py/.md/.rst files (`--data`, default the
    standard library and installed packages), a held-out split by file; then the target's own greedy answers to
    prompts built from the training files (self-distillation), `--distill-batch` prompts a `generate` call, for at
-   most `--distill-share` of the time left after loading; kept in OUT/corpus.safetensors (a resumed run reuses it);
-3. a draft vocabulary: the `--draft-vocab` most frequent target tokens of the training sequences (EOS included);
+   most `--distill-share` of the time left after loading; kept in OUT/corpus.safetensors (a resumed run reuses it)
+   and, as compressed token ids, in OUT/answers.npz (`sparrow.training.answers`); `--answers FILE` (repeatable)
+   trains on the answers of earlier runs too and generates new ones only to prompts they have not answered
+   (`--distill 0`: none), and that run's answers.npz holds them all;
+3. the head: started from `--init-head` (an export or head directory; `auto`, the default: the head shipped for
+   the preset whose GGUF the target is, `sparrow/heads/shipped/<preset>/`, when there is one; `none`), its shape
+   and draft vocabulary then the export's; else a fresh one with a draft vocabulary of the `--draft-vocab` most
+   frequent target tokens of the training sequences (EOS included) and its norm and LM head from the target's.
+   Unless `--train-lm-head`, the LM head stays those target rows (frozen), so the export leaves it out;
 4. training: each step draws `--batch-size` sequences, runs the target over them ONLINE (no_grad; its hidden
    states of the head's three layers and its top-k next-token log-probs, nothing cached on disk), then the head's
    training-time test over `--ttt-steps` draft depths on the whole padded batch (`sparrow.training.batched`) under
    bf16 autocast on a GPU; AdamW (0.9, 0.95), linear warmup, then a cosine decay over the training time left;
 5. at the end (always, also when the budget or `--max-steps` ends training, or training fails): a held-out
-   evaluation (top-1 agreement per depth, expected tokens per round), the checkpoint, the int8 export and
+   evaluation (top-1 agreement per depth, expected tokens per round), the checkpoint, the int4 export and
    OUT/eval.json.
 Every `--checkpoint-every` seconds (default 60) and at the end: OUT/checkpoint/ (the dense head in SpecForge's
-layout, float32, plus recipe_state.pt: step, optimiser, data order; written beside and swapped in whole), OUT/int8/
-(`sparrow.heads.int8`: manifest + shards, swapped in whole) and a row of OUT/metrics.jsonl. `--resume` continues
-from OUT/checkpoint with its corpus, head and optimiser (a fresh time budget).
+layout, float32, plus recipe_state.pt: step, optimiser, data order; written beside and swapped in whole), OUT/int4/
+(`sparrow.heads.quantized`: manifest + shards within 16 MB, swapped in whole; what the repository ships) and a row
+of OUT/metrics.jsonl. `--resume` continues from OUT/checkpoint with its corpus, head and optimiser (a fresh time
+budget). A head whose int4 export would not fit 16 MB is refused before training.
 
 Imports: torch, transformers, safetensors, numpy and sparrow modules that import only those (the device machines
 are bare: no typer, rich, gguf unless installed for a GGUF target, av).
@@ -48,10 +56,12 @@ from torch import Tensor, nn
 
 from sparrow.errors import UserError
 from sparrow.heads.factory import new_head
-from sparrow.heads.layout import export_int8, save_head
-from sparrow.models.presets import _part_paths, get_preset, not_installed_error
+from sparrow.heads.layout import export_quantized, exported_tensors, load_head, save_head, shipped_head_dir
+from sparrow.heads.quantized import check_size
+from sparrow.models.presets import PRESETS, _part_paths, get_preset, not_installed_error
+from sparrow.training.answers import Answers, read_answers, tokenizer_fingerprint, write_answers
 from sparrow.training.batched import batched_ttt_loss
-from sparrow.training.chunks import CHUNK_BYTES, split_file
+from sparrow.training.chunks import CHUNK_BYTES, SUMS, chunk_bytes_beside, split_file, tree_bytes
 from sparrow.training.heads import frequent_tokens, init_from_target
 from sparrow.training.loop import Evaluation, new_optimiser
 from sparrow.training.recipe_data import (
@@ -70,6 +80,9 @@ STATE = "recipe_state.pt"
 METRICS = "metrics.jsonl"
 EVAL = "eval.json"
 CORPUS = "corpus.safetensors"
+ANSWERS = "answers.npz"
+EXPORT = "int4"  # OUT/int4: the head's int4 export
+EXPORT_BITS = 4
 # training batches are padded to a multiple of this many positions: on the H200 the head's step took 0.64 s in the
 # first minute and 0.20 s five minutes later (same shapes of weights and optimiser; again 0.52 s after a resume),
 # probably a warming cache of kernels and memory blocks over batches of every length up to 1024 (unmeasured since)
@@ -102,7 +115,7 @@ def _swap_in(fresh: Path, directory: Path) -> None:
 
 def write_checkpoint(out: Path, head: Any, optimiser: torch.optim.Optimizer, generator: torch.Generator,
                      progress: dict[str, Any], settings: RecipeSettings) -> None:
-    """OUT/checkpoint (dense head + recipe_state.pt) and OUT/int8, each swapped in whole."""
+    """OUT/checkpoint (dense head + recipe_state.pt) and OUT/int4, each swapped in whole."""
     fresh = out / "checkpoint.tmp"
     if fresh.exists():
         shutil.rmtree(fresh)
@@ -111,7 +124,7 @@ def write_checkpoint(out: Path, head: Any, optimiser: torch.optim.Optimizer, gen
              "head_config": asdict(head.config), "settings": asdict(settings)}
     torch.save(state, fresh / STATE)
     _swap_in(fresh, out / "checkpoint")
-    export_int8(head, out / "int8", replace=True)
+    export_quantized(head, out / EXPORT, bits=EXPORT_BITS, replace=True)
 
 
 def _metrics(out: Path, row: dict[str, Any]) -> None:
@@ -197,10 +210,16 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
     out = Path(settings.out)
     state = _resume_state(out, settings)
     if state is not None:
-        settings = replace(RecipeSettings(**{**state["settings"], "data": tuple(state["settings"]["data"])}),
+        saved = state["settings"]
+        settings = replace(RecipeSettings(**{**saved, "data": tuple(saved["data"]),
+                                             "answers": tuple(saved.get("answers", ()))}),
                            out=settings.out, target=settings.target, gguf_chunks=settings.gguf_chunks,
                            device=settings.device, time_budget=settings.time_budget, max_steps=settings.max_steps,
                            resume=True)
+    init = None if state is not None else initial_head_dir(settings)  # options checked before the target loads
+    for file in () if state is not None else settings.answers:
+        if not Path(file).is_file():
+            raise UserError(f"--answers {file!r}: no such file")
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     autocast = settings.autocast if settings.autocast is not None else device.type == "cuda"
@@ -220,11 +239,17 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
         # a share of the time left once the target is loaded (loading took 73 of 480 s on an H200)
         now = time.monotonic()
         distill_deadline = now + settings.distill_share * max(0.0, deadline - reserve - now)
-        train, held_out, corpus = build_corpus(
+        fingerprint = tokenizer_fingerprint(tokenizer, model.get_output_embeddings().weight.shape[0])
+        kept = Answers()
+        for file in settings.answers:
+            kept = kept.plus(read_answers(file, fingerprint))
+        train, held_out, corpus, answers = build_corpus(
             model, tokenizer, settings, distill_deadline, eos,
             lambda split, n: _metrics(out, {"elapsed": time.monotonic() - started, "stage": "distilling",
-                                            "split": split, "answers": n}))
+                                            "split": split, "answers": n}), kept)
+        corpus["answers_from"] = list(settings.answers)
         save_corpus(out / CORPUS, train, held_out, corpus)
+        write_answers(out / ANSWERS, answers, fingerprint)
     timings["corpus_seconds"] = time.monotonic() - started - timings["load_seconds"]
     train = [s for s in train if s.numel() >= 2]
     _metrics(out, {"elapsed": time.monotonic() - started, "stage": "corpus", **corpus,
@@ -233,14 +258,19 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
         head = resumed_head(out / "checkpoint", state, model, device)
         progress = dict(state["progress"])
     else:
-        vocab = model.get_output_embeddings().weight.shape[0]
-        ids = frequent_tokens(train, min(settings.draft_vocab, vocab), vocab, always=[i for i in eos if i < vocab])
-        shape = {} if settings.intermediate_size is None else {"intermediate_size": settings.intermediate_size}
-        generator = torch.Generator(device=device).manual_seed(settings.seed)
-        head = new_head(model, "eagle3", generator, draft_vocab=ids, **shape).float()
-        init_from_target(head, model)
+        if init is not None:  # the export's shape, draft vocabulary and (dequantized) weights
+            head = load_head(init, model, device=device).float()
+        else:
+            vocab = model.get_output_embeddings().weight.shape[0]
+            ids = frequent_tokens(train, min(settings.draft_vocab, vocab), vocab, always=[i for i in eos if i < vocab])
+            shape = {} if settings.intermediate_size is None else {"intermediate_size": settings.intermediate_size}
+            generator = torch.Generator(device=device).manual_seed(settings.seed)
+            head = new_head(model, "eagle3", generator, draft_vocab=ids, **shape).float()
+            init_from_target(head, model)
         progress = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0}
-    optimiser = new_optimiser(head, settings.lr)
+    # refused before any training, not at its end (a trained LM head is exported with the head)
+    check_size(dict(head.state_dict()) if settings.train_lm_head else exported_tensors(head)[1], EXPORT_BITS)
+    optimiser = new_optimiser(head, settings.lr, frozen=() if settings.train_lm_head else ("lm_head",))
     order = torch.Generator().manual_seed(settings.seed)
     if state is not None:
         optimiser.load_state_dict(state["optimiser"])
@@ -300,16 +330,19 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
     write_checkpoint(out, head, optimiser, order, progress, settings)
     if meter.steps:
         _metrics(out, {"elapsed": time.monotonic() - started, "stage": "training", **progress, **meter.row()})
-    int8_bytes = sum(p.stat().st_size for p in (out / "int8").glob("*.safetensors"))
+    export_bytes = sum(p.stat().st_size for p in (out / EXPORT).glob("*.safetensors"))
     report = {
         "target": settings.target or settings.gguf_chunks, "device": _device_name(device),
         "torch": torch.__version__, "transformers": _transformers_version(), "stopped": stopped, "error": error,
         "elapsed_seconds": time.monotonic() - started, **timings, **progress,
         "train_positions_per_second": progress["tokens_seen"] / max(progress["train_seconds"], 1e-9),
         "corpus": {**corpus, "train_sequences": len(train), "held_out_sequences": len(held_out)},
+        "init_head": None if init is None else str(init),
         "head": {"draft_vocab_size": head.config.draft_vocab_size, "intermediate_size": head.config.intermediate_size,
                  "target_layers": list(head.config.target_layers), "ttt_steps": settings.ttt_steps},
-        "held_out": evaluation, "int8": {"dir": str(out / "int8"), "bytes": int8_bytes},
+        "held_out": evaluation, "export": {"dir": str(out / EXPORT), "bits": EXPORT_BITS, "bytes": export_bytes},
+        "answers": {"file": str(out / ANSWERS),
+                    "bytes": (out / ANSWERS).stat().st_size if (out / ANSWERS).is_file() else None},
         "settings": asdict(settings),
     }
     (out / EVAL).write_text(json.dumps(report, indent=1) + "\n")
@@ -337,6 +370,25 @@ def _stop_on_signals(signalled: list[int]) -> Iterator[None]:
             signal.signal(kind, handler)
 
 
+def initial_head_dir(settings: RecipeSettings) -> Path | None:
+    """The head a fresh run starts from (`--init-head`): the directory given, None for `none`, and for `auto` the
+    head shipped for the preset whose GGUF file the target is (by file name), when the package ships one."""
+    if settings.init_head == "none":
+        return None
+    if settings.init_head != "auto":
+        path = Path(settings.init_head)
+        if not path.is_dir():
+            raise UserError(f"--init-head {settings.init_head!r}: no such directory (give a head export, auto or none)")
+        return path
+    if settings.gguf_chunks is not None:
+        sums = Path(settings.gguf_chunks) / SUMS
+        name = sums.read_text().split()[-1] if sums.is_file() else ""
+    else:
+        name = Path(settings.target or "").name
+    presets = [key for key, preset in PRESETS.items() if preset.gguf_file == name]
+    return shipped_head_dir(presets[0]) if presets else None
+
+
 def _resume_state(out: Path, settings: RecipeSettings) -> dict[str, Any] | None:
     path = out / "checkpoint" / STATE
     if settings.resume:
@@ -360,9 +412,13 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def prepare(preset: str, directory: str, chunk_bytes: int) -> list[Path]:
+def prepare(preset: str, directory: str, chunk_bytes: int | None) -> list[Path]:
     """Cut an installed preset's GGUF (its package parts, as sparrow's loader joins them) into chunks + SHA256SUMS
-    under `directory`, checked against the preset's sha256. Runs here (sparrow installed), not on the device."""
+    under `directory`, checked against the preset's sha256; chunks of `chunk_bytes`, by default as large as fits
+    one device call beside the working tree here (a shipped head included). Runs here, not on the device."""
+    if chunk_bytes is None:
+        tree = tree_bytes()
+        chunk_bytes = CHUNK_BYTES if tree is None else chunk_bytes_beside(tree)
     spec = get_preset(preset)
     parts = _part_paths(spec)
     if parts is None:
@@ -376,7 +432,8 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("prepare", help="split an installed preset's GGUF into chunks to carry to a device")
     p.add_argument("--preset", default="qwen2.5-coder-1.5b")
     p.add_argument("--dir", default=".gpu/gguf")
-    p.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES)
+    p.add_argument("--chunk-bytes", type=int, default=None,
+                   help="default: what fits one device call beside the working tree (64 MiB - tree - 2 MiB)")
     r = commands.add_parser("run", help="the whole recipe within --time-budget seconds")
     defaults = RecipeSettings(out="", target="-")
     for f in fields(RecipeSettings):
@@ -384,11 +441,11 @@ def _parser() -> argparse.ArgumentParser:
         default = getattr(defaults, f.name) if f.name not in ("target",) else None
         if f.name == "out":
             r.add_argument(flag, required=True)
-        elif f.name == "data":
+        elif f.name in ("data", "answers"):
             r.add_argument(flag, action="append", default=None, help="a directory or file (repeatable)")
         elif f.name in ("resume",):
             r.add_argument(flag, action="store_true")
-        elif f.name == "autocast":
+        elif f.name in ("autocast", "train_lm_head"):
             r.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
             kind = {"float": float, "int": int}.get(type(default).__name__, str)
@@ -411,6 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         values = {f.name: getattr(args, f.name) for f in fields(RecipeSettings)}
         values["data"] = tuple(values["data"] or ())
+        values["answers"] = tuple(values["answers"] or ())
+        values["train_lm_head"] = bool(values["train_lm_head"])
         report = run(RecipeSettings(**values), started)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from sparrow.errors import UserError
+from sparrow.training.answers import Answers
 from sparrow.training.chunks import join_chunks
 from sparrow.training.data import CorpusSpec, default_roots, distill_prompt, file_sequences
 
@@ -134,28 +135,28 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 @torch.no_grad()
-def distilled(model: nn.Module, tokenizer: Any, snippets: Sequence[str], settings: RecipeSettings, deadline: float,
-              eos: list[int], progress: Callable[[int], None] | None = None) -> list[Tensor]:
-    """prompt + the target's greedy answer for snippets, `distill_batch` left-padded prompts per generate call,
-    until the snippets or the time (`deadline`, checked between calls) run out; `progress(answers)` after each call."""
+def distilled(model: nn.Module, tokenizer: Any, prompts: Sequence[list[int]], settings: RecipeSettings,
+              deadline: float, eos: list[int], progress: Callable[[int], None] | None = None) -> list[Tensor]:
+    """prompt + the target's greedy answer for `prompts` (token ids, in order), `distill_batch` left-padded prompts
+    per generate call, until the prompts or the time (`deadline`, checked between calls) run out;
+    `progress(answers)` after each call."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     out: list[Tensor] = []
-    for start in range(0, len(snippets), settings.distill_batch):
+    for start in range(0, len(prompts), settings.distill_batch):
         if time.monotonic() >= deadline:
             break
-        prompts = [chat_ids(tokenizer, distill_prompt(s))[-settings.seq_len :] for s in
-                   snippets[start : start + settings.distill_batch]]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):
+        batch = prompts[start : start + settings.distill_batch]
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, p in enumerate(batch):
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         generated = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                                    max_new_tokens=settings.distill_tokens, min_new_tokens=1, pad_token_id=pad,
                                    eos_token_id=eos or None, temperature=None, top_p=None, top_k=None)
-        for p, row in zip(prompts, generated[:, width:].cpu()):
+        for p, row in zip(batch, generated[:, width:].cpu()):
             ends = torch.isin(row, torch.tensor(eos)).nonzero() if eos else row.new_zeros(0, 1)
             answer = row[: int(ends[0]) + 1] if ends.numel() else row
             out.append(torch.cat([torch.tensor(p), answer]))
@@ -164,12 +165,28 @@ def distilled(model: nn.Module, tokenizer: Any, snippets: Sequence[str], setting
     return out
 
 
+def new_prompts(tokenizer: Any, snippets: Sequence[str], known: set[tuple[int, ...]], count: int, seq_len: int
+                ) -> list[list[int]]:
+    """The first `count` distillation prompts (token ids, at most `seq_len`) of `snippets` not in `known` (answered
+    by an earlier run)."""
+    chosen: list[list[int]] = []
+    for snippet in snippets:
+        if len(chosen) >= count:
+            break
+        prompt = chat_ids(tokenizer, distill_prompt(snippet))[-seq_len:]
+        if tuple(prompt) not in known:
+            chosen.append(prompt)
+    return chosen
+
 
 def build_corpus(model: nn.Module, tokenizer: Any, settings: RecipeSettings, deadline: float, eos: list[int],
-                 progress: Callable[[str, int], None] | None = None
-                 ) -> tuple[list[Tensor], list[Tensor], dict[str, Any]]:
-    """(training sequences, held-out sequences, a summary) from files and self-distilled answers;
-    `progress(split, answers)` after each generate call."""
+                 progress: Callable[[str, int], None] | None = None, kept: Answers | None = None
+                 ) -> tuple[list[Tensor], list[Tensor], dict[str, Any], Answers]:
+    """(training sequences, held-out sequences, a summary, the answers) from files and the target's answers: those
+    `kept` from earlier runs, then up to `--distill` new ones (a tenth as many held out) to prompts not answered
+    before, generated until `deadline` (`progress(split, answers)` after each generate call). The answers are the
+    last `summary["distilled"]` training and `summary["distilled_held_out"]` held-out sequences."""
+    kept = kept if kept is not None else Answers()
     roots = settings.data or tuple(str(r) for r in default_roots())
     spec = CorpusSpec(roots=tuple(roots), tokens=settings.tokens, held_out_tokens=settings.held_out_tokens,
                       sequence_length=settings.seq_len, seed=settings.seed)
@@ -177,16 +194,19 @@ def build_corpus(model: nn.Module, tokenizer: Any, settings: RecipeSettings, dea
     start = time.monotonic()
     held_count = max(1, settings.distill // 10) if settings.distill else 0
     report = (lambda split: None) if progress is None else (lambda split: lambda n: progress(split, n))
-    answers_held = distilled(model, tokenizer, snippets["held_out"][:held_count], settings, deadline, eos,
-                             report("held_out"))
-    answers = distilled(model, tokenizer, snippets["train"][: settings.distill], settings, deadline, eos,
-                        report("train"))
+    known = kept.prompts()
+    new_sequences, new_lengths = {}, {}
+    for split, count in (("held_out", held_count), ("train", settings.distill)):
+        prompts = new_prompts(tokenizer, snippets[split], known, count, settings.seq_len)
+        new_sequences[split] = tuple(distilled(model, tokenizer, prompts, settings, deadline, eos, report(split)))
+        new_lengths[split] = tuple(len(p) for p in prompts[: len(new_sequences[split])])
+    answers = kept.plus(Answers(new_sequences, new_lengths))
+    ours, ours_held = list(answers.sequences["train"]), list(answers.sequences["held_out"])
     summary = {"files": {k: len(v) for k, v in files.items()}, "file_sequences": len(train),
-               "file_tokens": sum(t.numel() for t in train), "distilled": len(answers),
-               "distilled_tokens": sum(t.numel() for t in answers), "distilled_held_out": len(answers_held),
-               "distill_seconds": time.monotonic() - start}
-    return train + answers, held_out + answers_held, summary
-
+               "file_tokens": sum(t.numel() for t in train), "distilled": len(ours),
+               "distilled_new": len(new_sequences["train"]), "distilled_tokens": sum(t.numel() for t in ours),
+               "distilled_held_out": len(ours_held), "distill_seconds": time.monotonic() - start}
+    return train + ours, held_out + ours_held, summary, answers
 
 
 def save_corpus(path: Path, train: list[Tensor], held_out: list[Tensor], summary: dict[str, Any]) -> None:
@@ -242,7 +262,11 @@ class RecipeSettings:
     distill_batch: int = 256
     distill_share: float = 0.25  # of the time left after loading the target
     draft_vocab: int = 16384
-    intermediate_size: int | None = 3584  # fits the int8 export in 60 MB for a 1.5B target (None: the target's)
+    # with the LM head the target's rows (train_lm_head off), the int4 export of a 1.5B target's head fits 16 MB
+    intermediate_size: int | None = 2816  # None: the target's
+    train_lm_head: bool = False  # off: the LM head stays the target's rows of the draft vocabulary, not exported
+    init_head: str = "auto"  # an export or head directory to start from; auto: the preset's shipped head; none
+    answers: tuple[str, ...] = ()  # answers files of earlier runs (answers.npz): trained on, their prompts not asked
     ttt_steps: int = 6  # = the eagle drafter's default draft length
     batch_size: int = 32
     top_k: int = 32
