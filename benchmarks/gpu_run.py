@@ -588,23 +588,17 @@ def install(args: argparse.Namespace) -> int:
     return 1 if any(w.startswith("transformers==") for w in failed) else 0
 
 
-CARRY_BYTES = 64 * 2**20  # what one device call carries, the working tree included
 SITE = "/tmp/site"
-
-
-def tree_bytes() -> int:
-    """The working tree a device call copies: tracked files and untracked ones git does not ignore."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout.split("\0")
-    return sum((REPO / f).stat().st_size for f in listed if f and (REPO / f).is_file())
 
 
 def plan(args: argparse.Namespace) -> int:
     """The device calls, in order, as JSON lines ({"carry": [...], "command": ..., "timeout_s": ...}): the first
     carries the wheels, the prompts and the checksum lists and installs the wheels; then as many chunks a call as
     fit beside the working tree; the last runs the whole thing within `--budget`."""
+    from sparrow.training.chunks import CARRY_BYTES, MARGIN_BYTES, tree_bytes
+
     root = Path(args.dir)
-    room = CARRY_BYTES - tree_bytes() - 2**20  # a MiB of slack
+    room = CARRY_BYTES - MARGIN_BYTES - (tree_bytes(REPO) or 0)
     first = [root / "wheels", root / "prompts", root / "target" / "SHA256SUMS", root / "draft" / "SHA256SUMS"]
     used = sum(f.stat().st_size for d in first for f in ([d] if d.is_file() else d.iterdir()))
     chunks = sorted((root / "target").glob("*.part-*")) + sorted((root / "draft").glob("*.part-*"))
@@ -639,7 +633,8 @@ def parser() -> argparse.ArgumentParser:
     pre.add_argument("--dir", default=".gpu")
     pre.add_argument("--preset", default="qwen2.5-coder-1.5b")
     pre.add_argument("--draft-preset", default="qwen2.5-coder-0.5b")
-    pre.add_argument("--chunk-bytes", type=int, default=56 * 2**20)
+    pre.add_argument("--chunk-bytes", type=int, default=None,
+                     help="default: what fits one device call beside the working tree (the recipe's rule)")
     pl = commands.add_parser("plan", help="here, after prepare: the device calls to make, as JSON lines")
     pl.add_argument("--dir", default=".gpu")
     i = commands.add_parser("install", help="there: the carried wheels this Python lacks, into --site")
