@@ -204,18 +204,9 @@ class _Run:
         return outcome
 
     def finish(self, loaded: Any, head: Any, held_out: Any, outcome: Any, corpus: Any) -> None:
-        from sparrow.training.heads import evaluate_head
         from sparrow.training.trainer import LOG, read_log
 
         c = head.config
-        if not len(held_out):
-            evaluation = None
-        elif c.arch == "longspec":
-            from sparrow.training.longspec import evaluate_longspec
-
-            evaluation = evaluate_longspec(head, loaded.model, held_out, self.settings.ttt_steps)
-        else:
-            evaluation = evaluate_head(head, held_out, self.settings.ttt_steps)
         rows = read_log(self.out / LOG)
         shape: dict[str, Any] = (
             {"window": c.window, "kv_layer": c.kv_layer, "anchor_offset": self.settings.anchor_offset}
@@ -226,36 +217,36 @@ class _Run:
             "target": self.target_name, "arch": c.arch, **shape, "steps": outcome.step, "stopped": outcome.stopped,
             "train_sequences": len(corpus.train), "train_corpus_tokens": corpus.train_tokens,
             "tokens_seen": sum(r["tokens"] for r in rows), "held_out_sequences": len(held_out),
-            "held_out": None if evaluation is None else {
-                "loss": evaluation.loss, "agreement_per_depth": list(evaluation.agreement),
-                "expected_tokens_per_round": evaluation.expected_accepted},
             **self.timings,
         }
         if c.arch in ("eagle3", "eagle1"):
             report["int8"] = self.export_int8(head)
-        self._publish(report, rows, f"{head.config.arch} head for {self.target_name}", outcome, evaluation,
+        self._publish(report, rows, f"{head.config.arch} head for {self.target_name}", outcome,
                       f"--drafter eagle --head {self.out}", f"{len(held_out)} sequences")
 
     def export_int8(self, head: Any) -> dict[str, Any]:
         """OUT/int8: the head's int8 export beside the dense one (replaced at each finish); its size, or why not."""
-        from sparrow.heads.layout import export_quantized
+        from sparrow.training.orchestrator import export
 
         try:
-            written = export_quantized(head, self.out / "int8", bits=8, replace=True)
+            written = export(head, self.out / "int8", 8)
         except UserError as error:
             self.say(f"no int8 export: {error}")
             return {"error": str(error)}
-        self.say(f"int8 export: {self.out / 'int8'} ({written.total_bytes / 1e6:.1f} MB in {len(written.shard_bytes)} "
-                 f"shards; use: --drafter eagle --head {self.out / 'int8'})")
-        return {"dir": str(self.out / "int8"), "bytes": written.total_bytes, "shards": len(written.shard_bytes)}
+        self.say(f"int8 export: {written['dir']} ({written['bytes'] / 1e6:.1f} MB in {written['shards']} shards; "
+                 f"use: --drafter eagle --head {written['dir']})")
+        return written
 
-    def _publish(self, report: dict[str, Any], rows: list[dict], title: str, outcome: Any, evaluation: Any,
-                 use: str, held_out: str) -> None:
-        """eval.json and the plot written; where the head is and how it did on the held-out set said; the
-        report printed as one JSON line."""
+    def _publish(self, report: dict[str, Any], rows: list[dict], title: str, outcome: Any, use: str,
+                 held_out: str) -> None:
+        """eval.json (with the held-out evaluation) and the plot written; where the head is and how it did on the
+        held-out set said; the report printed as one JSON line."""
+        from sparrow.training.orchestrator import write_report
         from sparrow.training.plot import plot_training
 
-        (self.out / "eval.json").write_text(json.dumps(report, indent=1) + "\n")
+        evaluation = outcome.evaluation
+        report = {**report, "held_out": None if evaluation is None else evaluation.record()}
+        write_report(self.out, report)
         if rows:
             plot_training(rows, self.out / "training.png", title)
         stop = "" if outcome.stopped == "done" else f" (stopped: {outcome.stopped}; --resume continues)"
@@ -354,11 +345,9 @@ class _SparrowRun(_Run):
 
     def finish_sparrow(self, head: Any, train: Any, held_out: Any, outcome: Any, samples: Any) -> None:
         from sparrow.heads.sparrow_head import spec_of
-        from sparrow.training.sparrow_head import evaluate_sparrow
         from sparrow.training.trainer import LOG, read_log
 
         c, sparrow = head.config, spec_of(head)
-        evaluation = evaluate_sparrow(head, held_out, self.settings.ttt_steps) if held_out else None
         rows = read_log(self.out / LOG)
         report = {
             "target": self.target_name, "arch": "sparrow", "draft_vocab_size": c.draft_vocab_size,
@@ -371,12 +360,9 @@ class _SparrowRun(_Run):
             "held_out_pairs": [{"video": s.video, "question": s.question} for s in samples if s.held_out],
             "tokens_seen": sum(r["tokens"] for r in rows),
             "first_loss": rows[0]["loss"] if rows else None, "last_loss": rows[-1]["loss"] if rows else None,
-            "held_out": None if evaluation is None else {
-                "loss": evaluation.loss, "agreement_per_depth": list(evaluation.agreement),
-                "expected_tokens_per_round": evaluation.expected_accepted},
             **self.timings,
         }
-        self._publish(report, rows, f"sparrow head for {self.target_name}", outcome, evaluation,
+        self._publish(report, rows, f"sparrow head for {self.target_name}", outcome,
                       f"--drafter eagle --head {self.out} with a --video", f"{len(held_out)} (video, question) pairs")
 
 
