@@ -29,7 +29,9 @@ from typing import Annotated, Any, Optional
 import typer
 
 from sparrow.cli._common import DTYPE_HELP, DType, check_float, check_int, cli_errors, err
-from sparrow.cli.train_run import (
+from sparrow.cli.train_run import TerminalConsole
+from sparrow.errors import UserError
+from sparrow.training.head_run import (
     DEFAULT_ANCHOR_OFFSET,
     DEFAULT_DISTILL,
     DEFAULT_DRAFT_VOCAB,
@@ -39,19 +41,18 @@ from sparrow.cli.train_run import (
     DEFAULT_TEXT_WINDOW,
     DEFAULT_TOKENS,
     DEFAULT_TOP_K,
-    RUN,
     SPARROW_EPOCHS,
     TEXT_CORPUS_OPTIONS,
     VIDEO_OPTIONS,
+    HeadRun,
     HeadVariant,
-    _recipe_run,
-    _Run,
-    _SparrowRun,
-    _started_run,
-    _stored_run,
-    _video_target_error,
+    VideoHeadRun,
+    read_record,
+    recipe_run,
+    started_run,
+    stored_run,
+    video_target_error,
 )
-from sparrow.errors import UserError
 
 train_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                         help="Train draft heads for a target on this machine.", no_args_is_help=True)
@@ -250,7 +251,8 @@ def head(
     EAGLE-1, Dovetail's gated / deeper variants, a LongSpec head, or (Video-LLM targets) a Sparrow head trained on
     the target's answers about --videos; checkpoints, resume, held-out evaluation."""
     from sparrow.training.data import CorpusSpec, default_roots
-    from sparrow.training.trainer import TrainSettings, read_state
+    from sparrow.training.orchestrator import check_out
+    from sparrow.training.trainer import STATE, TrainSettings, read_state
 
     started = time.monotonic()
     deadline = None if time_budget is None else started + time_budget
@@ -272,7 +274,7 @@ def head(
             raise UserError(f"--out is needed for --target {target!r}: only presets have a default head directory")
     state = read_state(out, lambda message: err.print(f"sparrow: {message}", markup=False, highlight=False,
                                                       soft_wrap=True))
-    begun = _started_run(out) if resume and state is None else None  # killed before its first checkpoint
+    begun = started_run(out) if resume and state is None else None  # killed before its first checkpoint
     stored_arch = _arch_of(state) if resume and state is not None else begun["arch"] if begun else None
     _check_variant(arch or stored_arch or "eagle3", fusion, layers, draft_vocab, anchor_offset, intermediate_size)
     _check_data_options(arch or stored_arch or "eagle3", {
@@ -281,9 +283,8 @@ def head(
                                  ("top_k", top_k), ("features", features),
                                  ("videos", videos), ("frames", frames), ("text_window", text_window))
         if value is not None})
-    if not resume and state is not None:
-        raise UserError(f"--out {str(out)!r} already holds a training run: pass --resume to continue it, or choose "
-                        "another directory")
+    if not resume:
+        check_out(out, resume, out / STATE if state is not None else None)
     if (arch or stored_arch) == "sparrow":
         _sparrow(out, target, state, resume, steps, time_budget, started, dtype, device, progress, draft_vocab,
                  HeadVariant(fusion or "concat", layers or 1, intermediate_size=intermediate_size), videos, frames,
@@ -297,13 +298,13 @@ def head(
         variant = HeadVariant(**recipe["variant"])
         _check_resumed_variant(_started_variant(begun), arch, fusion, layers, anchor_offset, intermediate_size,
                                draft_vocab)
-        spec, settings = _recipe_run(recipe, steps)
+        spec, settings = recipe_run(recipe, steps)
         draft_vocab, steps_given = recipe["draft_vocab"], steps_given or recipe["steps_given"]
     elif resume:
         _check_resumed_variant(_checkpoint_variant(state), arch, fusion, layers, anchor_offset, intermediate_size)
-        spec, settings = _stored_run(out, state, steps)
+        spec, settings = stored_run(out, state, steps)
     if resume:
-        stored = json.loads((out / RUN).read_text()) if (out / RUN).is_file() else {}
+        stored = read_record(out)
         target = target or stored.get("target")
         top_k = top_k or stored.get("top_k")
         features = features or (Path(stored["features"]) if stored.get("features") else None)
@@ -321,9 +322,9 @@ def head(
         settings = TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,
                                  checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed,
                                  anchor_offset=anchor_offset or 0)
-    run = _Run(out, target or DEFAULT_TARGET, spec, settings, state, stored_arch or arch or "eagle3", draft_vocab,
-               top_k or DEFAULT_TOP_K, features or out / "features", deadline, progress, steps_given=steps_given,
-               variant=variant, distill_batch=distill_batch)
+    run = HeadRun(out, target or DEFAULT_TARGET, spec, settings, state, stored_arch or arch or "eagle3", draft_vocab,
+                  top_k or DEFAULT_TOP_K, features or out / "features", deadline, TerminalConsole(progress),
+                  steps_given=steps_given, variant=variant, distill_batch=distill_batch)
     run.go(dtype.value, device)
 
 
@@ -468,10 +469,10 @@ def _text_only_target(target: str) -> str | None:
 
 def _check_video_target(target: str | None) -> None:
     if target is None:
-        raise _video_target_error(DEFAULT_TARGET, "the default, a text-only preset (give --target)")
+        raise video_target_error(DEFAULT_TARGET, "the default, a text-only preset (give --target)")
     why = _text_only_target(target)
     if why is not None:
-        raise _video_target_error(target, why)
+        raise video_target_error(target, why)
 
 
 def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume: bool, steps: int | None,
@@ -480,7 +481,7 @@ def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume
              text_window: int | None, held_out_percent: int, distill_tokens: int, lr: float, batch_size: int,
              ttt_steps: int, checkpoint_every: int, eval_every: int, seed: int, arch: str | None,
              fusion: str | None, layers: int | None) -> None:
-    """`sparrow train head --arch sparrow`: checks before any model loads, then a _SparrowRun."""
+    """`sparrow train head --arch sparrow`: checks before any model loads, then a VideoHeadRun."""
     from dataclasses import replace
 
     from sparrow.training.trainer import TrainSettings
@@ -498,7 +499,7 @@ def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume
         if spec is None:
             raise UserError(f"--resume: {str(out)!r} has a Sparrow checkpoint but no video_corpus.json; it was not "
                             "made by `sparrow train head --arch sparrow`")
-        stored = json.loads((out / RUN).read_text()) if (out / RUN).is_file() else {}
+        stored = read_record(out)
         target = target or stored.get("target")
         if dtype == DType.auto and stored.get("dtype"):
             dtype = DType(stored["dtype"])
@@ -513,8 +514,8 @@ def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume
                                  checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed)
     _check_video_target(target)
     deadline = None if time_budget is None else started + time_budget
-    run = _SparrowRun(out, target, spec, settings, state, "sparrow", draft_vocab, DEFAULT_TOP_K, out / "features",
-                      deadline, progress, steps_given=steps is not None, variant=variant)
+    run = VideoHeadRun(out, target, spec, settings, state, "sparrow", draft_vocab, DEFAULT_TOP_K, out / "features",
+                       deadline, TerminalConsole(progress), steps_given=steps is not None, variant=variant)
     run.text_window = text_window or DEFAULT_TEXT_WINDOW
     run.go(dtype.value, device)
 

@@ -1,6 +1,6 @@
 """One orchestrator for training a head, that `sparrow train head` (sparrow.training.trainer, on cached features) and
 the GPU recipe (sparrow.training.recipe, on online features) both call: the step loop with its learning-rate
-schedule, its stops (steps, time budget, SIGTERM / SIGINT, optionally an error), its checkpoints (every N steps or
+schedule, its stops (steps, time budget; optionally SIGTERM / SIGINT and an error), its checkpoints (every N steps or
 every S seconds, and always at the end), the final held-out evaluation, and what a run directory holds around it:
 the refusals of `--resume` and of an `--out` that holds a run, JSON-lines logs, eval.json and the quantized export.
 
@@ -45,6 +45,7 @@ class Schedule:
     cosine: bool = False  # after the warmup, a cosine decay of the learning rate over the time up to `until`
     steps_reached: str = "done"  # what `stopped` says when `steps` are done
     finish_on_error: bool = False  # an exception in a step ends training ("error"); the end still runs
+    stop_on_signals: bool = False  # SIGTERM / SIGINT end training ("signal N"); the end still runs
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,13 @@ def lr_scale(step: int, warmup: int, fraction: float) -> float:
 
 
 def train(steps: Steps, schedule: Schedule, start_step: int = 0) -> Outcome:
-    """Step from `start_step` until the schedule stops, checkpointing as it says; at the end (also after SIGTERM,
-    SIGINT or, with `finish_on_error`, an exception) the held-out evaluation and a last checkpoint."""
+    """Step from `start_step` until the schedule stops, checkpointing as it says; at the end (also, as the schedule
+    says, after SIGTERM, SIGINT or an exception) the held-out evaluation and a last checkpoint."""
     start = last = time.monotonic()
     step, stopped, error, saved = start_step, schedule.steps_reached, None, None
     signalled: list[int] = []
     try:
-        with stop_on_signals(signalled):
+        with stop_on_signals(signalled) if schedule.stop_on_signals else contextlib.nullcontext():
             while True:
                 if signalled:
                     stopped = f"signal {signalled[0]}"

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -57,6 +56,7 @@ from sparrow.heads.factory import new_head
 from sparrow.heads.layout import exported_tensors, load_head, save_head, shipped_head_dir
 from sparrow.heads.quantized import check_size
 from sparrow.models.presets import PRESETS, _part_paths, get_preset, not_installed_error
+from sparrow.paths import atomic_dir
 from sparrow.training import orchestrator
 from sparrow.training.answers import Answers, read_answers, tokenizer_fingerprint, write_answers
 from sparrow.training.batched import batched_ttt_loss
@@ -91,29 +91,14 @@ PAD_MULTIPLE = 64
 # --- checkpoints and exports -----------------------------------------------------------------------------------
 
 
-def _swap_in(fresh: Path, directory: Path) -> None:
-    """Replace `directory` by `fresh` (the old one whole until the new one is in place)."""
-    old = directory.with_name(directory.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if directory.exists():
-        os.replace(directory, old)
-    os.replace(fresh, directory)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def write_checkpoint(out: Path, head: Any, optimiser: torch.optim.Optimizer, generator: torch.Generator,
                      progress: dict[str, Any], settings: RecipeSettings) -> dict[str, Any]:
     """OUT/checkpoint (dense head + recipe_state.pt) and OUT/int4, each swapped in whole."""
-    fresh = out / "checkpoint.tmp"
-    if fresh.exists():
-        shutil.rmtree(fresh)
-    save_head(head, fresh)
-    state = {"progress": progress, "optimiser": optimiser.state_dict(), "generator": generator.get_state(),
-             "head_config": asdict(head.config), "settings": asdict(settings)}
-    torch.save(state, fresh / STATE)
-    _swap_in(fresh, out / "checkpoint")
+    with atomic_dir(out / "checkpoint") as fresh:
+        save_head(head, fresh)
+        state = {"progress": progress, "optimiser": optimiser.state_dict(), "generator": generator.get_state(),
+                 "head_config": asdict(head.config), "settings": asdict(settings)}
+        torch.save(state, fresh / STATE)
     return export(head, out / EXPORT, EXPORT_BITS)
 
 
@@ -307,7 +292,7 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
         steps.order.set_state(state["generator"])
     schedule = Schedule(settings.lr, settings.warmup, steps=settings.max_steps, until=deadline - reserve,
                         checkpoint_seconds=settings.checkpoint_every, cosine=True, steps_reached="max steps",
-                        finish_on_error=True)
+                        finish_on_error=True, stop_on_signals=True)
     outcome = orchestrator.train(steps, schedule, progress["step"])
     evaluation = None if outcome.evaluation is None else outcome.evaluation.record()
     report = {

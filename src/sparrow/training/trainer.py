@@ -145,10 +145,10 @@ def run_training(head: EagleHead | LongSpecHead, train: Sequence[Any], held_out:
                  deadline: float | None = None, on_step: Callable[[dict[str, Any]], None] | None = None,
                  model: nn.Module | None = None) -> Outcome:
     """Train `head` (in place) to settings.steps steps, from `state` (a checkpoint's `read_state`) or from step 0,
-    with sparrow.training.orchestrator: it stops early, with a checkpoint, once time.monotonic() passes `deadline`
-    or on SIGTERM / SIGINT. `on_step(row)` sees each log row. EAGLE heads train on `Features`, a Sparrow head on
-    `sparrow_head.VideoFeatures`; a LongSpec head on token sequences ([n] ids) with its target `model` (it reads the
-    target's KV at anchor-offset positions drawn each step, so no feature cache applies)."""
+    with sparrow.training.orchestrator: it stops early, with a checkpoint, once time.monotonic() passes `deadline`.
+    `on_step(row)` sees each log row. EAGLE heads train on `Features`, a Sparrow head on `sparrow_head.VideoFeatures`;
+    a LongSpec head on token sequences ([n] ids) with its target `model` (it reads the target's KV at anchor-offset
+    positions drawn each step, so no feature cache applies)."""
     if not train:
         raise UserError("no training sequences: give more --data or --tokens")
     steps = _CachedSteps(head, train, held_out, settings, directory, state, on_step, model)
