@@ -72,23 +72,16 @@ def head(
     ] = None,
     target: Annotated[
         Optional[str],
-        typer.Option(
-            help="Target model: preset, local dir or hub id (default "
-            f"{DEFAULT_TARGET}; --arch sparrow: a Qwen2.5-VL or LLaVA-OneVision "
-            "directory or hub id; with --resume, the run's)."
-        ),
+        typer.Option(help=f"Target model: preset, local dir or hub id (default {DEFAULT_TARGET}; --arch sparrow: a "
+                     "Qwen2.5-VL or LLaVA-OneVision directory or hub id; with --resume, the run's)."),
     ] = None,
     arch: Annotated[
         Optional[str],
-        typer.Option(
-            help="eagle3 (three fused target layers, own reduced LM head), eagle1 "
-            "(last layer, the target's LM head), longspec (sliding-window "
-            "self-attention + cross-attention over the target's KV cache; trains "
-            "at anchor-offset positions) or sparrow (Video-LLM targets, Qwen2.5-VL "
-            "/ LLaVA-OneVision: an EAGLE-3 head with no visual KV and a text "
-            "window, trained on the target's answers about --videos). Default "
-            "eagle3; with --resume, the run's."
-        ),
+        typer.Option(help="eagle3 (three fused target layers, own reduced LM head), eagle1 (last layer, the target's "
+                     "LM head), longspec (sliding-window self-attention + cross-attention over the target's KV cache; "
+                     "trains at anchor-offset positions) or sparrow (Video-LLM targets, Qwen2.5-VL / LLaVA-OneVision: "
+                     "an EAGLE-3 head with no visual KV and a text window, trained on the target's answers about "
+                     "--videos). Default eagle3; with --resume, the run's."),
     ] = None,
     fusion: Annotated[
         Optional[str],
@@ -106,29 +99,19 @@ def head(
     ] = None,
     intermediate_size: Annotated[
         Optional[int],
-        typer.Option(
-            help="MLP width of an eagle3/eagle1/sparrow head's "
-            "decoder layer (default: the target's, as SpecForge's "
-            "heads; smaller heads draft cheaper on a CPU)."
-        ),
+        typer.Option(help="MLP width of an eagle3/eagle1/sparrow head's decoder layer (default: the target's, as "
+                     "SpecForge's heads; smaller heads draft cheaper on a CPU)."),
     ] = None,
     anchor_offset: Annotated[
         Optional[int],
-        typer.Option(
-            help="longspec: shift training positions (after 0-4 sink "
-            "tokens) by a random offset up to N, so short text trains "
-            "long-context positions (LongSpec's anchor-offset indices; "
-            f"default min({DEFAULT_ANCHOR_OFFSET}, the target's max "
-            "positions - the longest training sequence))."
-        ),
+        typer.Option(help="longspec: shift training positions (after 0-4 sink tokens) by a random offset up to N, so "
+                     "short text trains long-context positions (LongSpec's anchor-offset indices; default "
+                     f"min({DEFAULT_ANCHOR_OFFSET}, the target's max positions - the longest training sequence))."),
     ] = None,
     draft_vocab: Annotated[
         Optional[int],
-        typer.Option(
-            help="eagle3, sparrow: the N most frequent target tokens of "
-            f"the training data (FR-Spec; default {DEFAULT_DRAFT_VOCAB}, at "
-            "most the vocabulary)."
-        ),
+        typer.Option(help="eagle3, sparrow: the N most frequent target tokens of the training data (FR-Spec; "
+                     f"default {DEFAULT_DRAFT_VOCAB}, at most the vocabulary)."),
     ] = None,
     videos: Annotated[
         Optional[list[Path]],
@@ -178,25 +161,18 @@ def head(
     ] = None,
     distill: Annotated[
         Optional[int],
-        typer.Option(
-            help="Self-distilled sequences: the target's greedy answers to "
-            "prompts built from training files (held out: a tenth; default "
-            f"{DEFAULT_DISTILL})."
-        ),
+        typer.Option(help="Self-distilled sequences: the target's greedy answers to prompts built from training files "
+                     f"(held out: a tenth; default {DEFAULT_DISTILL})."),
     ] = None,
     distill_tokens: Annotated[
         int, typer.Option(help="New tokens per self-distilled answer (sparrow: per answer about a video).")
     ] = 128,
     distill_batch: Annotated[
         Optional[int],
-        typer.Option(
-            help="Self-distilled answers generated together "
-            "(transformers' batched greedy generate over left-padded "
-            "prompts); default 32 on a GPU, 16 on a CPU "
-            "(qwen2.5-coder-1.5b, bf16, AMD EPYC, 2 threads: 40 tokens/s "
-            "at 16 against 4 one at a time); 1 = sparrow's plain "
-            "decoding, one answer at a time."
-        ),
+        typer.Option(help="Self-distilled answers generated together (transformers' batched greedy generate over "
+                     "left-padded prompts); default 32 on a GPU, 16 on a CPU (qwen2.5-coder-1.5b, bf16, AMD EPYC, 2 "
+                     "threads: 40 tokens/s at 16 against 4 one at a time); 1 = sparrow's plain decoding, one answer "
+                     "at a time."),
     ] = None,
     steps: Annotated[
         Optional[int],
@@ -229,11 +205,8 @@ def head(
     ] = 0,
     features: Annotated[
         Optional[Path],
-        typer.Option(
-            help="Feature cache directory (default OUT/features, or the "
-            "resumed run's; share one between runs of the same target and "
-            "layers)."
-        ),
+        typer.Option(help="Feature cache directory (default OUT/features, or the resumed run's; share one between "
+                     "runs of the same target and layers)."),
     ] = None,
     resume: Annotated[
         bool,
@@ -285,6 +258,10 @@ def head(
         if value is not None})
     if not resume:
         check_out(out, resume, out / STATE if state is not None else None)
+    stored = read_record(out) if resume else {}  # the run's target, dtype, top-k and feature cache
+    target = target or stored.get("target")
+    if dtype == DType.auto and stored.get("dtype"):
+        dtype = DType(stored["dtype"])
     if (arch or stored_arch) == "sparrow":
         _sparrow(out, target, state, resume, steps, time_budget, started, dtype, device, progress, draft_vocab,
                  HeadVariant(fusion or "concat", layers or 1, intermediate_size=intermediate_size), videos, frames,
@@ -304,12 +281,8 @@ def head(
         _check_resumed_variant(_checkpoint_variant(state), arch, fusion, layers, anchor_offset, intermediate_size)
         spec, settings = stored_run(out, state, steps)
     if resume:
-        stored = read_record(out)
-        target = target or stored.get("target")
         top_k = top_k or stored.get("top_k")
         features = features or (Path(stored["features"]) if stored.get("features") else None)
-        if dtype == DType.auto and stored.get("dtype"):
-            dtype = DType(stored["dtype"])
     else:
         tokens = DEFAULT_TOKENS if tokens is None else tokens
         seq_len = DEFAULT_SEQ_LEN if seq_len is None else seq_len
@@ -499,10 +472,6 @@ def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume
         if spec is None:
             raise UserError(f"--resume: {str(out)!r} has a Sparrow checkpoint but no video_corpus.json; it was not "
                             "made by `sparrow train head --arch sparrow`")
-        stored = read_record(out)
-        target = target or stored.get("target")
-        if dtype == DType.auto and stored.get("dtype"):
-            dtype = DType(stored["dtype"])
         settings = TrainSettings(**state["settings"])
         settings = replace(settings, steps=steps) if steps is not None else settings
     else:

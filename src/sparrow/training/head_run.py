@@ -83,17 +83,22 @@ class HeadRun:
         (self.out / RUN).write_text(json.dumps({"target": self.target_name, "dtype": dtype, "arch": self.arch,
                                                 **fields}) + "\n")
 
+    def load(self, dtype: str, device: str | None) -> Any:
+        """The target (a LoadedModel), OUT made."""
+        from sparrow.models import load_model
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        loaded = load_model(self.target_name, dtype=dtype, device=device, progress=self.console.progress)
+        self.model = loaded.model
+        return loaded
+
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
     def go(self, dtype: str, device: str | None) -> None:
         from dataclasses import replace
 
-        from sparrow.models import load_model
-
-        self.out.mkdir(parents=True, exist_ok=True)
-        loaded = load_model(self.target_name, dtype=dtype, device=device, progress=self.console.progress)
-        self.model = loaded.model
+        loaded = self.load(dtype, device)
         if self.state is None:  # what `--resume` needs before the first checkpoint
             recipe = {"spec": asdict(self.spec), "settings": asdict(self.settings), "steps_given": self.steps_given,
                       "variant": asdict(self.variant), "draft_vocab": self.draft_vocab}
@@ -136,27 +141,22 @@ class HeadRun:
         return corpus
 
     def head(self, loaded: Any, corpus: Any) -> Any:
-        import torch
-
-        from sparrow.heads.factory import new_head
-
-        model = loaded.model
-        device = next(model.parameters()).device
         if self.state is not None:
-            return self.resumed(model, device)
+            return self.resumed(loaded.model)
         ids = self.draft_vocabulary(loaded, corpus.train) if self.arch == "eagle3" else None
-        generator = torch.Generator(device=device).manual_seed(self.settings.seed)
-        shape = {} if self.arch == "longspec" else self.variant.shape()
-        head = new_head(model, self.arch, generator, draft_vocab=ids, **shape).float()
-        init_from_target(head, model)
-        return head
+        return self.fresh(loaded.model, ids, **({} if self.arch == "longspec" else self.variant.shape()))
 
-    def resumed(self, model: Any, device: Any) -> Any:
+    def fresh(self, model: Any, ids: Any, **shape: Any) -> Any:
+        from sparrow.training.heads import fresh_head
+
+        return fresh_head(model, self.arch, self.settings.seed, ids, **shape)
+
+    def resumed(self, model: Any) -> Any:
         from sparrow.training.trainer import resumed_head
 
         assert self.state is not None
         self.say(f"resuming from step {self.state['step']} in {self.out}")
-        return resumed_head(self.out, self.state, model, device)
+        return resumed_head(self.out, self.state, model, next(model.parameters()).device)
 
     def draft_vocabulary(self, loaded: Any, sequences: Any) -> Any:
         """FR-Spec: the target ids of the draft vocabulary, the --draft-vocab (default DEFAULT_DRAFT_VOCAB, at most
@@ -217,25 +217,17 @@ class HeadRun:
         return outcome
 
     def finish(self, loaded: Any, head: Any, held_out: Any, outcome: Any, corpus: Any) -> None:
-        from sparrow.training.trainer import LOG, read_log
-
         c = head.config
-        rows = read_log(self.out / LOG)
         shape: dict[str, Any] = (
             {"window": c.window, "kv_layer": c.kv_layer, "anchor_offset": self.settings.anchor_offset}
             if c.arch == "longspec" else
             {"draft_vocab_size": c.draft_vocab_size, "target_layers": list(c.target_layers), "fusion": c.fusion,
              "layers": c.num_layers})
-        report = {
-            "target": self.target_name, "arch": c.arch, **shape, "steps": outcome.step, "stopped": outcome.stopped,
-            "train_sequences": len(corpus.train), "train_corpus_tokens": corpus.train_tokens,
-            "tokens_seen": sum(r["tokens"] for r in rows), "held_out_sequences": len(held_out),
-            **self.timings,
-        }
+        fields = {**shape, "train_sequences": len(corpus.train), "train_corpus_tokens": corpus.train_tokens}
         if c.arch in ("eagle3", "eagle1"):
-            report["int8"] = self.export_int8(head)
-        self._publish(report, rows, f"{head.config.arch} head for {self.target_name}", outcome,
-                      f"--drafter eagle --head {self.out}", f"{len(held_out)} sequences")
+            fields["int8"] = self.export_int8(head)
+        self._publish(fields, outcome, len(held_out), f"--drafter eagle --head {self.out}",
+                      f"{len(held_out)} sequences")
 
     def export_int8(self, head: Any) -> dict[str, Any]:
         """OUT/int8: the head's int8 export beside the dense one (replaced at each finish); its size, or why not."""
@@ -250,18 +242,23 @@ class HeadRun:
                  f"use: --drafter eagle --head {written['dir']})")
         return written
 
-    def _publish(self, report: dict[str, Any], rows: list[dict], title: str, outcome: Any, use: str,
-                 held_out: str) -> None:
-        """eval.json (with the held-out evaluation) and the plot written; where the head is and how it did on the
-        held-out set said; the report printed as one JSON line."""
+    def _publish(self, fields: dict[str, Any], outcome: Any, held_out_count: int, use: str, held_out: str) -> None:
+        """eval.json (the arch's `fields`, where training stopped, the held-out evaluation) and the plot written;
+        where the head is and how it did on the held-out set said; the report printed as one JSON line."""
         from sparrow.training.orchestrator import write_report
         from sparrow.training.plot import plot_training
+        from sparrow.training.trainer import LOG, read_log
 
+        rows = read_log(self.out / LOG)
+        report = {"target": self.target_name, "arch": self.arch, **fields, "steps": outcome.step,
+                  "stopped": outcome.stopped, "tokens_seen": sum(r["tokens"] for r in rows),
+                  "held_out_sequences": held_out_count, "first_loss": rows[0]["loss"] if rows else None,
+                  "last_loss": rows[-1]["loss"] if rows else None, **self.timings}
         evaluation = outcome.evaluation
-        report = {**report, "held_out": None if evaluation is None else evaluation.record()}
+        report["held_out"] = None if evaluation is None else evaluation.record()
         write_report(self.out, report)
         if rows:
-            plot_training(rows, self.out / "training.png", title)
+            plot_training(rows, self.out / "training.png", f"{self.arch} head for {self.target_name}")
         stop = "" if outcome.stopped == "done" else f" (stopped: {outcome.stopped}; --resume continues)"
         self.say(f"step {outcome.step}/{self.settings.steps}{stop}; head saved to {self.out} (use: {use})")
         if evaluation is not None:
@@ -283,16 +280,13 @@ class VideoHeadRun(HeadRun):
     def go(self, dtype: str, device: str | None) -> None:
         from dataclasses import replace
 
-        from sparrow.models import load_model
         from sparrow.training.video_data import load_answers, read_videos, sample_features, self_distilled_answers
 
         spec = self.spec
-        self.out.mkdir(parents=True, exist_ok=True)
         videos = read_videos(spec)  # unreadable videos fail before the model loads
-        loaded = load_model(self.target_name, dtype=dtype, device=device, progress=self.console.progress)
+        loaded = self.load(dtype, device)
         if not loaded.is_vlm:
             raise video_target_error(self.target_name, "a text-only model (no processor for videos)")
-        self.model = loaded.model
         if self.state is None:
             self.record(loaded, top_k=None, features=None)
         kept = len(load_answers(spec, self.out, self.target_name))
@@ -330,49 +324,26 @@ class VideoHeadRun(HeadRun):
     def sparrow_head(self, loaded: Any, samples: Any) -> Any:
         import torch
 
-        from sparrow.heads.factory import new_head
-
-        model = loaded.model
-        device = next(model.parameters()).device
         if self.state is not None:
-            return self.resumed(model, device)
+            return self.resumed(loaded.model)
         texts = [torch.tensor(s.answer, dtype=torch.long) for s in samples]
         texts += [torch.tensor(loaded.tokenizer(q)["input_ids"], dtype=torch.long) for q in self.spec.questions]
         ids = self.draft_vocabulary(loaded, [t for t in texts if t.numel()])
-        generator = torch.Generator(device=device).manual_seed(self.settings.seed)
-        head = new_head(model, "sparrow", generator, draft_vocab=ids, text_window=self.text_window,
-                        **self.variant.shape()).float()
-        init_from_target(head, model)
-        return head
+        return self.fresh(loaded.model, ids, text_window=self.text_window, **self.variant.shape())
 
     def finish_sparrow(self, head: Any, train: Any, held_out: Any, outcome: Any, samples: Any) -> None:
         from sparrow.heads.sparrow_head import spec_of
-        from sparrow.training.trainer import LOG, read_log
 
         c, sparrow = head.config, spec_of(head)
-        rows = read_log(self.out / LOG)
-        report = {
-            "target": self.target_name, "arch": "sparrow", "draft_vocab_size": c.draft_vocab_size,
-            "target_layers": list(c.target_layers), "fusion": c.fusion, "layers": c.num_layers,
-            "text_window": sparrow.text_window, "bridge_layer": sparrow.bridge_layer,
-            "steps": outcome.step, "stopped": outcome.stopped, "videos": list(self.spec.videos),
-            "frames": self.spec.frames, "questions": list(self.spec.questions),
+        fields = {
+            "draft_vocab_size": c.draft_vocab_size, "target_layers": list(c.target_layers), "fusion": c.fusion,
+            "layers": c.num_layers, "text_window": sparrow.text_window, "bridge_layer": sparrow.bridge_layer,
+            "videos": list(self.spec.videos), "frames": self.spec.frames, "questions": list(self.spec.questions),
             "train_sequences": len(train), "train_positions": sum(f.tokens.numel() for f in train),
-            "held_out_sequences": len(held_out),
             "held_out_pairs": [{"video": s.video, "question": s.question} for s in samples if s.held_out],
-            "tokens_seen": sum(r["tokens"] for r in rows),
-            "first_loss": rows[0]["loss"] if rows else None, "last_loss": rows[-1]["loss"] if rows else None,
-            **self.timings,
         }
-        self._publish(report, rows, f"sparrow head for {self.target_name}", outcome,
-                      f"--drafter eagle --head {self.out} with a --video", f"{len(held_out)} (video, question) pairs")
-
-
-def init_from_target(head: Any, model: Any) -> None:
-    """`sparrow.training.heads.init_from_target` (imported when used: the CLI starts without torch)."""
-    from sparrow.training.heads import init_from_target as start_from_target
-
-    start_from_target(head, model)
+        self._publish(fields, outcome, len(held_out), f"--drafter eagle --head {self.out} with a --video",
+                      f"{len(held_out)} (video, question) pairs")
 
 
 def default_anchor_offset(model: Any, corpus: Any) -> int:
@@ -411,19 +382,11 @@ def recipe_run(recipe: dict[str, Any], steps: int | None) -> tuple[Any, Any]:
 
 def stored_run(out: Path, state: dict[str, Any], steps: int | None) -> tuple[Any, Any]:
     """The corpus spec and settings of the run in `out` (--steps, when given, replaces its step count)."""
-    from dataclasses import replace
-
-    from sparrow.training.data import CorpusSpec
-    from sparrow.training.trainer import TrainSettings
-
     meta = out / "corpus.json"
     if not meta.is_file():
         raise UserError(f"--resume: {str(out)!r} has a checkpoint but no corpus.json; it was not made by "
                         "`sparrow train head`")
-    fields = json.loads(meta.read_text())["spec"]
-    fields["roots"] = tuple(fields["roots"])
-    settings = TrainSettings(**state["settings"])
-    return CorpusSpec(**fields), replace(settings, steps=steps) if steps is not None else settings
+    return recipe_run({"spec": json.loads(meta.read_text())["spec"], "settings": state["settings"]}, steps)
 
 
 def video_target_error(target: str, why: str) -> UserError:

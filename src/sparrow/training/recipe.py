@@ -52,7 +52,6 @@ import torch
 from torch import Tensor, nn
 
 from sparrow.errors import UserError
-from sparrow.heads.factory import new_head
 from sparrow.heads.layout import exported_tensors, load_head, save_head, shipped_head_dir
 from sparrow.heads.quantized import check_size
 from sparrow.models.presets import PRESETS, _part_paths, get_preset, not_installed_error
@@ -61,7 +60,7 @@ from sparrow.training import orchestrator
 from sparrow.training.answers import Answers, read_answers, tokenizer_fingerprint, write_answers
 from sparrow.training.batched import batched_ttt_loss
 from sparrow.training.chunks import CHUNK_BYTES, SUMS, chunk_bytes_beside, split_file, tree_bytes
-from sparrow.training.heads import frequent_tokens, init_from_target
+from sparrow.training.heads import frequent_tokens, fresh_head
 from sparrow.training.loop import Evaluation, new_optimiser
 from sparrow.training.orchestrator import Schedule, append_row, check_out, export, write_report
 from sparrow.training.recipe_data import (
@@ -107,7 +106,7 @@ def write_checkpoint(out: Path, head: Any, optimiser: torch.optim.Optimizer, gen
 
 @dataclass
 class _Meter:
-    """Training figures since the last metrics row."""
+    """Training figures since the last metrics row (or of an evaluation's batches)."""
 
     loss: float = 0.0
     steps: int = 0
@@ -145,9 +144,7 @@ def evaluate(head: Any, model: nn.Module, sequences: Sequence[Tensor], settings:
     """Held-out top-1 agreement per draft depth (target-fed context, as in training) and the mean loss."""
     head.eval()
     chosen = list(sequences[: settings.eval_sequences])
-    agreed: list[int] = []
-    rows: list[int] = []
-    losses = []
+    meter = _Meter()
     for start in range(0, len(chosen), settings.batch_size):
         tokens, lengths = padded([s for s in chosen[start : start + settings.batch_size] if s.numel() >= 2],
                                  settings.seq_len * 2)
@@ -156,11 +153,9 @@ def evaluate(head: Any, model: nn.Module, sequences: Sequence[Tensor], settings:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             batch = batched_ttt_loss(head, tokens, lengths, features, ids, logprobs, settings.ttt_steps,
                                      settings.decay)
-        losses.append(float(batch.loss))
-        agreed = [a + b for a, b in zip(agreed, batch.agreed)] if agreed else list(batch.agreed)
-        rows = [a + b for a, b in zip(rows, batch.rows)] if rows else list(batch.rows)
-    agreement = tuple(a / max(r, 1) for a, r in zip(agreed, rows))
-    return Evaluation(sum(losses) / max(len(losses), 1), agreement, len(chosen))
+        meter.add(float(batch.loss), batch, 0.0, 0.0)
+    row = meter.row()
+    return Evaluation(row["loss"], tuple(row["agreement"]), len(chosen))
 
 
 class _OnlineSteps:
@@ -280,9 +275,7 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
             vocab = model.get_output_embeddings().weight.shape[0]
             ids = frequent_tokens(train, min(settings.draft_vocab, vocab), vocab, always=[i for i in eos if i < vocab])
             shape = {} if settings.intermediate_size is None else {"intermediate_size": settings.intermediate_size}
-            generator = torch.Generator(device=device).manual_seed(settings.seed)
-            head = new_head(model, "eagle3", generator, draft_vocab=ids, **shape).float()
-            init_from_target(head, model)
+            head = fresh_head(model, "eagle3", settings.seed, ids, **shape)
         progress = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0}
     # refused before any training, not at its end (a trained LM head is exported with the head)
     check_size(dict(head.state_dict()) if settings.train_lm_head else exported_tensors(head)[1], EXPORT_BITS)

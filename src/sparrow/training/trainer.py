@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -35,11 +35,8 @@ from sparrow.training import orchestrator
 from sparrow.training.heads import evaluate_head, train_step
 from sparrow.training.longspec import evaluate_longspec, longspec_step
 from sparrow.training.loop import Evaluation, StepResult, draw_batch, new_optimiser
-from sparrow.training.orchestrator import Outcome, Schedule
+from sparrow.training.orchestrator import Outcome, Schedule, append_row
 from sparrow.training.sparrow_head import evaluate_sparrow, sparrow_step
-
-if TYPE_CHECKING:
-    from sparrow.heads.longspec import LongSpecHead
 
 STATE = "trainer_state.pt"
 PREVIOUS = "trainer_state.prev.pt"  # the checkpoint before the last one
@@ -177,7 +174,7 @@ class _CachedSteps:
             self.optimiser.load_state_dict(state["optimiser"])
             self.generator.set_state(state["generator"])
             self.start = int(state["step"])
-        self.log = _LogFile(directory / LOG, keep_through=self.start)
+        _cut_log(directory / LOG, self.start)
         self.evaluated: tuple[int, Evaluation] | None = None
 
     def step(self, step: int) -> None:
@@ -191,7 +188,7 @@ class _CachedSteps:
             assert evaluation is not None
             row.update(held_out_loss=evaluation.loss, held_out_agreement=list(evaluation.agreement),
                        expected_accepted=evaluation.expected_accepted)
-        self.log.append(row)
+        append_row(self.directory / LOG, row)
         if self.on_step is not None:
             self.on_step(row)
 
@@ -229,18 +226,10 @@ def _trainer_of(head: EagleHead | LongSpecHead, settings: TrainSettings, model: 
             lambda held_out: evaluate_head(head, held_out, settings.ttt_steps))
 
 
-class _LogFile:
-    """train_log.jsonl, cut back to the rows of steps <= keep_through (those of the checkpoint resumed)."""
-
-    def __init__(self, path: Path, keep_through: int) -> None:
-        self.path = path
-        rows = read_log(path) if path.is_file() else []
-        kept = [r for r in rows if r.get("step", 0) <= keep_through]
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-
-    def append(self, row: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+def _cut_log(path: Path, keep_through: int) -> None:
+    """train_log.jsonl cut back to the rows of steps <= keep_through (those of the checkpoint resumed)."""
+    rows = read_log(path) if path.is_file() else []
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= keep_through))
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:
