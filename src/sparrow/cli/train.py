@@ -258,6 +258,9 @@ def head(
         if value is not None})
     if not resume:
         check_out(out, resume, out / STATE if state is not None else None)
+    fresh = None if resume else TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,
+                                              checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed,
+                                              anchor_offset=anchor_offset or 0)
     stored = read_record(out) if resume else {}  # the run's target, dtype, top-k and feature cache
     target = target or stored.get("target")
     if dtype == DType.auto and stored.get("dtype"):
@@ -265,8 +268,7 @@ def head(
     if (arch or stored_arch) == "sparrow":
         _sparrow(out, target, state, resume, steps, time_budget, started, dtype, device, progress, draft_vocab,
                  HeadVariant(fusion or "concat", layers or 1, intermediate_size=intermediate_size), videos, frames,
-                 text_window, held_out_percent, distill_tokens, lr, batch_size, ttt_steps, checkpoint_every,
-                 eval_every, seed, arch, fusion, layers)
+                 text_window, held_out_percent, distill_tokens, fresh, seed, arch, fusion, layers)
         return
     variant = HeadVariant(fusion or "concat", layers or 1, anchor_offset is not None, intermediate_size)
     steps_given = steps is not None
@@ -292,9 +294,7 @@ def head(
                           else max(tokens // 20, 2 * seq_len), sequence_length=seq_len, distill=distill,
                           held_out_percent=held_out_percent,
                           distill_tokens=distill_tokens, seed=seed)
-        settings = TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,
-                                 checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed,
-                                 anchor_offset=anchor_offset or 0)
+        settings = fresh
     run = HeadRun(out, target or DEFAULT_TARGET, spec, settings, state, stored_arch or arch or "eagle3", draft_vocab,
                   top_k or DEFAULT_TOP_K, features or out / "features", deadline, TerminalConsole(progress),
                   steps_given=steps_given, variant=variant, distill_batch=distill_batch)
@@ -451,10 +451,10 @@ def _check_video_target(target: str | None) -> None:
 def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume: bool, steps: int | None,
              time_budget: float | None, started: float, dtype: DType, device: str | None, progress: bool,
              draft_vocab: int | None, variant: HeadVariant, videos: list[Path] | None, frames: int | None,
-             text_window: int | None, held_out_percent: int, distill_tokens: int, lr: float, batch_size: int,
-             ttt_steps: int, checkpoint_every: int, eval_every: int, seed: int, arch: str | None,
-             fusion: str | None, layers: int | None) -> None:
-    """`sparrow train head --arch sparrow`: checks before any model loads, then a VideoHeadRun."""
+             text_window: int | None, held_out_percent: int, distill_tokens: int, fresh: Any, seed: int,
+             arch: str | None, fusion: str | None, layers: int | None) -> None:
+    """`sparrow train head --arch sparrow`: checks before any model loads, then a VideoHeadRun (`fresh`: a new
+    run's TrainSettings)."""
     from dataclasses import replace
 
     from sparrow.training.trainer import TrainSettings
@@ -479,8 +479,7 @@ def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume
         spec = VideoSpec(tuple(video_sources(videos)) if videos else tuple(str(p) for p in default_videos()),
                          frames=frames or DEFAULT_FRAMES, answer_tokens=distill_tokens,
                          held_out_percent=held_out_percent, seed=seed)
-        settings = TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,
-                                 checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed)
+        settings = fresh
     _check_video_target(target)
     deadline = None if time_budget is None else started + time_budget
     run = VideoHeadRun(out, target, spec, settings, state, "sparrow", draft_vocab, DEFAULT_TOP_K, out / "features",

@@ -44,8 +44,7 @@ class Schedule:
     checkpoint_seconds: float | None = None  # a checkpoint once this many seconds passed since the last one
     cosine: bool = False  # after the warmup, a cosine decay of the learning rate over the time up to `until`
     steps_reached: str = "done"  # what `stopped` says when `steps` are done
-    finish_on_error: bool = False  # an exception in a step ends training ("error"); the end still runs
-    stop_on_signals: bool = False  # SIGTERM / SIGINT end training ("signal N"); the end still runs
+    always_finish: bool = False  # SIGTERM, SIGINT ("signal N") or an exception ("error") end training, not the run
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,7 @@ class Steps(Protocol):
     """What differs between the trainers."""
 
     optimiser: torch.optim.Optimizer
+    order: torch.Generator  # the data order
 
     def step(self, step: int) -> None:
         """Optimiser step number `step` (0-based) on one batch (the learning rate already set)."""
@@ -80,14 +80,18 @@ def lr_scale(step: int, warmup: int, fraction: float) -> float:
     return min(1.0, (step + 1) / warmup) * max(0.1, 0.5 * (1 + math.cos(math.pi * min(max(fraction, 0.0), 1.0))))
 
 
-def train(steps: Steps, schedule: Schedule, start_step: int = 0) -> Outcome:
-    """Step from `start_step` until the schedule stops, checkpointing as it says; at the end (also, as the schedule
-    says, after SIGTERM, SIGINT or an exception) the held-out evaluation and a last checkpoint."""
+def train(steps: Steps, schedule: Schedule, state: dict[str, Any] | None = None, start_step: int = 0) -> Outcome:
+    """Step from `start_step` (resumed: the optimiser and data order of a checkpoint's `state`) until the schedule
+    stops, checkpointing as it says; at the end (with `always_finish` also after SIGTERM, SIGINT or an exception)
+    the held-out evaluation and a last checkpoint."""
+    if state is not None:
+        steps.optimiser.load_state_dict(state["optimiser"])
+        steps.order.set_state(state["generator"])
     start = last = time.monotonic()
     step, stopped, error, saved = start_step, schedule.steps_reached, None, None
     signalled: list[int] = []
     try:
-        with stop_on_signals(signalled) if schedule.stop_on_signals else contextlib.nullcontext():
+        with stop_on_signals(signalled) if schedule.always_finish else contextlib.nullcontext():
             while True:
                 if signalled:
                     stopped = f"signal {signalled[0]}"
@@ -111,7 +115,7 @@ def train(steps: Steps, schedule: Schedule, start_step: int = 0) -> Outcome:
                     steps.checkpoint(step)
                     saved, last = step, time.monotonic()
     except Exception as failure:
-        if not schedule.finish_on_error:
+        if not schedule.always_finish:
             raise
         stopped, error = "error", f"{type(failure).__name__}: {failure}"
         print(f"training stopped by {error}; exporting what there is", file=sys.stderr)

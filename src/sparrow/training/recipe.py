@@ -280,13 +280,10 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
     # refused before any training, not at its end (a trained LM head is exported with the head)
     check_size(dict(head.state_dict()) if settings.train_lm_head else exported_tensors(head)[1], EXPORT_BITS)
     steps = _OnlineSteps(head, model, train, held_out, settings, device, autocast, out, started, progress)
-    if state is not None:
-        steps.optimiser.load_state_dict(state["optimiser"])
-        steps.order.set_state(state["generator"])
     schedule = Schedule(settings.lr, settings.warmup, steps=settings.max_steps, until=deadline - reserve,
                         checkpoint_seconds=settings.checkpoint_every, cosine=True, steps_reached="max steps",
-                        finish_on_error=True, stop_on_signals=True)
-    outcome = orchestrator.train(steps, schedule, progress["step"])
+                        always_finish=True)
+    outcome = orchestrator.train(steps, schedule, state, progress["step"])
     evaluation = None if outcome.evaluation is None else outcome.evaluation.record()
     report = {
         "target": settings.target or settings.gguf_chunks, "device": _device_name(device),

@@ -151,7 +151,7 @@ def run_training(head: EagleHead | LongSpecHead, train: Sequence[Any], held_out:
     steps = _CachedSteps(head, train, held_out, settings, directory, state, on_step, model)
     schedule = Schedule(settings.lr, settings.warmup, steps=settings.steps, until=deadline,
                         checkpoint_steps=settings.checkpoint_every)
-    outcome = orchestrator.train(steps, schedule, steps.start)
+    outcome = orchestrator.train(steps, schedule, state, steps.start)
     head.eval().requires_grad_(False)
     return outcome
 
@@ -167,19 +167,15 @@ class _CachedSteps:
         self.on_step = on_step
         self.step_of, self.evaluate_on = _trainer_of(head, settings, model)
         directory.mkdir(parents=True, exist_ok=True)
-        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.order = torch.Generator().manual_seed(settings.seed)
         self.optimiser = new_optimiser(head, settings.lr)
-        self.start = 0
-        if state is not None:
-            self.optimiser.load_state_dict(state["optimiser"])
-            self.generator.set_state(state["generator"])
-            self.start = int(state["step"])
+        self.start = 0 if state is None else int(state["step"])
         _cut_log(directory / LOG, self.start)
         self.evaluated: tuple[int, Evaluation] | None = None
 
     def step(self, step: int) -> None:
-        batch = [self.train[i] for i in draw_batch(len(self.train), self.settings.batch_size, self.generator)]
-        result = self.step_of(self.optimiser, batch, self.generator)
+        batch = [self.train[i] for i in draw_batch(len(self.train), self.settings.batch_size, self.order)]
+        result = self.step_of(self.optimiser, batch, self.order)
         step += 1
         row: dict[str, Any] = {"step": step, "loss": result.loss, "agreement": result.agreement,
                                "tokens": result.tokens, "lr": self.optimiser.param_groups[0]["lr"]}
@@ -193,7 +189,7 @@ class _CachedSteps:
             self.on_step(row)
 
     def checkpoint(self, step: int) -> None:
-        save_checkpoint(self.directory, self.head, self.optimiser, self.generator, step, self.settings)
+        save_checkpoint(self.directory, self.head, self.optimiser, self.order, step, self.settings)
 
     def evaluate(self, step: int) -> Evaluation | None:
         if not self.held_out:
