@@ -92,7 +92,7 @@ PAD_MULTIPLE = 64
 
 def write_checkpoint(out: Path, head: Any, optimiser: torch.optim.Optimizer, generator: torch.Generator,
                      progress: dict[str, Any], settings: RecipeSettings) -> dict[str, Any]:
-    """OUT/checkpoint (dense head + recipe_state.pt) and OUT/int4, each swapped in whole."""
+    """OUT/checkpoint (dense head + recipe_state.pt) and OUT/int4, each swapped in whole; the export's record."""
     with atomic_dir(out / "checkpoint") as fresh:
         save_head(head, fresh)
         state = {"progress": progress, "optimiser": optimiser.state_dict(), "generator": generator.get_state(),
