@@ -64,11 +64,9 @@ train_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, ri
 def head(
     out: Annotated[
         Optional[Path],
-        typer.Option(
-            help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with --drafter eagle "
-                "--head OUT), checkpoints, features, log, plot. Default for a preset target: <sparrow "
-                "cache>/heads/<preset>, where --drafter eagle finds it without --head."
-        ),
+        typer.Option(help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with "
+                     "--drafter eagle --head OUT), checkpoints, features, log, plot. Default for a preset target: "
+                     "<sparrow cache>/heads/<preset>, where --drafter eagle finds it without --head."),
     ] = None,
     target: Annotated[
         Optional[str],
@@ -85,17 +83,14 @@ def head(
     ] = None,
     fusion: Annotated[
         Optional[str],
-        typer.Option(
-            help="How eagle3/eagle1/sparrow heads mix feature and token embedding: concat (EAGLE; vLLM/SGLang read it) "
-                "or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). Default concat."
-        ),
+        typer.Option(help="How eagle3/eagle1/sparrow heads mix feature and token embedding: concat (EAGLE; "
+                     "vLLM/SGLang read it) or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). "
+                     "Default concat."),
     ] = None,
     layers: Annotated[
         Optional[int],
-        typer.Option(
-            help="Decoder layers of an eagle3/eagle1/sparrow head (Dovetail: deeper heads; > 1 is sparrow-only: "
-                "layers.1.* tensors). Default 1."
-        ),
+        typer.Option(help="Decoder layers of an eagle3/eagle1/sparrow head (Dovetail: deeper heads; > 1 is "
+                     "sparrow-only: layers.1.* tensors). Default 1."),
     ] = None,
     intermediate_size: Annotated[
         Optional[int],
@@ -115,11 +110,9 @@ def head(
     ] = None,
     videos: Annotated[
         Optional[list[Path]],
-        typer.Option(
-            help="sparrow: a video file (any the video reader takes, e.g. .mp4/.avi), a directory of video files, or a "
-                "directory of frame images (repeatable; default: opencv-doc's sample videos under "
-                "/usr/share/doc/opencv-doc/examples/data)."
-        ),
+        typer.Option(help="sparrow: a video file (any the video reader takes, e.g. .mp4/.avi), a directory of video "
+                     "files, or a directory of frame images (repeatable; default: opencv-doc's sample videos under "
+                     "/usr/share/doc/opencv-doc/examples/data)."),
     ] = None,
     frames: Annotated[
         Optional[int],
@@ -127,23 +120,18 @@ def head(
     ] = None,
     text_window: Annotated[
         Optional[int],
-        typer.Option(
-            help="sparrow: text rows each head row attends to (Sparrow's text-anchored window; default "
-                f"{DEFAULT_TEXT_WINDOW})."
-        ),
+        typer.Option(help=f"sparrow: text rows each head row attends to (Sparrow's text-anchored window; default "
+                     f"{DEFAULT_TEXT_WINDOW})."),
     ] = None,
     data: Annotated[
         Optional[list[Path]],
-        typer.Option(
-            help="Directory or file of .py/.md/.rst text (repeatable; default: the standard library and installed "
-                "packages)."
-        ),
+        typer.Option(help="Directory or file of .py/.md/.rst text (repeatable; default: the standard library and "
+                     "installed packages)."),
     ] = None,
     tokens: Annotated[
         Optional[int],
-        typer.Option(
-            help=f"Training tokens taken from files (self-distilled answers come on top; default {DEFAULT_TOKENS})."
-        ),
+        typer.Option(help=f"Training tokens taken from files (self-distilled answers come on top; default "
+                     f"{DEFAULT_TOKENS})."),
     ] = None,
     held_out_tokens: Annotated[
         Optional[int],
@@ -151,10 +139,8 @@ def head(
     ] = None,
     held_out_percent: Annotated[
         int,
-        typer.Option(
-            help="Share of files (by a hash of their path) held out for evaluation; sparrow: of the (video, question) "
-                "pairs (at least one)."
-        ),
+        typer.Option(help="Share of files (by a hash of their path) held out for evaluation; sparrow: of the (video, "
+                     "question) pairs (at least one)."),
     ] = 5,
     seq_len: Annotated[
         Optional[int], typer.Option(help=f"Tokens per training sequence (default {DEFAULT_SEQ_LEN}).")
@@ -176,16 +162,13 @@ def head(
     ] = None,
     steps: Annotated[
         Optional[int],
-        typer.Option(
-            help=f"Optimiser steps in total (default: 2 epochs of the training sequences; sparrow: {SPARROW_EPOCHS} "
-                "epochs of its training pairs)."
-        ),
+        typer.Option(help=f"Optimiser steps in total (default: 2 epochs of the training sequences; sparrow: "
+                     f"{SPARROW_EPOCHS} epochs of its training pairs)."),
     ] = None,
     time_budget: Annotated[
         Optional[float],
-        typer.Option(
-            help="Seconds for the whole command; stops cleanly (checkpoint, cache) when spent; --resume continues."
-        ),
+        typer.Option(help="Seconds for the whole command; stops cleanly (checkpoint, cache) when spent; --resume "
+                     "continues."),
     ] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 4,
     ttt_steps: Annotated[
@@ -194,9 +177,8 @@ def head(
     lr: Annotated[float, typer.Option(help="AdamW learning rate (after a linear warmup).")] = 5e-4,
     top_k: Annotated[
         Optional[int],
-        typer.Option(
-            help="Soft labels kept per position: the target's top-k log-probs (default 32; with --resume, the run's)."
-        ),
+        typer.Option(help="Soft labels kept per position: the target's top-k log-probs (default 32; with --resume, "
+                     "the run's)."),
     ] = None,
     checkpoint_every: Annotated[int, typer.Option(help="Save a checkpoint every N steps.")] = 100,
     eval_every: Annotated[int, typer.Option(help="Held-out evaluation every N steps.")] = 50,
@@ -210,9 +192,8 @@ def head(
     ] = None,
     resume: Annotated[
         bool,
-        typer.Option(
-            help="Continue the run in OUT from its last checkpoint (its corpus and recipe; --steps may extend it)."
-        ),
+        typer.Option(help="Continue the run in OUT from its last checkpoint (its corpus and recipe; --steps may "
+                     "extend it)."),
     ] = False,
     dtype: Annotated[
         DType, typer.Option(help=DTYPE_HELP + " The head trains in float32. With --resume, auto = the run's.")
