@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -92,12 +92,16 @@ class HeadRun:
         self.model = loaded.model
         return loaded
 
+    def default_steps(self, epochs: int, sequences: int) -> None:
+        """A new run without --steps: `epochs` passes over its `sequences` training sequences."""
+        if not self.steps_given and self.state is None:
+            batches = math.ceil(epochs * sequences / self.settings.batch_size)
+            self.settings = replace(self.settings, steps=max(1, batches))
+
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
     def go(self, dtype: str, device: str | None) -> None:
-        from dataclasses import replace
-
         loaded = self.load(dtype, device)
         if self.state is None:  # what `--resume` needs before the first checkpoint
             recipe = {"spec": asdict(self.spec), "settings": asdict(self.settings), "steps_given": self.steps_given,
@@ -105,10 +109,7 @@ class HeadRun:
             features = None if self.features_dir == self.out / "features" else str(self.features_dir.resolve())
             self.record(loaded, top_k=self.top_k, features=features, recipe=recipe)
         corpus = self.corpus(loaded)
-        if not self.steps_given and self.state is None:  # default: 2 epochs
-            self.settings = replace(
-                self.settings, steps=max(1, math.ceil(2 * len(corpus.train) / self.settings.batch_size))
-            )
+        self.default_steps(2, len(corpus.train))
         if self.arch == "longspec" and self.state is None and not self.variant.anchor_offset_given:
             self.settings = replace(self.settings, anchor_offset=default_anchor_offset(loaded.model, corpus))
         head = self.head(loaded, corpus)
@@ -278,8 +279,6 @@ class VideoHeadRun(HeadRun):
     text_window = DEFAULT_TEXT_WINDOW
 
     def go(self, dtype: str, device: str | None) -> None:
-        from dataclasses import replace
-
         from sparrow.training.video_data import load_answers, read_videos, sample_features, self_distilled_answers
 
         spec = self.spec
@@ -303,9 +302,7 @@ class VideoHeadRun(HeadRun):
         train_count = sum(not s.held_out for s in samples)
         self.say(f"videos: {len(spec.videos)} x {len(spec.questions)} questions, {spec.frames} frames each: "
                  f"{train_count} training / {len(samples) - train_count} held-out (video, question) pairs")
-        if not self.steps_given and self.state is None:
-            self.settings = replace(self.settings, steps=max(1, math.ceil(SPARROW_EPOCHS * train_count
-                                                                          / self.settings.batch_size)))
+        self.default_steps(SPARROW_EPOCHS, train_count)
         head = self.sparrow_head(loaded, samples)
         start = time.monotonic()
         with self.bars() as bars:
