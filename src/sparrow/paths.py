@@ -48,3 +48,18 @@ def atomic_file(path: Path) -> Iterator[Path]:
     finally:
         remove(tmp)
 
+
+
+@contextlib.contextmanager
+def atomic_dir(directory: Path) -> Iterator[Path]:
+    """A fresh directory beside ``directory`` (``<name>.tmp``) to write; when the block ends without an exception
+    it replaces ``directory`` whole (a process killed meanwhile leaves the old one, in ``directory`` or, mid-swap,
+    in ``<name>.old``)."""
+    fresh, old = directory.with_name(directory.name + ".tmp"), directory.with_name(directory.name + ".old")
+    for stale in (fresh, old):
+        remove(stale)
+    yield fresh
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(fresh, directory)
+    remove(old)

@@ -257,7 +257,7 @@ def test_sigterm_ends_training_and_the_exports_still_run(files, target, tmp_path
 
 
 def test_the_learning_rate_warms_up_then_decays_with_the_time_spent():
-    from sparrow.training.recipe import lr_scale
+    from sparrow.training.orchestrator import lr_scale
 
     assert lr_scale(0, 10, 0.0) == pytest.approx(0.1) and lr_scale(9, 10, 0.0) == 1.0
     assert lr_scale(100, 10, 0.5) == pytest.approx(0.5) and lr_scale(100, 10, 1.0) == pytest.approx(0.1)

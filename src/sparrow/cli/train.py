@@ -29,7 +29,9 @@ from typing import Annotated, Any, Optional
 import typer
 
 from sparrow.cli._common import DTYPE_HELP, DType, check_float, check_int, cli_errors, err
-from sparrow.cli.train_run import (
+from sparrow.cli.train_run import TerminalConsole
+from sparrow.errors import UserError
+from sparrow.training.head_run import (
     DEFAULT_ANCHOR_OFFSET,
     DEFAULT_DISTILL,
     DEFAULT_DRAFT_VOCAB,
@@ -39,19 +41,18 @@ from sparrow.cli.train_run import (
     DEFAULT_TEXT_WINDOW,
     DEFAULT_TOKENS,
     DEFAULT_TOP_K,
-    RUN,
     SPARROW_EPOCHS,
     TEXT_CORPUS_OPTIONS,
     VIDEO_OPTIONS,
+    HeadRun,
     HeadVariant,
-    _recipe_run,
-    _Run,
-    _SparrowRun,
-    _started_run,
-    _stored_run,
-    _video_target_error,
+    VideoHeadRun,
+    read_record,
+    recipe_run,
+    started_run,
+    stored_run,
+    video_target_error,
 )
-from sparrow.errors import UserError
 
 train_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                         help="Train draft heads for a target on this machine.", no_args_is_help=True)
@@ -63,79 +64,55 @@ train_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, ri
 def head(
     out: Annotated[
         Optional[Path],
-        typer.Option(
-            help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with --drafter eagle "
-                "--head OUT), checkpoints, features, log, plot. Default for a preset target: <sparrow "
-                "cache>/heads/<preset>, where --drafter eagle finds it without --head."
-        ),
+        typer.Option(help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with "
+                     "--drafter eagle --head OUT), checkpoints, features, log, plot. Default for a preset target: "
+                     "<sparrow cache>/heads/<preset>, where --drafter eagle finds it without --head."),
     ] = None,
     target: Annotated[
         Optional[str],
-        typer.Option(
-            help="Target model: preset, local dir or hub id (default "
-            f"{DEFAULT_TARGET}; --arch sparrow: a Qwen2.5-VL or LLaVA-OneVision "
-            "directory or hub id; with --resume, the run's)."
-        ),
+        typer.Option(help=f"Target model: preset, local dir or hub id (default {DEFAULT_TARGET}; --arch sparrow: a "
+                     "Qwen2.5-VL or LLaVA-OneVision directory or hub id; with --resume, the run's)."),
     ] = None,
     arch: Annotated[
         Optional[str],
-        typer.Option(
-            help="eagle3 (three fused target layers, own reduced LM head), eagle1 "
-            "(last layer, the target's LM head), longspec (sliding-window "
-            "self-attention + cross-attention over the target's KV cache; trains "
-            "at anchor-offset positions) or sparrow (Video-LLM targets, Qwen2.5-VL "
-            "/ LLaVA-OneVision: an EAGLE-3 head with no visual KV and a text "
-            "window, trained on the target's answers about --videos). Default "
-            "eagle3; with --resume, the run's."
-        ),
+        typer.Option(help="eagle3 (three fused target layers, own reduced LM head), eagle1 (last layer, the target's "
+                     "LM head), longspec (sliding-window self-attention + cross-attention over the target's KV cache; "
+                     "trains at anchor-offset positions) or sparrow (Video-LLM targets, Qwen2.5-VL / LLaVA-OneVision: "
+                     "an EAGLE-3 head with no visual KV and a text window, trained on the target's answers about "
+                     "--videos). Default eagle3; with --resume, the run's."),
     ] = None,
     fusion: Annotated[
         Optional[str],
-        typer.Option(
-            help="How eagle3/eagle1/sparrow heads mix feature and token embedding: concat (EAGLE; vLLM/SGLang read it) "
-                "or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). Default concat."
-        ),
+        typer.Option(help="How eagle3/eagle1/sparrow heads mix feature and token embedding: concat (EAGLE; "
+                     "vLLM/SGLang read it) or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). "
+                     "Default concat."),
     ] = None,
     layers: Annotated[
         Optional[int],
-        typer.Option(
-            help="Decoder layers of an eagle3/eagle1/sparrow head (Dovetail: deeper heads; > 1 is sparrow-only: "
-                "layers.1.* tensors). Default 1."
-        ),
+        typer.Option(help="Decoder layers of an eagle3/eagle1/sparrow head (Dovetail: deeper heads; > 1 is "
+                     "sparrow-only: layers.1.* tensors). Default 1."),
     ] = None,
     intermediate_size: Annotated[
         Optional[int],
-        typer.Option(
-            help="MLP width of an eagle3/eagle1/sparrow head's "
-            "decoder layer (default: the target's, as SpecForge's "
-            "heads; smaller heads draft cheaper on a CPU)."
-        ),
+        typer.Option(help="MLP width of an eagle3/eagle1/sparrow head's decoder layer (default: the target's, as "
+                     "SpecForge's heads; smaller heads draft cheaper on a CPU)."),
     ] = None,
     anchor_offset: Annotated[
         Optional[int],
-        typer.Option(
-            help="longspec: shift training positions (after 0-4 sink "
-            "tokens) by a random offset up to N, so short text trains "
-            "long-context positions (LongSpec's anchor-offset indices; "
-            f"default min({DEFAULT_ANCHOR_OFFSET}, the target's max "
-            "positions - the longest training sequence))."
-        ),
+        typer.Option(help="longspec: shift training positions (after 0-4 sink tokens) by a random offset up to N, so "
+                     "short text trains long-context positions (LongSpec's anchor-offset indices; default "
+                     f"min({DEFAULT_ANCHOR_OFFSET}, the target's max positions - the longest training sequence))."),
     ] = None,
     draft_vocab: Annotated[
         Optional[int],
-        typer.Option(
-            help="eagle3, sparrow: the N most frequent target tokens of "
-            f"the training data (FR-Spec; default {DEFAULT_DRAFT_VOCAB}, at "
-            "most the vocabulary)."
-        ),
+        typer.Option(help="eagle3, sparrow: the N most frequent target tokens of the training data (FR-Spec; "
+                     f"default {DEFAULT_DRAFT_VOCAB}, at most the vocabulary)."),
     ] = None,
     videos: Annotated[
         Optional[list[Path]],
-        typer.Option(
-            help="sparrow: a video file (any the video reader takes, e.g. .mp4/.avi), a directory of video files, or a "
-                "directory of frame images (repeatable; default: opencv-doc's sample videos under "
-                "/usr/share/doc/opencv-doc/examples/data)."
-        ),
+        typer.Option(help="sparrow: a video file (any the video reader takes, e.g. .mp4/.avi), a directory of video "
+                     "files, or a directory of frame images (repeatable; default: opencv-doc's sample videos under "
+                     "/usr/share/doc/opencv-doc/examples/data)."),
     ] = None,
     frames: Annotated[
         Optional[int],
@@ -143,23 +120,18 @@ def head(
     ] = None,
     text_window: Annotated[
         Optional[int],
-        typer.Option(
-            help="sparrow: text rows each head row attends to (Sparrow's text-anchored window; default "
-                f"{DEFAULT_TEXT_WINDOW})."
-        ),
+        typer.Option(help=f"sparrow: text rows each head row attends to (Sparrow's text-anchored window; default "
+                     f"{DEFAULT_TEXT_WINDOW})."),
     ] = None,
     data: Annotated[
         Optional[list[Path]],
-        typer.Option(
-            help="Directory or file of .py/.md/.rst text (repeatable; default: the standard library and installed "
-                "packages)."
-        ),
+        typer.Option(help="Directory or file of .py/.md/.rst text (repeatable; default: the standard library and "
+                     "installed packages)."),
     ] = None,
     tokens: Annotated[
         Optional[int],
-        typer.Option(
-            help=f"Training tokens taken from files (self-distilled answers come on top; default {DEFAULT_TOKENS})."
-        ),
+        typer.Option(help=f"Training tokens taken from files (self-distilled answers come on top; default "
+                     f"{DEFAULT_TOKENS})."),
     ] = None,
     held_out_tokens: Annotated[
         Optional[int],
@@ -167,48 +139,36 @@ def head(
     ] = None,
     held_out_percent: Annotated[
         int,
-        typer.Option(
-            help="Share of files (by a hash of their path) held out for evaluation; sparrow: of the (video, question) "
-                "pairs (at least one)."
-        ),
+        typer.Option(help="Share of files (by a hash of their path) held out for evaluation; sparrow: of the (video, "
+                     "question) pairs (at least one)."),
     ] = 5,
     seq_len: Annotated[
         Optional[int], typer.Option(help=f"Tokens per training sequence (default {DEFAULT_SEQ_LEN}).")
     ] = None,
     distill: Annotated[
         Optional[int],
-        typer.Option(
-            help="Self-distilled sequences: the target's greedy answers to "
-            "prompts built from training files (held out: a tenth; default "
-            f"{DEFAULT_DISTILL})."
-        ),
+        typer.Option(help="Self-distilled sequences: the target's greedy answers to prompts built from training files "
+                     f"(held out: a tenth; default {DEFAULT_DISTILL})."),
     ] = None,
     distill_tokens: Annotated[
         int, typer.Option(help="New tokens per self-distilled answer (sparrow: per answer about a video).")
     ] = 128,
     distill_batch: Annotated[
         Optional[int],
-        typer.Option(
-            help="Self-distilled answers generated together "
-            "(transformers' batched greedy generate over left-padded "
-            "prompts); default 32 on a GPU, 16 on a CPU "
-            "(qwen2.5-coder-1.5b, bf16, AMD EPYC, 2 threads: 40 tokens/s "
-            "at 16 against 4 one at a time); 1 = sparrow's plain "
-            "decoding, one answer at a time."
-        ),
+        typer.Option(help="Self-distilled answers generated together (transformers' batched greedy generate over "
+                     "left-padded prompts); default 32 on a GPU, 16 on a CPU (qwen2.5-coder-1.5b, bf16, AMD EPYC, 2 "
+                     "threads: 40 tokens/s at 16 against 4 one at a time); 1 = sparrow's plain decoding, one answer "
+                     "at a time."),
     ] = None,
     steps: Annotated[
         Optional[int],
-        typer.Option(
-            help=f"Optimiser steps in total (default: 2 epochs of the training sequences; sparrow: {SPARROW_EPOCHS} "
-                "epochs of its training pairs)."
-        ),
+        typer.Option(help=f"Optimiser steps in total (default: 2 epochs of the training sequences; sparrow: "
+                     f"{SPARROW_EPOCHS} epochs of its training pairs)."),
     ] = None,
     time_budget: Annotated[
         Optional[float],
-        typer.Option(
-            help="Seconds for the whole command; stops cleanly (checkpoint, cache) when spent; --resume continues."
-        ),
+        typer.Option(help="Seconds for the whole command; stops cleanly (checkpoint, cache) when spent; --resume "
+                     "continues."),
     ] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 4,
     ttt_steps: Annotated[
@@ -217,9 +177,8 @@ def head(
     lr: Annotated[float, typer.Option(help="AdamW learning rate (after a linear warmup).")] = 5e-4,
     top_k: Annotated[
         Optional[int],
-        typer.Option(
-            help="Soft labels kept per position: the target's top-k log-probs (default 32; with --resume, the run's)."
-        ),
+        typer.Option(help="Soft labels kept per position: the target's top-k log-probs (default 32; with --resume, "
+                     "the run's)."),
     ] = None,
     checkpoint_every: Annotated[int, typer.Option(help="Save a checkpoint every N steps.")] = 100,
     eval_every: Annotated[int, typer.Option(help="Held-out evaluation every N steps.")] = 50,
@@ -228,17 +187,13 @@ def head(
     ] = 0,
     features: Annotated[
         Optional[Path],
-        typer.Option(
-            help="Feature cache directory (default OUT/features, or the "
-            "resumed run's; share one between runs of the same target and "
-            "layers)."
-        ),
+        typer.Option(help="Feature cache directory (default OUT/features, or the resumed run's; share one between "
+                     "runs of the same target and layers)."),
     ] = None,
     resume: Annotated[
         bool,
-        typer.Option(
-            help="Continue the run in OUT from its last checkpoint (its corpus and recipe; --steps may extend it)."
-        ),
+        typer.Option(help="Continue the run in OUT from its last checkpoint (its corpus and recipe; --steps may "
+                     "extend it)."),
     ] = False,
     dtype: Annotated[
         DType, typer.Option(help=DTYPE_HELP + " The head trains in float32. With --resume, auto = the run's.")
@@ -250,7 +205,8 @@ def head(
     EAGLE-1, Dovetail's gated / deeper variants, a LongSpec head, or (Video-LLM targets) a Sparrow head trained on
     the target's answers about --videos; checkpoints, resume, held-out evaluation."""
     from sparrow.training.data import CorpusSpec, default_roots
-    from sparrow.training.trainer import TrainSettings, read_state
+    from sparrow.training.orchestrator import check_out
+    from sparrow.training.trainer import STATE, TrainSettings, read_state
 
     started = time.monotonic()
     deadline = None if time_budget is None else started + time_budget
@@ -272,7 +228,7 @@ def head(
             raise UserError(f"--out is needed for --target {target!r}: only presets have a default head directory")
     state = read_state(out, lambda message: err.print(f"sparrow: {message}", markup=False, highlight=False,
                                                       soft_wrap=True))
-    begun = _started_run(out) if resume and state is None else None  # killed before its first checkpoint
+    begun = started_run(out) if resume and state is None else None  # killed before its first checkpoint
     stored_arch = _arch_of(state) if resume and state is not None else begun["arch"] if begun else None
     _check_variant(arch or stored_arch or "eagle3", fusion, layers, draft_vocab, anchor_offset, intermediate_size)
     _check_data_options(arch or stored_arch or "eagle3", {
@@ -281,14 +237,19 @@ def head(
                                  ("top_k", top_k), ("features", features),
                                  ("videos", videos), ("frames", frames), ("text_window", text_window))
         if value is not None})
-    if not resume and state is not None:
-        raise UserError(f"--out {str(out)!r} already holds a training run: pass --resume to continue it, or choose "
-                        "another directory")
+    if not resume:
+        check_out(out, resume, out / STATE if state is not None else None)
+    fresh = None if resume else TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,
+                                              checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed,
+                                              anchor_offset=anchor_offset or 0)
+    stored = read_record(out) if resume else {}  # the run's target, dtype, top-k and feature cache
+    target = target or stored.get("target")
+    if dtype == DType.auto and stored.get("dtype"):
+        dtype = DType(stored["dtype"])
     if (arch or stored_arch) == "sparrow":
         _sparrow(out, target, state, resume, steps, time_budget, started, dtype, device, progress, draft_vocab,
                  HeadVariant(fusion or "concat", layers or 1, intermediate_size=intermediate_size), videos, frames,
-                 text_window, held_out_percent, distill_tokens, lr, batch_size, ttt_steps, checkpoint_every,
-                 eval_every, seed, arch, fusion, layers)
+                 text_window, held_out_percent, distill_tokens, fresh, seed, arch, fusion, layers)
         return
     variant = HeadVariant(fusion or "concat", layers or 1, anchor_offset is not None, intermediate_size)
     steps_given = steps is not None
@@ -297,18 +258,14 @@ def head(
         variant = HeadVariant(**recipe["variant"])
         _check_resumed_variant(_started_variant(begun), arch, fusion, layers, anchor_offset, intermediate_size,
                                draft_vocab)
-        spec, settings = _recipe_run(recipe, steps)
+        spec, settings = recipe_run(recipe, steps)
         draft_vocab, steps_given = recipe["draft_vocab"], steps_given or recipe["steps_given"]
     elif resume:
         _check_resumed_variant(_checkpoint_variant(state), arch, fusion, layers, anchor_offset, intermediate_size)
-        spec, settings = _stored_run(out, state, steps)
+        spec, settings = stored_run(out, state, steps)
     if resume:
-        stored = json.loads((out / RUN).read_text()) if (out / RUN).is_file() else {}
-        target = target or stored.get("target")
         top_k = top_k or stored.get("top_k")
         features = features or (Path(stored["features"]) if stored.get("features") else None)
-        if dtype == DType.auto and stored.get("dtype"):
-            dtype = DType(stored["dtype"])
     else:
         tokens = DEFAULT_TOKENS if tokens is None else tokens
         seq_len = DEFAULT_SEQ_LEN if seq_len is None else seq_len
@@ -318,12 +275,10 @@ def head(
                           else max(tokens // 20, 2 * seq_len), sequence_length=seq_len, distill=distill,
                           held_out_percent=held_out_percent,
                           distill_tokens=distill_tokens, seed=seed)
-        settings = TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,
-                                 checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed,
-                                 anchor_offset=anchor_offset or 0)
-    run = _Run(out, target or DEFAULT_TARGET, spec, settings, state, stored_arch or arch or "eagle3", draft_vocab,
-               top_k or DEFAULT_TOP_K, features or out / "features", deadline, progress, steps_given=steps_given,
-               variant=variant, distill_batch=distill_batch)
+        settings = fresh
+    run = HeadRun(out, target or DEFAULT_TARGET, spec, settings, state, stored_arch or arch or "eagle3", draft_vocab,
+                  top_k or DEFAULT_TOP_K, features or out / "features", deadline, TerminalConsole(progress),
+                  steps_given=steps_given, variant=variant, distill_batch=distill_batch)
     run.go(dtype.value, device)
 
 
@@ -468,19 +423,19 @@ def _text_only_target(target: str) -> str | None:
 
 def _check_video_target(target: str | None) -> None:
     if target is None:
-        raise _video_target_error(DEFAULT_TARGET, "the default, a text-only preset (give --target)")
+        raise video_target_error(DEFAULT_TARGET, "the default, a text-only preset (give --target)")
     why = _text_only_target(target)
     if why is not None:
-        raise _video_target_error(target, why)
+        raise video_target_error(target, why)
 
 
 def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume: bool, steps: int | None,
              time_budget: float | None, started: float, dtype: DType, device: str | None, progress: bool,
              draft_vocab: int | None, variant: HeadVariant, videos: list[Path] | None, frames: int | None,
-             text_window: int | None, held_out_percent: int, distill_tokens: int, lr: float, batch_size: int,
-             ttt_steps: int, checkpoint_every: int, eval_every: int, seed: int, arch: str | None,
-             fusion: str | None, layers: int | None) -> None:
-    """`sparrow train head --arch sparrow`: checks before any model loads, then a _SparrowRun."""
+             text_window: int | None, held_out_percent: int, distill_tokens: int, fresh: Any, seed: int,
+             arch: str | None, fusion: str | None, layers: int | None) -> None:
+    """`sparrow train head --arch sparrow`: checks before any model loads, then a VideoHeadRun (`fresh`: a new
+    run's TrainSettings)."""
     from dataclasses import replace
 
     from sparrow.training.trainer import TrainSettings
@@ -498,10 +453,6 @@ def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume
         if spec is None:
             raise UserError(f"--resume: {str(out)!r} has a Sparrow checkpoint but no video_corpus.json; it was not "
                             "made by `sparrow train head --arch sparrow`")
-        stored = json.loads((out / RUN).read_text()) if (out / RUN).is_file() else {}
-        target = target or stored.get("target")
-        if dtype == DType.auto and stored.get("dtype"):
-            dtype = DType(stored["dtype"])
         settings = TrainSettings(**state["settings"])
         settings = replace(settings, steps=steps) if steps is not None else settings
     else:
@@ -509,12 +460,11 @@ def _sparrow(out: Path, target: str | None, state: dict[str, Any] | None, resume
         spec = VideoSpec(tuple(video_sources(videos)) if videos else tuple(str(p) for p in default_videos()),
                          frames=frames or DEFAULT_FRAMES, answer_tokens=distill_tokens,
                          held_out_percent=held_out_percent, seed=seed)
-        settings = TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,
-                                 checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed)
+        settings = fresh
     _check_video_target(target)
     deadline = None if time_budget is None else started + time_budget
-    run = _SparrowRun(out, target, spec, settings, state, "sparrow", draft_vocab, DEFAULT_TOP_K, out / "features",
-                      deadline, progress, steps_given=steps is not None, variant=variant)
+    run = VideoHeadRun(out, target, spec, settings, state, "sparrow", draft_vocab, DEFAULT_TOP_K, out / "features",
+                       deadline, TerminalConsole(progress), steps_given=steps is not None, variant=variant)
     run.text_window = text_window or DEFAULT_TEXT_WINDOW
     run.go(dtype.value, device)
 

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from sparrow.errors import UserError
+from sparrow.paths import atomic_dir
 
 MANIFEST = "manifest.json"
 VERSION = 1
@@ -255,16 +254,8 @@ def replace_quantized(tensors: dict[str, Tensor], config: dict[str, Any], direct
     """`write_quantized` into `directory`, replacing the export there: written beside it first, then swapped in (a
     process killed meanwhile leaves the old export whole, in `directory` or, mid-swap, in `<directory>.old`)."""
     directory = Path(directory)
-    fresh, old = directory.with_name(directory.name + ".tmp"), directory.with_name(directory.name + ".old")
-    for stale in (fresh, old):
-        if stale.exists():
-            shutil.rmtree(stale)
-    export = write_quantized(tensors, config, fresh, **options)
-    if directory.exists():
-        os.replace(directory, old)
-    os.replace(fresh, directory)
-    if old.exists():
-        shutil.rmtree(old)
+    with atomic_dir(directory) as fresh:
+        export = write_quantized(tensors, config, fresh, **options)
     return QuantizedExport(directory, export.head_id, export.bits, export.shard_bytes)
 
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import Tensor, nn
 
 from sparrow.heads.eagle import EagleHead
+from sparrow.heads.factory import new_head
 from sparrow.training.longspec import train_longspec
 from sparrow.training.loop import Evaluation, StepResult, TrainReport, draw_batch, new_optimiser
 
@@ -117,6 +118,15 @@ def init_from_target(head: EagleHead, model: nn.Module) -> None:
             and norm.weight.shape == head.norm.weight.shape
         ):
             head.norm.weight.copy_(norm.weight.to(head.norm.weight))
+
+
+def fresh_head(model: nn.Module, arch: str, seed: int, draft_vocab: Tensor | None, **shape: Any) -> EagleHead:
+    """A new float32 head of `arch` for `model` (weights drawn from `seed`; `shape`: new_head's options), its norm
+    and LM head started from the target's (`init_from_target`)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    head = new_head(model, arch, generator, draft_vocab=draft_vocab, **shape).float()
+    init_from_target(head, model)
+    return head
 
 
 def ttt_mask(m: int, step: int, device: torch.device) -> Tensor:

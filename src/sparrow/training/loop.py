@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -82,6 +83,11 @@ class Evaluation:
         depth = min(len(a) for a in agreements)
         mean = tuple(sum(a[j] for a in agreements) / len(agreements) for j in range(depth))
         return Evaluation(sum(losses) / len(losses), mean, len(losses))
+
+    def record(self) -> dict[str, Any]:
+        """What eval.json's "held_out" holds."""
+        return {"sequences": self.sequences, "loss": self.loss, "agreement_per_depth": list(self.agreement),
+                "expected_tokens_per_round": self.expected_accepted}
 
     @property
     def expected_accepted(self) -> float:

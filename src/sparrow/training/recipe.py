@@ -39,14 +39,11 @@ are bare: no typer, rich, gguf unless installed for a GGUF target, av).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
-import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -55,15 +52,17 @@ import torch
 from torch import Tensor, nn
 
 from sparrow.errors import UserError
-from sparrow.heads.factory import new_head
-from sparrow.heads.layout import export_quantized, exported_tensors, load_head, save_head, shipped_head_dir
+from sparrow.heads.layout import exported_tensors, load_head, save_head, shipped_head_dir
 from sparrow.heads.quantized import check_size
 from sparrow.models.presets import PRESETS, _part_paths, get_preset, not_installed_error
+from sparrow.paths import atomic_dir
+from sparrow.training import orchestrator
 from sparrow.training.answers import Answers, read_answers, tokenizer_fingerprint, write_answers
 from sparrow.training.batched import batched_ttt_loss
 from sparrow.training.chunks import CHUNK_BYTES, SUMS, chunk_bytes_beside, split_file, tree_bytes
-from sparrow.training.heads import frequent_tokens, init_from_target
+from sparrow.training.heads import frequent_tokens, fresh_head
 from sparrow.training.loop import Evaluation, new_optimiser
+from sparrow.training.orchestrator import Schedule, append_row, check_out, export, write_report
 from sparrow.training.recipe_data import (
     RecipeSettings,
     build_corpus,
@@ -78,7 +77,6 @@ from sparrow.training.trainer import resumed_head
 
 STATE = "recipe_state.pt"
 METRICS = "metrics.jsonl"
-EVAL = "eval.json"
 CORPUS = "corpus.safetensors"
 ANSWERS = "answers.npz"
 EXPORT = "int4"  # OUT/int4: the head's int4 export
@@ -89,47 +87,18 @@ EXPORT_BITS = 4
 PAD_MULTIPLE = 64
 
 
-# --- the target ------------------------------------------------------------------------------------------------
-
-
-# --- the corpus ----------------------------------------------------------------------------------------------
-
-
-# --- batches ---------------------------------------------------------------------------------------------------
-
-
 # --- checkpoints and exports -----------------------------------------------------------------------------------
 
 
-def _swap_in(fresh: Path, directory: Path) -> None:
-    """Replace `directory` by `fresh` (the old one whole until the new one is in place)."""
-    old = directory.with_name(directory.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if directory.exists():
-        os.replace(directory, old)
-    os.replace(fresh, directory)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def write_checkpoint(out: Path, head: Any, optimiser: torch.optim.Optimizer, generator: torch.Generator,
-                     progress: dict[str, Any], settings: RecipeSettings) -> None:
-    """OUT/checkpoint (dense head + recipe_state.pt) and OUT/int4, each swapped in whole."""
-    fresh = out / "checkpoint.tmp"
-    if fresh.exists():
-        shutil.rmtree(fresh)
-    save_head(head, fresh)
-    state = {"progress": progress, "optimiser": optimiser.state_dict(), "generator": generator.get_state(),
-             "head_config": asdict(head.config), "settings": asdict(settings)}
-    torch.save(state, fresh / STATE)
-    _swap_in(fresh, out / "checkpoint")
-    export_quantized(head, out / EXPORT, bits=EXPORT_BITS, replace=True)
-
-
-def _metrics(out: Path, row: dict[str, Any]) -> None:
-    with (out / METRICS).open("a") as f:
-        f.write(json.dumps(row) + "\n")
+                     progress: dict[str, Any], settings: RecipeSettings) -> dict[str, Any]:
+    """OUT/checkpoint (dense head + recipe_state.pt) and OUT/int4, each swapped in whole; the export's record."""
+    with atomic_dir(out / "checkpoint") as fresh:
+        save_head(head, fresh)
+        state = {"progress": progress, "optimiser": optimiser.state_dict(), "generator": generator.get_state(),
+                 "head_config": asdict(head.config), "settings": asdict(settings)}
+        torch.save(state, fresh / STATE)
+    return export(head, out / EXPORT, EXPORT_BITS)
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
@@ -137,7 +106,7 @@ def _metrics(out: Path, row: dict[str, Any]) -> None:
 
 @dataclass
 class _Meter:
-    """Training figures since the last metrics row."""
+    """Training figures since the last metrics row (or of an evaluation's batches)."""
 
     loss: float = 0.0
     steps: int = 0
@@ -164,12 +133,6 @@ class _Meter:
                 "target_seconds": self.target_seconds, "head_seconds": self.head_seconds}
 
 
-def lr_scale(step: int, warmup: int, fraction: float) -> float:
-    """The learning rate's factor at optimiser step `step` (0-based) with `fraction` of the training time spent:
-    linear warmup over `warmup` steps, then a cosine decay over the time, never below 0.1."""
-    return min(1.0, (step + 1) / warmup) * max(0.1, 0.5 * (1 + math.cos(math.pi * min(max(fraction, 0.0), 1.0))))
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -177,14 +140,11 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def evaluate(head: Any, model: nn.Module, sequences: Sequence[Tensor], settings: RecipeSettings,
-             device: torch.device, autocast: bool) -> dict[str, Any]:
-    """Held-out top-1 agreement per draft depth (target-fed context, as in training), the mean loss and the
-    expected tokens per round 1 + a1 + a1 a2 + ... (`sparrow.training.heads.Evaluation`)."""
+             device: torch.device, autocast: bool) -> Evaluation:
+    """Held-out top-1 agreement per draft depth (target-fed context, as in training) and the mean loss."""
     head.eval()
     chosen = list(sequences[: settings.eval_sequences])
-    agreed: list[int] = []
-    rows: list[int] = []
-    losses = []
+    meter = _Meter()
     for start in range(0, len(chosen), settings.batch_size):
         tokens, lengths = padded([s for s in chosen[start : start + settings.batch_size] if s.numel() >= 2],
                                  settings.seq_len * 2)
@@ -193,13 +153,64 @@ def evaluate(head: Any, model: nn.Module, sequences: Sequence[Tensor], settings:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             batch = batched_ttt_loss(head, tokens, lengths, features, ids, logprobs, settings.ttt_steps,
                                      settings.decay)
-        losses.append(float(batch.loss))
-        agreed = [a + b for a, b in zip(agreed, batch.agreed)] if agreed else list(batch.agreed)
-        rows = [a + b for a, b in zip(rows, batch.rows)] if rows else list(batch.rows)
-    agreement = tuple(a / max(r, 1) for a, r in zip(agreed, rows))
-    evaluation = Evaluation(sum(losses) / max(len(losses), 1), agreement, len(chosen))
-    return {"sequences": len(chosen), "loss": evaluation.loss, "agreement_per_depth": list(agreement),
-            "expected_tokens_per_round": evaluation.expected_accepted}
+        meter.add(float(batch.loss), batch, 0.0, 0.0)
+    row = meter.row()
+    return Evaluation(row["loss"], tuple(row["agreement"]), len(chosen))
+
+
+class _OnlineSteps:
+    """The recipe's side of the orchestrator: each step runs the target over its batch (online features), a
+    checkpoint is OUT/checkpoint + OUT/int4 + a row of OUT/metrics.jsonl."""
+
+    def __init__(self, head: Any, model: nn.Module, train: list[Tensor], held_out: list[Tensor],
+                 settings: RecipeSettings, device: torch.device, autocast: bool, out: Path, started: float,
+                 progress: dict[str, Any]) -> None:
+        self.head, self.model, self.train, self.held_out, self.settings = head, model, train, held_out, settings
+        self.device, self.autocast, self.out, self.started, self.progress = device, autocast, out, started, progress
+        self.optimiser = new_optimiser(head, settings.lr, frozen=() if settings.train_lm_head else ("lm_head",))
+        self.order = torch.Generator().manual_seed(settings.seed)
+        self.meter = _Meter()
+        self.exported: dict[str, Any] = {}
+
+    def step(self, step: int) -> None:
+        settings, device = self.settings, self.device
+        self.head.train()
+        picks = torch.randint(len(self.train), (settings.batch_size,), generator=self.order).tolist()
+        tokens, lengths = padded([self.train[i] for i in picks], settings.seq_len * 2, multiple=PAD_MULTIPLE)
+        tokens, lengths = tokens.to(device), lengths.to(device)
+        t0 = time.monotonic()
+        features, ids, logprobs = target_features(self.model, tokens, lengths, self.head.config.target_layers,
+                                                  settings.top_k)
+        _sync(device)
+        t1 = time.monotonic()
+        self.optimiser.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            batch = batched_ttt_loss(self.head, tokens, lengths, features, ids, logprobs, settings.ttt_steps,
+                                     settings.decay)
+        if batch.loss.requires_grad:  # a constant zero when no row had a label in the draft vocabulary
+            batch.loss.backward()
+            nn.utils.clip_grad_norm_(self.head.parameters(), settings.clip)
+            self.optimiser.step()
+        _sync(device)
+        t2 = time.monotonic()
+        self.progress["step"] += 1
+        self.progress["tokens_seen"] += batch.positions
+        self.progress["train_seconds"] += t2 - t0
+        self.meter.add(float(batch.loss.detach()), batch, t1 - t0, t2 - t1)
+
+    def checkpoint(self, step: int) -> None:
+        self.exported = write_checkpoint(self.out, self.head, self.optimiser, self.order, self.progress,
+                                         self.settings)
+        if self.meter.steps:
+            append_row(self.out / METRICS, {"elapsed": time.monotonic() - self.started, "stage": "training",
+                                            **self.progress, **self.meter.row()})
+        self.meter = _Meter()
+
+    def evaluate(self, step: int) -> Evaluation | None:
+        self.head.eval()
+        if not self.held_out:
+            return None
+        return evaluate(self.head, self.model, self.held_out, self.settings, self.device, self.autocast)
 
 
 def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any]:
@@ -232,7 +243,7 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
     model, tokenizer = load_target(settings, device)
     timings["load_seconds"] = time.monotonic() - started
     eos = eos_ids(model, tokenizer)
-    _metrics(out, {"elapsed": timings["load_seconds"], "stage": "target loaded", "device": str(device)})
+    append_row(out / METRICS, {"elapsed": timings["load_seconds"], "stage": "target loaded", "device": str(device)})
     if (out / CORPUS).is_file() and state is not None:
         train, held_out, corpus = load_corpus(out / CORPUS)
     else:
@@ -245,14 +256,14 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
             kept = kept.plus(read_answers(file, fingerprint))
         train, held_out, corpus, answers = build_corpus(
             model, tokenizer, settings, distill_deadline, eos,
-            lambda split, n: _metrics(out, {"elapsed": time.monotonic() - started, "stage": "distilling",
+            lambda split, n: append_row(out / METRICS, {"elapsed": time.monotonic() - started, "stage": "distilling",
                                             "split": split, "answers": n}), kept)
         corpus["answers_from"] = list(settings.answers)
         save_corpus(out / CORPUS, train, held_out, corpus)
         write_answers(out / ANSWERS, answers, fingerprint)
     timings["corpus_seconds"] = time.monotonic() - started - timings["load_seconds"]
     train = [s for s in train if s.numel() >= 2]
-    _metrics(out, {"elapsed": time.monotonic() - started, "stage": "corpus", **corpus,
+    append_row(out / METRICS, {"elapsed": time.monotonic() - started, "stage": "corpus", **corpus,
                    "train_sequences": len(train), "held_out_sequences": len(held_out)})
     if state is not None:
         head = resumed_head(out / "checkpoint", state, model, device)
@@ -264,110 +275,35 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
             vocab = model.get_output_embeddings().weight.shape[0]
             ids = frequent_tokens(train, min(settings.draft_vocab, vocab), vocab, always=[i for i in eos if i < vocab])
             shape = {} if settings.intermediate_size is None else {"intermediate_size": settings.intermediate_size}
-            generator = torch.Generator(device=device).manual_seed(settings.seed)
-            head = new_head(model, "eagle3", generator, draft_vocab=ids, **shape).float()
-            init_from_target(head, model)
+            head = fresh_head(model, "eagle3", settings.seed, ids, **shape)
         progress = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0}
     # refused before any training, not at its end (a trained LM head is exported with the head)
     check_size(dict(head.state_dict()) if settings.train_lm_head else exported_tensors(head)[1], EXPORT_BITS)
-    optimiser = new_optimiser(head, settings.lr, frozen=() if settings.train_lm_head else ("lm_head",))
-    order = torch.Generator().manual_seed(settings.seed)
-    if state is not None:
-        optimiser.load_state_dict(state["optimiser"])
-        order.set_state(state["generator"])
-    train_start = time.monotonic()
-    train_until = deadline - reserve
-    stopped, error = "time budget", None
-    meter, last_checkpoint = _Meter(), time.monotonic()
-    signalled: list[int] = []
-    try:
-        with _stop_on_signals(signalled):  # SIGTERM / SIGINT end training; the exports below still run
-            while True:
-                if signalled:
-                    stopped = f"signal {signalled[0]}"
-                    break
-                if settings.max_steps is not None and progress["step"] >= settings.max_steps:
-                    stopped = "max steps"
-                    break
-                if time.monotonic() >= train_until:
-                    break
-                head.train()
-                fraction = (time.monotonic() - train_start) / max(train_until - train_start, 1e-9)
-                for group in optimiser.param_groups:
-                    group["lr"] = settings.lr * lr_scale(progress["step"], settings.warmup, fraction)
-                picks = torch.randint(len(train), (settings.batch_size,), generator=order).tolist()
-                tokens, lengths = padded([train[i] for i in picks], settings.seq_len * 2, multiple=PAD_MULTIPLE)
-                tokens, lengths = tokens.to(device), lengths.to(device)
-                t0 = time.monotonic()
-                features, ids, logprobs = target_features(model, tokens, lengths, head.config.target_layers,
-                                                          settings.top_k)
-                _sync(device)
-                t1 = time.monotonic()
-                optimiser.zero_grad(set_to_none=True)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                    batch = batched_ttt_loss(head, tokens, lengths, features, ids, logprobs, settings.ttt_steps,
-                                             settings.decay)
-                if batch.loss.requires_grad:  # a constant zero when no row had a label in the draft vocabulary
-                    batch.loss.backward()
-                    nn.utils.clip_grad_norm_(head.parameters(), settings.clip)
-                    optimiser.step()
-                _sync(device)
-                t2 = time.monotonic()
-                progress["step"] += 1
-                progress["tokens_seen"] += batch.positions
-                progress["train_seconds"] += t2 - t0
-                meter.add(float(batch.loss.detach()), batch, t1 - t0, t2 - t1)
-                if time.monotonic() - last_checkpoint >= settings.checkpoint_every:
-                    write_checkpoint(out, head, optimiser, order, progress, settings)
-                    _metrics(out, {"elapsed": time.monotonic() - started, "stage": "training", **progress,
-                                   **meter.row()})
-                    meter, last_checkpoint = _Meter(), time.monotonic()
-    except Exception as failure:  # noqa: BLE001 - the head trained so far is still exported below
-        stopped, error = "error", f"{type(failure).__name__}: {failure}"
-        print(f"training stopped by {error}; exporting what there is", file=sys.stderr)
-    head.eval()
-    evaluation = evaluate(head, model, held_out, settings, device, autocast) if held_out else None
-    write_checkpoint(out, head, optimiser, order, progress, settings)
-    if meter.steps:
-        _metrics(out, {"elapsed": time.monotonic() - started, "stage": "training", **progress, **meter.row()})
-    export_bytes = sum(p.stat().st_size for p in (out / EXPORT).glob("*.safetensors"))
+    steps = _OnlineSteps(head, model, train, held_out, settings, device, autocast, out, started, progress)
+    schedule = Schedule(settings.lr, settings.warmup, steps=settings.max_steps, until=deadline - reserve,
+                        checkpoint_seconds=settings.checkpoint_every, cosine=True, steps_reached="max steps",
+                        always_finish=True)
+    outcome = orchestrator.train(steps, schedule, state, progress["step"])
+    evaluation = None if outcome.evaluation is None else outcome.evaluation.record()
     report = {
         "target": settings.target or settings.gguf_chunks, "device": _device_name(device),
-        "torch": torch.__version__, "transformers": _transformers_version(), "stopped": stopped, "error": error,
+        "torch": torch.__version__, "transformers": _transformers_version(), "stopped": outcome.stopped,
+        "error": outcome.error,
         "elapsed_seconds": time.monotonic() - started, **timings, **progress,
         "train_positions_per_second": progress["tokens_seen"] / max(progress["train_seconds"], 1e-9),
         "corpus": {**corpus, "train_sequences": len(train), "held_out_sequences": len(held_out)},
         "init_head": None if init is None else str(init),
         "head": {"draft_vocab_size": head.config.draft_vocab_size, "intermediate_size": head.config.intermediate_size,
                  "target_layers": list(head.config.target_layers), "ttt_steps": settings.ttt_steps},
-        "held_out": evaluation, "export": {"dir": str(out / EXPORT), "bits": EXPORT_BITS, "bytes": export_bytes},
+        "held_out": evaluation, "export": steps.exported,
         "answers": {"file": str(out / ANSWERS),
                     "bytes": (out / ANSWERS).stat().st_size if (out / ANSWERS).is_file() else None},
         "settings": asdict(settings),
     }
-    (out / EVAL).write_text(json.dumps(report, indent=1) + "\n")
-    _metrics(out, {"elapsed": report["elapsed_seconds"], "stage": "done", "stopped": stopped,
-                   "held_out": evaluation})
+    write_report(out, report)
+    append_row(out / METRICS, {"elapsed": report["elapsed_seconds"], "stage": "done", "stopped": outcome.stopped,
+                               "held_out": evaluation})
     return report
-
-
-@contextlib.contextmanager
-def _stop_on_signals(signalled: list[int]) -> Iterator[None]:
-    """Inside the block SIGTERM and SIGINT append their number to `signalled` instead of ending the process (main
-    thread only; elsewhere nothing changes); the previous handlers come back after it."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    kinds = (signal.SIGTERM, signal.SIGINT)
-    previous = {kind: signal.signal(kind, lambda number, frame: signalled.append(number)) for kind in kinds}
-    try:
-        yield
-    finally:
-        for kind, handler in previous.items():
-            signal.signal(kind, handler)
 
 
 def initial_head_dir(settings: RecipeSettings) -> Path | None:
@@ -391,13 +327,8 @@ def initial_head_dir(settings: RecipeSettings) -> Path | None:
 
 def _resume_state(out: Path, settings: RecipeSettings) -> dict[str, Any] | None:
     path = out / "checkpoint" / STATE
-    if settings.resume:
-        if not path.is_file():
-            raise UserError(f"--resume: {str(out)!r} holds no checkpoint ({path}) to continue")
-        return torch.load(path, map_location="cpu", weights_only=True)
-    if path.is_file():
-        raise UserError(f"--out {str(out)!r} already holds a run: pass --resume to continue it, or another --out")
-    return None
+    check_out(out, settings.resume, path if path.is_file() else None, f" ({path})")
+    return torch.load(path, map_location="cpu", weights_only=True) if settings.resume else None
 
 
 def _device_name(device: torch.device) -> str:

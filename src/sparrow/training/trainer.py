@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -32,13 +31,12 @@ from sparrow.heads.eagle import EagleHead, TargetParts
 from sparrow.heads.layout import WEIGHTS, save_head
 from sparrow.heads.longspec import LongSpecConfig, LongSpecHead
 from sparrow.heads.sparrow_head import SparrowSpec
+from sparrow.training import orchestrator
 from sparrow.training.heads import evaluate_head, train_step
 from sparrow.training.longspec import evaluate_longspec, longspec_step
 from sparrow.training.loop import Evaluation, StepResult, draw_batch, new_optimiser
+from sparrow.training.orchestrator import Outcome, Schedule, append_row
 from sparrow.training.sparrow_head import evaluate_sparrow, sparrow_step
-
-if TYPE_CHECKING:
-    from sparrow.heads.longspec import LongSpecHead
 
 STATE = "trainer_state.pt"
 PREVIOUS = "trainer_state.prev.pt"  # the checkpoint before the last one
@@ -71,16 +69,6 @@ class TrainSettings:
             raise UserError(f"--lr must be > 0, got {self.lr}")
         if self.anchor_offset < 0:
             raise UserError(f"--anchor-offset must be an integer >= 0, got {self.anchor_offset}")
-
-
-@dataclass(frozen=True)
-class RunOutcome:
-    """Where a run stopped."""
-
-    step: int  # optimiser steps done in total (resumed ones included)
-    stopped: str  # "done" or "time budget"
-    evaluation: Evaluation | None  # the last held-out evaluation
-    seconds: float
 
 
 def save_checkpoint(directory: Path, head: EagleHead | LongSpecHead, optimiser: torch.optim.Optimizer,
@@ -152,51 +140,63 @@ def resumed_head(directory: Path, state: dict[str, Any], model: nn.Module,
 def run_training(head: EagleHead | LongSpecHead, train: Sequence[Any], held_out: Sequence[Any],
                  settings: TrainSettings, directory: Path, state: dict[str, Any] | None = None,
                  deadline: float | None = None, on_step: Callable[[dict[str, Any]], None] | None = None,
-                 model: nn.Module | None = None) -> RunOutcome:
-    """Train `head` (in place) to settings.steps steps, from `state` (a checkpoint's `read_state`) or from step 0.
-    Stops early, with a checkpoint, once time.monotonic() passes `deadline`. `on_step(row)` sees each log row.
-    EAGLE heads train on `Features`, a Sparrow head on `sparrow_head.VideoFeatures`; a LongSpec head on token
-    sequences ([n] ids) with its target `model` (it reads the target's KV at anchor-offset positions drawn each
-    step, so no feature cache applies)."""
+                 model: nn.Module | None = None) -> Outcome:
+    """Train `head` (in place) to settings.steps steps, from `state` (a checkpoint's `read_state`) or from step 0,
+    with sparrow.training.orchestrator: it stops early, with a checkpoint, once time.monotonic() passes `deadline`.
+    `on_step(row)` sees each log row. EAGLE heads train on `Features`, a Sparrow head on `sparrow_head.VideoFeatures`;
+    a LongSpec head on token sequences ([n] ids) with its target `model` (it reads the target's KV at anchor-offset
+    positions drawn each step, so no feature cache applies)."""
     if not train:
         raise UserError("no training sequences: give more --data or --tokens")
-    step_of, evaluate_on = _trainer_of(head, settings, model)
-    start = time.monotonic()
-    directory.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(settings.seed)
-    optimiser = new_optimiser(head, settings.lr)
-    step = 0
-    if state is not None:
-        optimiser.load_state_dict(state["optimiser"])
-        generator.set_state(state["generator"])
-        step = int(state["step"])
-    log = _LogFile(directory / LOG, keep_through=step)
-    evaluation, stopped, saved = None, "done", None
-    while step < settings.steps:
-        if deadline is not None and time.monotonic() >= deadline:
-            stopped = "time budget"
-            break
-        for group in optimiser.param_groups:
-            group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup)
-        batch = [train[i] for i in draw_batch(len(train), settings.batch_size, generator)]
-        result = step_of(optimiser, batch, generator)
+    steps = _CachedSteps(head, train, held_out, settings, directory, state, on_step, model)
+    schedule = Schedule(settings.lr, settings.warmup, steps=settings.steps, until=deadline,
+                        checkpoint_steps=settings.checkpoint_every)
+    outcome = orchestrator.train(steps, schedule, state, steps.start)
+    head.eval().requires_grad_(False)
+    return outcome
+
+
+class _CachedSteps:
+    """`sparrow train head`'s side of the orchestrator: batches drawn from features already computed, a row of
+    train_log.jsonl a step (held-out rows every settings.eval_every steps and at the last), trainer_state.pt."""
+
+    def __init__(self, head: EagleHead | LongSpecHead, train: Sequence[Any], held_out: Sequence[Any],
+                 settings: TrainSettings, directory: Path, state: dict[str, Any] | None,
+                 on_step: Callable[[dict[str, Any]], None] | None, model: nn.Module | None) -> None:
+        self.head, self.train, self.held_out, self.settings, self.directory = head, train, held_out, settings, directory
+        self.on_step = on_step
+        self.step_of, self.evaluate_on = _trainer_of(head, settings, model)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.order = torch.Generator().manual_seed(settings.seed)
+        self.optimiser = new_optimiser(head, settings.lr)
+        self.start = 0 if state is None else int(state["step"])
+        _cut_log(directory / LOG, self.start)
+        self.evaluated: tuple[int, Evaluation] | None = None
+
+    def step(self, step: int) -> None:
+        batch = [self.train[i] for i in draw_batch(len(self.train), self.settings.batch_size, self.order)]
+        result = self.step_of(self.optimiser, batch, self.order)
         step += 1
         row: dict[str, Any] = {"step": step, "loss": result.loss, "agreement": result.agreement,
-                               "tokens": result.tokens, "lr": optimiser.param_groups[0]["lr"]}
-        if held_out and (step % settings.eval_every == 0 or step == settings.steps):
-            evaluation = evaluate_on(held_out)
+                               "tokens": result.tokens, "lr": self.optimiser.param_groups[0]["lr"]}
+        if self.held_out and (step % self.settings.eval_every == 0 or step == self.settings.steps):
+            evaluation = self.evaluate(step)
+            assert evaluation is not None
             row.update(held_out_loss=evaluation.loss, held_out_agreement=list(evaluation.agreement),
                        expected_accepted=evaluation.expected_accepted)
-        log.append(row)
-        if on_step is not None:
-            on_step(row)
-        if step % settings.checkpoint_every == 0:
-            save_checkpoint(directory, head, optimiser, generator, step, settings)
-            saved = step
-    if saved != step:  # not twice the same step: the previous checkpoint stays an earlier one
-        save_checkpoint(directory, head, optimiser, generator, step, settings)
-    head.eval().requires_grad_(False)
-    return RunOutcome(step, stopped, evaluation, time.monotonic() - start)
+        append_row(self.directory / LOG, row)
+        if self.on_step is not None:
+            self.on_step(row)
+
+    def checkpoint(self, step: int) -> None:
+        save_checkpoint(self.directory, self.head, self.optimiser, self.order, step, self.settings)
+
+    def evaluate(self, step: int) -> Evaluation | None:
+        if not self.held_out:
+            return None
+        if self.evaluated is None or self.evaluated[0] != step:
+            self.evaluated = step, self.evaluate_on(self.held_out)
+        return self.evaluated[1]
 
 
 def _trainer_of(head: EagleHead | LongSpecHead, settings: TrainSettings, model: nn.Module | None
@@ -222,18 +222,10 @@ def _trainer_of(head: EagleHead | LongSpecHead, settings: TrainSettings, model: 
             lambda held_out: evaluate_head(head, held_out, settings.ttt_steps))
 
 
-class _LogFile:
-    """train_log.jsonl, cut back to the rows of steps <= keep_through (those of the checkpoint resumed)."""
-
-    def __init__(self, path: Path, keep_through: int) -> None:
-        self.path = path
-        rows = read_log(path) if path.is_file() else []
-        kept = [r for r in rows if r.get("step", 0) <= keep_through]
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-
-    def append(self, row: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+def _cut_log(path: Path, keep_through: int) -> None:
+    """train_log.jsonl cut back to the rows of steps <= keep_through (those of the checkpoint resumed)."""
+    rows = read_log(path) if path.is_file() else []
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= keep_through))
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:
@@ -241,5 +233,5 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-__all__ = ["LOG", "PREVIOUS", "STATE", "RunOutcome", "TrainSettings", "read_log", "read_state", "resumed_head",
+__all__ = ["LOG", "PREVIOUS", "STATE", "TrainSettings", "read_log", "read_state", "resumed_head",
            "run_training", "save_checkpoint"]
