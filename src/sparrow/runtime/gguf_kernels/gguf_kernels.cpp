@@ -45,6 +45,10 @@
 #define SPARROW_AVX2 __attribute__((target("avx2,fma")))
 #endif
 
+// Helpers inlined everywhere: called from the AVX2 kernels they must be compiled as part of them (a call into
+// baseline code from AVX2 code costs a vzeroupper and spills every live ymm register).
+#define SPARROW_INLINE inline __attribute__((always_inline))
+
 namespace sparrow_gguf {
 namespace {
 
@@ -71,14 +75,14 @@ Format format_of(int64_t type) {
   TORCH_CHECK(false, "sparrow_gguf: unsupported GGML type ", type, " (supported: Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
 }
 
-inline float half_at(const uint8_t* p) {
+SPARROW_INLINE float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
 // Q4_K: 8 sub-blocks of 32 values, each with a 6-bit scale and a 6-bit min packed into 12 bytes.
-inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+SPARROW_INLINE void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
   for (int j = 0; j < 4; ++j) {
     sc[j] = s[j] & 63;
     mn[j] = s[j + 4] & 63;
@@ -93,13 +97,13 @@ inline void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
 // Dequantization of one block, written as the `gguf` package's numpy reference computes it (same float
 // operations, same order), so the result is bit for bit its.
 
-inline void dequant_q8_0(const uint8_t* blk, float* y) {
+SPARROW_INLINE void dequant_q8_0(const uint8_t* blk, float* y) {
   const float d = half_at(blk);
   const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
   for (int i = 0; i < 32; ++i) y[i] = static_cast<float>(q[i]) * d;
 }
 
-inline void dequant_q4_k(const uint8_t* blk, float* y) {
+SPARROW_INLINE void dequant_q4_k(const uint8_t* blk, float* y) {
   const float d = half_at(blk), dmin = half_at(blk + 2);
   uint8_t sc[8], mn[8];
   q4k_scales(blk + 4, sc, mn);
@@ -115,7 +119,7 @@ inline void dequant_q4_k(const uint8_t* blk, float* y) {
 }
 
 // Q6_K: 256 values of 6 bits (low 4 in ql, high 2 in qh), 16 int8 scales (one per 16 values), one fp16 d.
-inline void q6k_values(const uint8_t* blk, int8_t* v) {  // v[i] = q - 32, in -32..31
+SPARROW_INLINE void q6k_values(const uint8_t* blk, int8_t* v) {  // v[i] = q - 32, in -32..31
   const uint8_t* ql = blk;
   const uint8_t* qh = blk + 128;
   for (int n = 0; n < 2; ++n) {
@@ -129,7 +133,7 @@ inline void q6k_values(const uint8_t* blk, int8_t* v) {  // v[i] = q - 32, in -3
   }
 }
 
-inline void dequant_q6_k(const uint8_t* blk, float* y) {
+SPARROW_INLINE void dequant_q6_k(const uint8_t* blk, float* y) {
   int8_t v[256];
   q6k_values(blk, v);
   const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
@@ -140,7 +144,7 @@ inline void dequant_q6_k(const uint8_t* blk, float* y) {
   }
 }
 
-inline void dequant_block(int64_t type, const uint8_t* blk, float* y) {
+SPARROW_INLINE void dequant_block(int64_t type, const uint8_t* blk, float* y) {
   if (type == Q8_0) dequant_q8_0(blk, y);
   else if (type == Q4_K) dequant_q4_k(blk, y);
   else dequant_q6_k(blk, y);
