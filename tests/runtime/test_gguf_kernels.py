@@ -17,9 +17,9 @@ from sparrow.runtime import gguf_kernels as gk
 
 pytestmark = pytest.mark.skipif(not gk.available(), reason="the GGUF kernels could not be built here")
 
-TYPES = (gk.Q8_0, gk.Q4_K, gk.Q6_K)
+TYPES = (gk.Q5_0, gk.Q8_0, gk.Q4_K, gk.Q6_K)
 ISAS = ("scalar", "avx2") if gk.available() and gk.isa() == "avx2" else ("scalar",)
-FP16_OFFSETS = {gk.Q8_0: (0,), gk.Q4_K: (0, 2), gk.Q6_K: (208,)}  # where each block's fp16 scales lie
+FP16_OFFSETS = {gk.Q5_0: (0,), gk.Q8_0: (0,), gk.Q4_K: (0, 2), gk.Q6_K: (208,)}  # where each block's fp16 scales lie
 
 
 @pytest.fixture(params=ISAS)
@@ -101,7 +101,7 @@ def test_int8_activations_are_exact_integer_dots(qtype: int, isa: str):
     """Against float64 on the 8-bit activations the kernel made: only float32 rounding of the per-block scales
     separates them; against the float activations, at most half an activation step per weight."""
     cols, rows = 768, 40
-    block = 32 if qtype == gk.Q8_0 else 256
+    block = gk.BLOCKS[qtype][0]
     blocks = random_blocks(qtype, rows, cols, seed=2)
     w = reference(blocks, qtype, cols)
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(1))
@@ -169,7 +169,7 @@ def test_malformed_blocks_are_refused():
     with pytest.raises(UserError, match="not a multiple of its block size 256"):
         gk.check_blocks(blocks, gk.Q4_K, 8, 500)
     with pytest.raises(UserError, match="no GGUF kernel"):
-        gk.row_bytes(gguf.GGMLQuantizationType.Q5_0.value, 512)
+        gk.row_bytes(gguf.GGMLQuantizationType.Q5_1.value, 512)
     with pytest.raises(RuntimeError, match="bytes"):  # the op itself checks too
         gk.matmul(torch.randn(1, 512), blocks.reshape(-1)[:-144], gk.Q4_K, 8)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):

@@ -1,4 +1,4 @@
-"""Kernels that multiply by weights kept in GGUF's own block bytes (Q8_0, Q4_K, Q6_K): torch custom ops in C++.
+"""Kernels that multiply by weights kept in GGUF's own block bytes (Q8_0, Q5_0, Q4_K, Q6_K): torch custom ops in C++.
 
 ``gguf_kernels.cpp`` (shipped as package data) is compiled once on first use with ``torch.utils.cpp_extension.load``
 into ``<sparrow cache>/kernels/gguf-<key>/``, the key hashing the source, torch's version, the compiler and the
@@ -39,9 +39,9 @@ OFF = {"0", "false", "no", "off"}
 ENV = "SPARROW_GGUF_KERNELS"  # "0" / "off": never build or load the kernels
 
 # GGML type id -> (weights per block, bytes per block); the formats the kernels take
-Q8_0, Q4_K, Q6_K = 8, 12, 14
-BLOCKS: dict[int, tuple[int, int]] = {Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
-TYPE_NAMES = {Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
+Q5_0, Q8_0, Q4_K, Q6_K = 6, 8, 12, 14
+BLOCKS: dict[int, tuple[int, int]] = {Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+TYPE_NAMES = {Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
              "amx_tile", "amx_int8", "asimd", "asimddp", "i8mm")  # flags a kernel may be built or chosen for
 

@@ -1,4 +1,4 @@
-// Matrix products with weights kept in GGUF's own block bytes (Q8_0, Q4_K, Q6_K), for sparrow.
+// Matrix products with weights kept in GGUF's own block bytes (Q8_0, Q5_0, Q4_K, Q6_K), for sparrow.
 //
 // Built once on first use by sparrow/runtime/gguf_kernels/__init__.py (torch.utils.cpp_extension.load) and
 // registered as torch custom ops in the namespace `sparrow_gguf`:
@@ -10,7 +10,7 @@
 //
 // Two activation modes:
 //   int8 = true:  each activation row is quantized to 8 bits in blocks (one float scale per 32 values for Q8_0
-//                 weights, per 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K), and each weight block is
+//                 and Q5_0 weights, per 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K), and each weight block is
 //                 multiplied in integers (AVX2: vpmaddubsw + vpmaddwd), exact; the float scales are applied
 //                 once per block.
 //   int8 = false: float activations times the weight dequantized block by block (bit for bit what the `gguf`
@@ -53,6 +53,7 @@ namespace sparrow_gguf {
 namespace {
 
 // GGML's type ids, as in the GGUF file.
+constexpr int64_t Q5_0 = 6;
 constexpr int64_t Q8_0 = 8;
 constexpr int64_t Q4_K = 12;
 constexpr int64_t Q6_K = 14;
@@ -67,12 +68,14 @@ struct Format {
 
 Format format_of(int64_t type) {
   switch (type) {
+    case Q5_0: return {32, 22, 32};
     case Q8_0: return {32, 34, 32};
     case Q4_K: return {256, 144, 256};
     case Q6_K: return {256, 210, 256};
     default: break;
   }
-  TORCH_CHECK(false, "sparrow_gguf: unsupported GGML type ", type, " (supported: Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
+  TORCH_CHECK(false, "sparrow_gguf: unsupported GGML type ", type,
+              " (supported: Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
 }
 
 SPARROW_INLINE float half_at(const uint8_t* p) {
@@ -101,6 +104,30 @@ SPARROW_INLINE void dequant_q8_0(const uint8_t* blk, float* y) {
   const float d = half_at(blk);
   const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
   for (int i = 0; i < 32; ++i) y[i] = static_cast<float>(q[i]) * d;
+}
+
+// Q5_0: 32 values of 5 bits: the low 4 in qs (byte j: value j low, value j + 16 high), the fifth bit of value i
+// in bit i of the little-endian 32-bit qh; w = d * (q - 16).
+SPARROW_INLINE uint32_t q5_0_high_bits(const uint8_t* blk) {
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  return qh;
+}
+
+SPARROW_INLINE void q5_0_values(const uint8_t* blk, int8_t* v) {  // v[i] = q - 16, in -16..15
+  const uint32_t qh = q5_0_high_bits(blk);
+  const uint8_t* qs = blk + 6;
+  for (int j = 0; j < 16; ++j) {
+    v[j] = static_cast<int8_t>(((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - 16);
+    v[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+  }
+}
+
+SPARROW_INLINE void dequant_q5_0(const uint8_t* blk, float* y) {
+  const float d = half_at(blk);
+  int8_t v[32];
+  q5_0_values(blk, v);
+  for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(v[i]);
 }
 
 SPARROW_INLINE void dequant_q4_k(const uint8_t* blk, float* y) {
@@ -146,6 +173,7 @@ SPARROW_INLINE void dequant_q6_k(const uint8_t* blk, float* y) {
 
 SPARROW_INLINE void dequant_block(int64_t type, const uint8_t* blk, float* y) {
   if (type == Q8_0) dequant_q8_0(blk, y);
+  else if (type == Q5_0) dequant_q5_0(blk, y);
   else if (type == Q4_K) dequant_q4_k(blk, y);
   else dequant_q6_k(blk, y);
 }
@@ -192,6 +220,14 @@ void int8_rows_scalar(int64_t type, const uint8_t* w, int64_t nb, const QuantRow
         const int8_t* xq = a[r].q + b * 32;
         int s = 0;
         for (int i = 0; i < 32; ++i) s += wq[i] * xq[i];
+        acc += (half_at(blk) * a[r].d[b]) * static_cast<float>(s);
+      } else if (type == Q5_0) {
+        const uint8_t* blk = w + b * 22;
+        int8_t v[32];
+        q5_0_values(blk, v);
+        const int8_t* xq = a[r].q + b * 32;
+        int s = 0;
+        for (int i = 0; i < 32; ++i) s += v[i] * xq[i];
         acc += (half_at(blk) * a[r].d[b]) * static_cast<float>(s);
       } else if (type == Q4_K) {
         const uint8_t* blk = w + b * 144;
@@ -288,6 +324,38 @@ SPARROW_AVX2 void int8_q8_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
   for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
+// Q5_0 x Q8_0: the 5-bit values spread to bytes (the fifth bits through a byte shuffle and compare), less 16,
+// then as Q8_0.
+template <int R>
+SPARROW_AVX2 void int8_q5_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i m4 = _mm_set1_epi8(0xF);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i all_but_bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL);  // byte k: every bit set but k % 8
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 22;
+    const float dw = half_at(blk);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
+    const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+    __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(q5_0_high_bits(blk))), spread);
+    bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, all_but_bit), _mm256_set1_epi64x(-1));
+    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(bits, _mm256_set1_epi8(0x10))),
+                                      _mm256_set1_epi8(16));
+    const __m256i av = _mm256_sign_epi8(v, v);
+    for (int r = 0; r < R; ++r) {
+      const __m256i sx = _mm256_sign_epi8(load(a[r].q + b * 32), v);
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones));
+      const __m256 s = _mm256_set1_ps(dw * a[r].d[b]);
+      if (b & 1) acc1[r] = _mm256_fmadd_ps(s, p, acc1[r]);
+      else acc0[r] = _mm256_fmadd_ps(s, p, acc0[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
 // Q4_K x Q8_K: nibbles (u8 0..15) times x (s8), scaled by the sub-block's 6-bit scale in s32, summed over the
 // super-block exactly; the mins multiply the activation's 16-value sums.
 template <int R>
@@ -372,6 +440,7 @@ SPARROW_AVX2 void int8_q6_k_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
 template <int R>
 SPARROW_AVX2 void int8_rows_avx2(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
   if (type == Q8_0) int8_q8_0_avx2<R>(w, nb, a, out);
+  else if (type == Q5_0) int8_q5_0_avx2<R>(w, nb, a, out);
   else if (type == Q4_K) int8_q4_k_avx2<R>(w, nb, a, out);
   else int8_q6_k_avx2<R>(w, nb, a, out);
 }
