@@ -42,7 +42,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define SPARROW_X86 1
-#define SPARROW_AVX2 __attribute__((target("avx2,fma")))
+#define SPARROW_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 // Helpers inlined everywhere: called from the AVX2 kernels they must be compiled as part of them (a call into
@@ -297,10 +297,14 @@ SPARROW_AVX2 inline float hsum(__m256 v) {
 
 SPARROW_AVX2 inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-// Two 16-value groups' scales as s16 lanes: the low 128 bits (pairs 0..7 = values 0..15) take lo, the high take hi.
-SPARROW_AVX2 inline __m256i pair_scales(int lo, int hi) {
-  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)), _mm_set1_epi16(static_cast<int16_t>(lo)));
+SPARROW_AVX2 inline float half_f16c(const uint8_t* p) {  // the same value as half_at, in one instruction
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
 }
+
+// Every 16-bit lane = lane `t` of a vector whose two 128-bit halves are equal (a vpshufb control).
+SPARROW_AVX2 inline __m256i lane16(int t) { return _mm256_set1_epi16(static_cast<int16_t>(((2 * t + 1) << 8) | (2 * t))); }
 
 // Q8_0 x Q8_0: |w| (u8) times x with w's sign (s8); two float accumulators (even / odd blocks) per row.
 template <int R>
@@ -310,7 +314,7 @@ SPARROW_AVX2 void int8_q8_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 34;
-    const float dw = half_at(blk);
+    const float dw = half_f16c(blk);
     const __m256i wq = load(blk + 2);
     const __m256i aw = _mm256_sign_epi8(wq, wq);
     for (int r = 0; r < R; ++r) {
@@ -337,7 +341,7 @@ SPARROW_AVX2 void int8_q5_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
   const __m256i all_but_bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL);  // byte k: every bit set but k % 8
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 22;
-    const float dw = half_at(blk);
+    const float dw = half_f16c(blk);
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
     const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
     __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(q5_0_high_bits(blk))), spread);
@@ -363,13 +367,20 @@ SPARROW_AVX2 void int8_q4_k_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0xF);
+  const __m128i dup_mins = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 144;
-    const float d = half_at(blk), dmin = half_at(blk + 2);
-    alignas(16) uint8_t sc[8], mn[16];
-    q4k_scales(blk + 4, sc, mn);
-    for (int j = 7; j >= 0; --j) mn[2 * j] = mn[2 * j + 1] = mn[j];  // each min for both 16-value halves
-    const __m256i mins = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(mn)));
+    const float d = half_f16c(blk), dmin = half_f16c(blk + 2);
+    // the 12 scale bytes -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), four at a time in 32-bit words
+    uint32_t u[3];
+    std::memcpy(u, blk + 4, 12);
+    const uint32_t six = 0x3f3f3f3f, low4 = 0x0f0f0f0f, two = 0x03030303;
+    const __m128i sm = _mm_setr_epi32(static_cast<int>(u[0] & six),
+                                      static_cast<int>((u[2] & low4) | (((u[0] >> 6) & two) << 4)),
+                                      static_cast<int>(u[1] & six),
+                                      static_cast<int>(((u[2] >> 4) & low4) | (((u[1] >> 6) & two) << 4)));
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, dup_mins));  // each min for both 16-halves
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  // s16 lanes 0..7: the scales
     const uint8_t* qs = blk + 16;
     __m256i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
@@ -377,7 +388,8 @@ SPARROW_AVX2 void int8_q4_k_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
       const __m256i raw = load(qs + 32 * j);
       const __m256i lo = _mm256_and_si256(raw, m4);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-      const __m256i s_lo = _mm256_set1_epi16(sc[2 * j]), s_hi = _mm256_set1_epi16(sc[2 * j + 1]);
+      const __m256i s_lo = _mm256_shuffle_epi8(scales, lane16(2 * j));
+      const __m256i s_hi = _mm256_shuffle_epi8(scales, lane16(2 * j + 1));
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = a[r].q + b * 256 + 64 * j;
         const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(xq)), s_lo);
@@ -407,8 +419,11 @@ SPARROW_AVX2 void int8_q6_k_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
     const uint8_t* ql = blk;
     const uint8_t* qh = blk + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-    const float d = half_at(blk + 208);
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    const float d = half_f16c(blk + 208);
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+    const __m256i half_scales[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8)),
+                                    _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)))};
     __m256i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
     for (int n = 0; n < 2; ++n) {
@@ -419,9 +434,9 @@ SPARROW_AVX2 void int8_q6_k_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
       q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30));
       q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                              _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-      for (int c = 0; c < 4; ++c) {
-        const int g = 8 * n + 2 * c;
-        const __m256i s = pair_scales(sc[g], sc[g + 1]);
+      for (int c = 0; c < 4; ++c) {  // groups 8n + 2c (low 128 bits) and 8n + 2c + 1 (high)
+        const __m256i s = _mm256_shuffle_epi8(half_scales[n], _mm256_set_m128i(
+            _mm256_castsi256_si128(lane16(2 * c + 1)), _mm256_castsi256_si128(lane16(2 * c))));
         for (int r = 0; r < R; ++r) {
           const __m256i p = _mm256_maddubs_epi16(q[c], load(a[r].q + b * 256 + 128 * n + 32 * c));
           sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, s));
@@ -486,7 +501,8 @@ enum class Isa { Scalar, Avx2 };  // next: Avx512Vnni (vpdpbusd), Amx (tile dot 
 Isa detect() {
 #ifdef SPARROW_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return Isa::Avx2;
 #endif
   return Isa::Scalar;
 }
@@ -641,7 +657,7 @@ void set_isa(const std::string& name) {
     current() = Isa::Scalar;
   } else if (name == "avx2" || name == "auto") {
     const Isa best = detect();
-    TORCH_CHECK(name == "auto" || best == Isa::Avx2, "sparrow_gguf: this CPU has no AVX2 + FMA");
+    TORCH_CHECK(name == "auto" || best == Isa::Avx2, "sparrow_gguf: this CPU has no AVX2 + FMA + F16C");
     current() = best;
   } else {
     TORCH_CHECK(false, "sparrow_gguf: unknown isa '", name, "' (scalar, avx2, auto)");
