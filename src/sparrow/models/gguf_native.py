@@ -72,8 +72,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 
 def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
     """(metadata, tensors) of a GGUF file (v2 / v3), the tensors' bytes memory-mapped. gguf.GGUFReader does the same
-    but builds a numpy view per metadata item, ~50 s for a 151k-token vocabulary on a busy 2-core machine; this
-    reads the metadata with struct in ~1 s. Raises ValueError / OSError on a file that is not one."""
+    but builds a numpy view per metadata item, slow on a vocabulary of 150k tokens (see docs/results/gguf-kernels.md);
+    this reads the metadata with struct. Raises ValueError / OSError / struct.error on a file that is not one."""
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     buf = memoryview(mapped)
     pos = 0
