@@ -7,7 +7,8 @@ tensor of another type are dequantized into memory. The architecture comes from 
 transformers (config and tokenizer, as the dense loader reads them).
 
 Architectures: qwen2 (the presets qwen2.5-coder-*) and llama (whose q / k rows the GGUF converter permuted: the
-rows are put back, a copy of those two tensors only). Others are refused with one line.
+rows are put back, a copy of those two tensors only; not yet tested on a llama file). Others are refused with one
+line.
 """
 
 from __future__ import annotations
