@@ -1,10 +1,10 @@
 """A model whose linear layers run on the GGUF file's own blocks (``--quant gguf``): no dequantized float copy.
 
-The file is memory-mapped (``gguf.GGUFReader``); every linear layer whose GGML type the kernels take (Q8_0, Q4_K,
+The file is memory-mapped (`read_gguf`); every linear layer whose GGML type the kernels take (Q5_0, Q8_0, Q4_K,
 Q6_K; see `sparrow.runtime.gguf_kernels`) becomes a `GGUFLinear` over a view of the mapped bytes, the token
 embedding a `GGUFEmbedding` that dequantizes the rows it looks up; the small float tensors (norms, biases) and any
-tensor of another type are dequantized into memory. The architecture comes from the file's metadata, read by
-transformers (config and tokenizer, as the dense loader reads them).
+tensor of another type are dequantized into memory. The config and tokenizer come from the file's metadata, read
+by transformers once and then cached (`_config_and_tokenizer`).
 
 Architectures: qwen2 (the presets qwen2.5-coder-*) and llama (whose q / k rows the GGUF converter permuted: the
 rows are put back, a copy of those two tensors only; not yet tested on a llama file). Others are refused with one
