@@ -23,8 +23,10 @@ from sparrow.drafters.registry import REGISTRY, build_drafter, check_compile, ch
 from sparrow.drafters.requirements import check_models
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
+from sparrow.models.gguf_native import load_gguf_model
 from sparrow.models.quantization import (
     AUTO,
+    GGUF,
     LONG,
     PREFILL,
     W8A8,
@@ -80,7 +82,9 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     draft: preset, path or hub id, a LoadedModel, None (no draft), or "default" (qwen2.5-coder-0.5b for
     draft-model / cross-vocab / auto; none for visual-prune, which then drafts with the pruned target).
 
-    quant: int8 | int4 weight-only or w8a8 (CPU) target (lossless only relative to the quantized target); "auto":
+    quant: int8 | int4 weight-only or w8a8 (CPU) target (lossless only relative to the quantized target); "gguf"
+    (CPU): the target's linear layers run on its GGUF file's own blocks (Q4_K / Q6_K / Q8_0, 8-bit activations;
+    `sparrow.models.gguf_native`), loaded from the file without a float copy; "auto":
     the format this machine measured fastest for a verification step (sparrow.runtime.hardware.choose_target_quant;
     dense
     where none pays; lossless then relative to the target in the format chosen); "none": dense.
@@ -117,7 +121,11 @@ def load(target: str | LoadedModel = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     check_models(drafter, drafter_options, target, draft, device=device, compile=compile, quant=quant,
                  draft_quant=draft_quant)  # what the models' configs say they cannot run, before loading them
     if isinstance(target, str):
-        target = load_model(target, dtype=dtype, device=device, progress=progress)
+        target = load_gguf_model(target, device=device, progress=progress) if quant == GGUF else \
+            load_model(target, dtype=dtype, device=device, progress=progress)
+    elif quant == GGUF and getattr(target.model, "sparrow_quantization", None) is None:
+        raise UserError("quant='gguf' loads the target from its GGUF file: give a preset name or a .gguf path, "
+                        "not a loaded model")
     if isinstance(draft, str):
         draft = load_model(draft, dtype=dtype, device=device, progress=progress)
     quant = target_format(target.model, quant, compile)
@@ -150,7 +158,7 @@ def _target_compiles(compile: bool, exact: bool | None, quant: str | None, model
     """Whether compile=True compiles the target itself: not a w8a8 one (torch.compile cannot trace fbgemm's packed
     weights), nor one that must stay exact (exact=True) unless its compiled rows are invariant (the loaded `model`;
     before loading, a quantized `quant` is taken to be); then only the draft model compiles."""
-    if not compile or quant == W8A8:
+    if not compile or quant in (W8A8, GGUF):  # GGUF: its custom ops run eagerly (compiling them: not measured yet)
         return False
     return exact is not True or (row_invariant(model) if model is not None else quant is not None)
 
@@ -184,7 +192,7 @@ def _quantized(loaded: LoadedModel, quant: str | None, dense: str | None = PREFI
     """`loaded`, or its quantized copy (one per model, bits and `dense`: PREFILL for a target, LONG for a draft,
     see `quantize_model`); quant "auto" (drafts): see `draft_format`."""
     quant = draft_format(loaded.model, quant)
-    return loaded if quant is None else quantized_copy(loaded, quant, dense=dense)
+    return loaded if quant in (None, GGUF) else quantized_copy(loaded, quant, dense=dense)
 
 
 def _quantized_run(quant: str | None, draft_quant: str | None, draft: LoadedModel | None) -> bool:
@@ -292,6 +300,8 @@ class PipelineCache:
             return _quantized(spec, quant, dense_use)
         dense = (spec, resolve_dtype(dtype, device), resolve_device(device), None, False)
         key = dense if quant is None else (*dense[:3], quant, dense_use)
+        if key not in self._models and quant == GGUF:  # loaded from the file's blocks, never from a dense model
+            self._models[key] = load_gguf_model(spec, device=device, progress=False)
         if key not in self._models:  # a dense model only quantized from is dropped with the other unused ones
             if dense not in self._models:
                 self._models[dense] = load_model(spec, dtype=dtype, device=device)

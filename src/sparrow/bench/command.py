@@ -17,7 +17,8 @@ from sparrow.drafters.requirements import check_models
 from sparrow.errors import UserError
 from sparrow.heads.layout import find_head
 from sparrow.models import load_model, resolve_device, resolve_dtype
-from sparrow.models.quantization import parse_quant, quantized_copy
+from sparrow.models.gguf_native import load_gguf_model
+from sparrow.models.quantization import GGUF, parse_quant, quantized_copy
 from sparrow.runtime.hardware import choose_draft_quant
 
 DEFAULT_METHODS = "plain,draft-model,prompt-lookup,hf-plain,hf-assisted,hf-prompt-lookup"
@@ -95,8 +96,11 @@ def load_models(config, progress: bool = True):
     def load(name: str | None):
         return load_model(name, dtype=config.dtype, device=config.device, progress=progress) if name else None
 
-    target = load(config.target)
-    if config.quant is not None:
+    if config.quant == GGUF:  # the target on its GGUF file's own blocks
+        target = load_gguf_model(config.target, device=config.device, progress=progress)
+    else:
+        target = load(config.target)
+    if config.quant not in (None, GGUF):
         target = quantized_copy(target, config.quant)
     return Models(target, load(config.draft), load(config.cross_draft))
 

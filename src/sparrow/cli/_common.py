@@ -81,7 +81,9 @@ def check_float(flag: str, value: float | None, expected: str, ok: Callable[[flo
 
 
 QUANT_HELP = ("int8|int4 weight-only or w8a8 (CPU: int8 weights and per-token int8 activations, fbgemm) target: "
-              "faster; lossless only relative to the quantized target. auto: the format this machine runs a "
+              "faster; lossless only relative to the quantized target. gguf (CPU): the target runs on its GGUF "
+              "file's own 4/6/8-bit blocks (a preset or a .gguf file; no float copy). auto: the format this machine "
+              "runs a "
               "verification step fastest (measured, see `sparrow doctor`; dense where none pays), again lossless "
               "only relative to the target in that format; none: dense.")
 SPECULATIVE_CONFIG_HELP = ("vLLM's speculative config as JSON, e.g. '{\"method\": \"suffix\", "

@@ -84,8 +84,8 @@ def bench(
         Optional[str],
         typer.Option(
             help="int8|int4 weight-only or w8a8 (CPU: int8 weights and "
-            "activations) target, all methods; lossless relative to the quantized "
-            "target."
+            "activations) target, or gguf (CPU: the GGUF file's own blocks), all methods; lossless relative to "
+            "the quantized target."
         ),
     ] = None,
     draft_quant: Annotated[

@@ -56,6 +56,9 @@ from sparrow.runtime.quant import (
 )
 
 QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4, "w8a8": 8}  # format -> bits per weight
+# a target on its GGUF file's own blocks (Q4_K / Q6_K / Q8_0 as the file has them; sparrow.models.gguf_native): loaded
+# from the file rather than quantized from a dense model, so a target format only (--quant, not --draft-quant)
+GGUF = "gguf"
 # --draft-quant auto: the draft format this machine runs fastest (sparrow.runtime.hardware.choose_draft_quant)
 AUTO = "auto"
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -70,17 +73,20 @@ WEIGHTS_FILE = "weights.safetensors"  # the packed weights inside a quantized ca
 
 def parse_quant(quant: str | int | None, argument: str = "quant", auto: bool = False) -> str | None:
     """'int8' / 'int4' / 'w8a8' / 8 / 4 -> the format's name; None -> None; where `auto` is allowed (a draft's
-    format), also 'auto' -> 'auto' (chosen by sparrow.runtime.hardware) and 'none' -> None (dense). Raises UserError
-    naming `argument`."""
+    format), also 'auto' -> 'auto' (chosen by sparrow.runtime.hardware) and 'none' -> None (dense); for the target's
+    `quant`, also 'gguf' (GGUF). Raises UserError naming `argument`."""
     if quant is None:
         return None
     if isinstance(quant, int) and not isinstance(quant, bool) and quant in (4, 8):
         return f"int{quant}"
     if isinstance(quant, str) and quant.lower() in QUANT_BITS:
         return quant.lower()
+    if argument == "quant" and isinstance(quant, str) and quant.lower() == GGUF:
+        return GGUF
     if auto and isinstance(quant, str) and quant.lower() in (AUTO, "none"):
         return AUTO if quant.lower() == AUTO else None
     names = (AUTO, "none", *QUANT_BITS) if auto else tuple(QUANT_BITS)
+    names = (*names, GGUF) if argument == "quant" else names
     raise UserError(f"invalid {argument} {quant!r}: expected one of {', '.join(names)}")
 
 
@@ -149,7 +155,7 @@ def _layer_tensors(layer: nn.Module) -> dict[str, Tensor]:
 class QuantizationInfo:
     """Set as `model.sparrow_quantization` on every quantized copy."""
 
-    format: str  # "int8", "int4" or "w8a8"
+    format: str  # "int8", "int4", "w8a8" or "gguf"
     group_size: int
     quantized: tuple[str, ...]  # names of the layers replaced by QuantizedLinear / DynamicInt8Linear
     skipped: tuple[str, ...]  # nn.Linear layers the kernel can't take (kept dense, shared)
@@ -157,7 +163,7 @@ class QuantizationInfo:
 
     @property
     def bits(self) -> int:
-        return QUANT_BITS[self.format]
+        return QUANT_BITS.get(self.format, 0)  # gguf: the file's own mix (4-8 bits)
 
     @property
     def name(self) -> str:
@@ -393,6 +399,7 @@ def summary(model: nn.Module) -> dict[str, object]:
 
 __all__ = [
     "QUANT_BITS",
+    "GGUF",
     "W8A8",
     "QuantizedLinear",
     "DynamicInt8Linear",

@@ -46,6 +46,8 @@ DENSE_FROM_TOKENS = 16  # with a dense fallback, forwards of >= this many tokens
 def check_device(fmt: str, device: torch.device, dtype: torch.dtype | None = None) -> None:
     """Refuse, with a clear message, devices and dtypes torch has no packed kernel for (dtype None: the device
     only, as `sparrow.load` checks before loading)."""
+    if fmt == "gguf" and device.type != "cpu":
+        raise UserError(f"gguf (the GGUF file's own blocks) runs on the CPU only, not {device.type}")
     if fmt == W8A8 and device.type != "cpu":
         raise UserError(f"w8a8 runs on the CPU only (fbgemm's int8 kernels), not {device.type}; "
                         "use int8 or int4 (weight-only) there")

@@ -1,0 +1,103 @@
+"""GGUF block kernels against torch's formats: one 8960 x 1536 linear (Qwen2.5-1.5B's MLP gate / up) at 1 and 8 rows.
+
+Each round runs `sparrow doctor`'s own measurement of the existing formats (sparrow.runtime.microbench.measure:
+float32, bfloat16, float32 through oneDNN, int8 / int4 weight-only, w8a8) and then the GGUF kernels (8-bit
+activations for Q4_K / Q5_0 / Q6_K / Q8_0, float activations for Q4_K) with the same harness: weights cycling through
+copies worth 2x the L3, so they stream from memory; the fastest of the turns. Rounds alternate the two groups, so a
+passing load on the (shared) machine hits both; the figures are the medians of the rounds, with min-max.
+
+    python benchmarks/gguf_kernels.py --rounds 5 --out benchmarks/results/gguf_kernels.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sparrow.runtime import gguf_kernels as gk
+from sparrow.runtime.cpu import cpu_info
+from sparrow.runtime.microbench import BENCH_ROWS, BENCH_SHAPE, _copies, _time_ms, cache_bytes, measure
+
+FP16_OFFSETS = {gk.Q5_0: (0,), gk.Q8_0: (0,), gk.Q4_K: (0, 2), gk.Q6_K: (208,)}
+KERNELS = (("Q4_K", gk.Q4_K, True), ("Q6_K", gk.Q6_K, True), ("Q5_0", gk.Q5_0, True), ("Q8_0", gk.Q8_0, True),
+           ("Q4_K-float", gk.Q4_K, False))
+
+
+def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Valid blocks (random bytes, finite fp16 scales): the kernels' speed does not depend on the values."""
+    rng = np.random.default_rng(seed)
+    values, nbytes = gk.BLOCKS[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // values, nbytes), dtype=np.uint8)
+    for offset in FP16_OFFSETS[qtype]:
+        blocks[:, offset:offset + 2] = np.full(len(blocks), 1e-3, np.float16).view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def measure_gguf(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_SHAPE) -> dict[str, dict]:
+    """ms per x @ W.T for each GGUF kernel, with microbench's harness (weights streamed from memory)."""
+    out_features, in_features = shape
+    working_set = min(max(2 * cache_bytes(), 64 << 20), 512 << 20)
+    kernels = {}
+    for name, qtype, int8 in KERNELS:
+        blocks = random_blocks(qtype, out_features, in_features)
+        weights = _copies(lambda b=blocks: (b.clone(),), blocks.numel(), working_set)
+        kernels[name] = functools.partial(
+            lambda x, w, q, a: gk.matmul(x, next(w)[0], q, out_features, a), w=weights, q=qtype, a=int8)
+    costs: dict[str, dict[str, float]] = {}
+    with torch.inference_mode():
+        for n in rows:
+            x = torch.randn(n, in_features)
+            for name, ms in _time_ms({k: functools.partial(f, x) for k, f in kernels.items()}).items():
+                costs.setdefault(name, {})[str(n)] = ms
+    return costs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="JSONL file to append one row per kernel to")
+    args = parser.parse_args()
+    assert gk.available(), gk.why_unavailable()
+    rounds: list[dict[str, dict[str, float]]] = []
+    bandwidth = []
+    for i in range(args.rounds):
+        existing = measure()
+        bandwidth.append(existing["bandwidth_gbs"])
+        rounds.append({**existing["costs"], **measure_gguf()})
+        print(f"round {i + 1}: " + ", ".join(f"{k} {v['1']:.2f}/{v['8']:.2f}" for k, v in rounds[-1].items()),
+              flush=True)
+    info = cpu_info()
+    meta = {"bench": "gguf_kernels", "shape": list(BENCH_SHAPE), "cpu": info.model, "flags": list(info.flags),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "isa": gk.isa(),
+            "rounds": args.rounds, "bandwidth_gbs_median": statistics.median(bandwidth),
+            "date": time.strftime("%Y-%m-%d"), "machine": platform.machine()}
+    rows = []
+    print(f"\n{info.model} ({' '.join(info.flags)}), {meta['threads']} threads, kernels: {meta['isa']}")
+    print("| kernel | 1 row ms (min-max) | 8 rows ms (min-max) |\n|---|---:|---:|")
+    for name in rounds[0]:
+        row = {"kernel": name, **meta}
+        cells = []
+        for n in ("1", "8"):
+            values = [r[name][n] for r in rounds]
+            row[f"ms_{n}"] = round(statistics.median(values), 3)
+            row[f"ms_{n}_min"], row[f"ms_{n}_max"] = round(min(values), 3), round(max(values), 3)
+            cells.append(f"{row[f'ms_{n}']:.2f} ({min(values):.2f}-{max(values):.2f})")
+        rows.append(row)
+        print(f"| {name} | {cells[0]} | {cells[1]} |")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

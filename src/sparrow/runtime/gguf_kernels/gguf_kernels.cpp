@@ -1,0 +1,682 @@
+// Matrix products with weights kept in GGUF's own block bytes (Q8_0, Q5_0, Q4_K, Q6_K), for sparrow.
+//
+// Built once on first use by sparrow/runtime/gguf_kernels/__init__.py (torch.utils.cpp_extension.load) and
+// registered as torch custom ops in the namespace `sparrow_gguf`:
+//
+//   matmul(x float32 [M, K], blocks uint8 [N, row bytes], type, N, int8) -> y float32 [M, N]   (y = x W^T)
+//   dequantize(blocks uint8 [N, row bytes], type, K) -> W float32 [N, K]
+//   quantize_activations(x float32 [M, K], block) -> (q int8 [M, K], d float32 [M, K / block])
+//   isa() -> str;  set_isa(str)  (tests: run the portable path on an AVX2 machine)
+//
+// Two activation modes:
+//   int8 = true:  each activation row is quantized to 8 bits in blocks (one float scale per 32 values for Q8_0
+//                 and Q5_0 weights, per 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K), and each weight block is
+//                 multiplied in integers (AVX2: vpmaddubsw + vpmaddwd), exact; the float scales are applied
+//                 once per block.
+//   int8 = false: float activations times the weight dequantized block by block (bit for bit what the `gguf`
+//                 package's dequantization gives), accumulated in float32 with FMA.
+//
+// Batch invariance by construction: an output y[m, n] is computed by one thread, from weight row n and activation
+// row m only, by the same instruction sequence whatever M is: activation rows are quantized on their own, the
+// kernels take activation rows in tiles of 1..4 whose every row has its own accumulators and the same operations,
+// and the threads split the output rows (N), never the reduction (K). So a forward over k rows gives bit for bit
+// what k one-row forwards give.
+//
+// The file is compiled for the baseline x86-64 (or whatever the host is) with -ffp-contract=off (no fused
+// multiply-add unless written); the AVX2 kernels carry __attribute__((target)) and are chosen at run time from
+// the CPU's features. Room is left for AVX-512 VNNI (vpdpbusd) and AMX kernels beside them (see Isa).
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SPARROW_X86 1
+#define SPARROW_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+// Helpers inlined everywhere: called from the AVX2 kernels they must be compiled as part of them (a call into
+// baseline code from AVX2 code costs a vzeroupper and spills every live ymm register).
+#define SPARROW_INLINE inline __attribute__((always_inline))
+
+namespace sparrow_gguf {
+namespace {
+
+// GGML's type ids, as in the GGUF file.
+constexpr int64_t Q5_0 = 6;
+constexpr int64_t Q8_0 = 8;
+constexpr int64_t Q4_K = 12;
+constexpr int64_t Q6_K = 14;
+
+constexpr int MAX_TILE = 4;  // activation rows per kernel call
+
+struct Format {
+  int64_t values;      // weights per block
+  int64_t bytes;       // bytes per block
+  int64_t act_block;   // activation values per 8-bit activation block (one float scale each)
+};
+
+Format format_of(int64_t type) {
+  switch (type) {
+    case Q5_0: return {32, 22, 32};
+    case Q8_0: return {32, 34, 32};
+    case Q4_K: return {256, 144, 256};
+    case Q6_K: return {256, 210, 256};
+    default: break;
+  }
+  TORCH_CHECK(false, "sparrow_gguf: unsupported GGML type ", type,
+              " (supported: Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
+}
+
+SPARROW_INLINE float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// Q4_K: 8 sub-blocks of 32 values, each with a 6-bit scale and a 6-bit min packed into 12 bytes.
+SPARROW_INLINE void q4k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+  }
+  for (int j = 4; j < 8; ++j) {
+    sc[j] = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dequantization of one block, written as the `gguf` package's numpy reference computes it (same float
+// operations, same order), so the result is bit for bit its.
+
+SPARROW_INLINE void dequant_q8_0(const uint8_t* blk, float* y) {
+  const float d = half_at(blk);
+  const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+  for (int i = 0; i < 32; ++i) y[i] = static_cast<float>(q[i]) * d;
+}
+
+// Q5_0: 32 values of 5 bits: the low 4 in qs (byte j: value j low, value j + 16 high), the fifth bit of value i
+// in bit i of the little-endian 32-bit qh; w = d * (q - 16).
+SPARROW_INLINE uint32_t q5_0_high_bits(const uint8_t* blk) {
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  return qh;
+}
+
+SPARROW_INLINE void q5_0_values(const uint8_t* blk, int8_t* v) {  // v[i] = q - 16, in -16..15
+  const uint32_t qh = q5_0_high_bits(blk);
+  const uint8_t* qs = blk + 6;
+  for (int j = 0; j < 16; ++j) {
+    v[j] = static_cast<int8_t>(((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - 16);
+    v[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+  }
+}
+
+SPARROW_INLINE void dequant_q5_0(const uint8_t* blk, float* y) {
+  const float d = half_at(blk);
+  int8_t v[32];
+  q5_0_values(blk, v);
+  for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(v[i]);
+}
+
+SPARROW_INLINE void dequant_q4_k(const uint8_t* blk, float* y) {
+  const float d = half_at(blk), dmin = half_at(blk + 2);
+  uint8_t sc[8], mn[8];
+  q4k_scales(blk + 4, sc, mn);
+  const uint8_t* qs = blk + 16;
+  for (int j = 0; j < 4; ++j) {  // 64 values: the low nibbles are sub-block 2j, the high ones 2j + 1
+    const float d0 = d * static_cast<float>(sc[2 * j]), m0 = dmin * static_cast<float>(mn[2 * j]);
+    const float d1 = d * static_cast<float>(sc[2 * j + 1]), m1 = dmin * static_cast<float>(mn[2 * j + 1]);
+    for (int l = 0; l < 32; ++l) {
+      y[64 * j + l] = d0 * static_cast<float>(qs[32 * j + l] & 0xF) - m0;
+      y[64 * j + 32 + l] = d1 * static_cast<float>(qs[32 * j + l] >> 4) - m1;
+    }
+  }
+}
+
+// Q6_K: 256 values of 6 bits (low 4 in ql, high 2 in qh), 16 int8 scales (one per 16 values), one fp16 d.
+SPARROW_INLINE void q6k_values(const uint8_t* blk, int8_t* v) {  // v[i] = q - 32, in -32..31
+  const uint8_t* ql = blk;
+  const uint8_t* qh = blk + 128;
+  for (int n = 0; n < 2; ++n) {
+    for (int l = 0; l < 32; ++l) {
+      const int h = qh[32 * n + l];
+      v[128 * n + l] = static_cast<int8_t>(((ql[64 * n + l] & 0xF) | ((h & 3) << 4)) - 32);
+      v[128 * n + 32 + l] = static_cast<int8_t>(((ql[64 * n + 32 + l] & 0xF) | (((h >> 2) & 3) << 4)) - 32);
+      v[128 * n + 64 + l] = static_cast<int8_t>(((ql[64 * n + l] >> 4) | (((h >> 4) & 3) << 4)) - 32);
+      v[128 * n + 96 + l] = static_cast<int8_t>(((ql[64 * n + 32 + l] >> 4) | (((h >> 6) & 3) << 4)) - 32);
+    }
+  }
+}
+
+SPARROW_INLINE void dequant_q6_k(const uint8_t* blk, float* y) {
+  int8_t v[256];
+  q6k_values(blk, v);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  const float d = half_at(blk + 208);
+  for (int g = 0; g < 16; ++g) {
+    const float dg = d * static_cast<float>(sc[g]);
+    for (int l = 0; l < 16; ++l) y[16 * g + l] = dg * static_cast<float>(v[16 * g + l]);
+  }
+}
+
+SPARROW_INLINE void dequant_block(int64_t type, const uint8_t* blk, float* y) {
+  if (type == Q8_0) dequant_q8_0(blk, y);
+  else if (type == Q5_0) dequant_q5_0(blk, y);
+  else if (type == Q4_K) dequant_q4_k(blk, y);
+  else dequant_q6_k(blk, y);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// 8-bit activations: one row at a time (never depends on the other rows), symmetric, one scale per block.
+
+struct QuantRow {
+  const int8_t* q;       // [K]
+  const float* d;        // [K / block]
+  const int16_t* bsums;  // [K / 16]: sums of 16 consecutive q (the K-quants' min / offset terms)
+};
+
+void quantize_row(const float* x, int64_t k, int64_t block, int8_t* q, float* d, int16_t* bsums) {
+  for (int64_t b = 0; b < k / block; ++b) {
+    const float* xb = x + b * block;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = amax / 127.0f;
+    for (int64_t i = 0; i < block; ++i) {
+      const float v = std::nearbyint(xb[i] * id);  // round half to even, as vcvtps2dq
+      q[b * block + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+    }
+  }
+  for (int64_t g = 0; g < k / 16; ++g) {
+    int s = 0;
+    for (int i = 0; i < 16; ++i) s += q[16 * g + i];
+    bsums[g] = static_cast<int16_t>(s);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Portable kernels: one weight row against R activation rows.
+
+template <int R>
+void int8_rows_scalar(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.0f, accm = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (type == Q8_0) {
+        const uint8_t* blk = w + b * 34;
+        const int8_t* wq = reinterpret_cast<const int8_t*>(blk + 2);
+        const int8_t* xq = a[r].q + b * 32;
+        int s = 0;
+        for (int i = 0; i < 32; ++i) s += wq[i] * xq[i];
+        acc += (half_at(blk) * a[r].d[b]) * static_cast<float>(s);
+      } else if (type == Q5_0) {
+        const uint8_t* blk = w + b * 22;
+        int8_t v[32];
+        q5_0_values(blk, v);
+        const int8_t* xq = a[r].q + b * 32;
+        int s = 0;
+        for (int i = 0; i < 32; ++i) s += v[i] * xq[i];
+        acc += (half_at(blk) * a[r].d[b]) * static_cast<float>(s);
+      } else if (type == Q4_K) {
+        const uint8_t* blk = w + b * 144;
+        uint8_t sc[8], mn[8];
+        q4k_scales(blk + 4, sc, mn);
+        const uint8_t* qs = blk + 16;
+        const int8_t* xq = a[r].q + b * 256;
+        const int16_t* bs = a[r].bsums + b * 16;
+        int sumi = 0, summ = 0;
+        for (int j = 0; j < 4; ++j) {
+          int lo = 0, hi = 0;
+          for (int l = 0; l < 32; ++l) {
+            lo += (qs[32 * j + l] & 0xF) * xq[64 * j + l];
+            hi += (qs[32 * j + l] >> 4) * xq[64 * j + 32 + l];
+          }
+          sumi += sc[2 * j] * lo + sc[2 * j + 1] * hi;
+        }
+        for (int j = 0; j < 8; ++j) summ += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+        acc += (half_at(blk) * a[r].d[b]) * static_cast<float>(sumi);
+        accm += (half_at(blk + 2) * a[r].d[b]) * static_cast<float>(summ);
+      } else {
+        const uint8_t* blk = w + b * 210;
+        int8_t v[256];
+        q6k_values(blk, v);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const int8_t* xq = a[r].q + b * 256;
+        int sumi = 0;
+        for (int g = 0; g < 16; ++g) {
+          int s = 0;
+          for (int l = 0; l < 16; ++l) s += v[16 * g + l] * xq[16 * g + l];
+          sumi += sc[g] * s;
+        }
+        acc += (half_at(blk + 208) * a[r].d[b]) * static_cast<float>(sumi);
+      }
+    }
+    out[r] = acc - accm;
+  }
+}
+
+template <int R>
+void float_rows_scalar(int64_t type, const uint8_t* w, int64_t nb, const Format& f, const float* const* x,
+                       float* out) {
+  float buf[256];
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    dequant_block(type, w + b * f.bytes, buf);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x[r] + b * f.values;
+      for (int64_t i = 0; i < f.values; ++i) acc[r] += buf[i] * xb[i];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// AVX2 kernels (vpmaddubsw: u8 x s8 pairs summed to s16; vpmaddwd: s16 x s16 pairs summed to s32).
+
+#ifdef SPARROW_X86
+
+SPARROW_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+SPARROW_AVX2 inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+SPARROW_AVX2 inline float half_f16c(const uint8_t* p) {  // the same value as half_at, in one instruction
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Every 16-bit lane = lane `t` of a vector whose two 128-bit halves are equal (a vpshufb control).
+SPARROW_AVX2 inline __m256i lane16(int t) { return _mm256_set1_epi16(static_cast<int16_t>(((2 * t + 1) << 8) | (2 * t))); }
+
+// Q8_0 x Q8_0: |w| (u8) times x with w's sign (s8); two float accumulators (even / odd blocks) per row.
+template <int R>
+SPARROW_AVX2 void int8_q8_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 34;
+    const float dw = half_f16c(blk);
+    const __m256i wq = load(blk + 2);
+    const __m256i aw = _mm256_sign_epi8(wq, wq);
+    for (int r = 0; r < R; ++r) {
+      const __m256i sx = _mm256_sign_epi8(load(a[r].q + b * 32), wq);
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+      const __m256 s = _mm256_set1_ps(dw * a[r].d[b]);
+      if (b & 1) acc1[r] = _mm256_fmadd_ps(s, p, acc1[r]);
+      else acc0[r] = _mm256_fmadd_ps(s, p, acc0[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+// Q5_0 x Q8_0: the 5-bit values spread to bytes (the fifth bits through a byte shuffle and compare), less 16,
+// then as Q8_0.
+template <int R>
+SPARROW_AVX2 void int8_q5_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i m4 = _mm_set1_epi8(0xF);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i all_but_bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL);  // byte k: every bit set but k % 8
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 22;
+    const float dw = half_f16c(blk);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
+    const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+    __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(q5_0_high_bits(blk))), spread);
+    bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, all_but_bit), _mm256_set1_epi64x(-1));
+    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(bits, _mm256_set1_epi8(0x10))),
+                                      _mm256_set1_epi8(16));
+    const __m256i av = _mm256_sign_epi8(v, v);
+    for (int r = 0; r < R; ++r) {
+      const __m256i sx = _mm256_sign_epi8(load(a[r].q + b * 32), v);
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones));
+      const __m256 s = _mm256_set1_ps(dw * a[r].d[b]);
+      if (b & 1) acc1[r] = _mm256_fmadd_ps(s, p, acc1[r]);
+      else acc0[r] = _mm256_fmadd_ps(s, p, acc0[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+// Q4_K x Q8_K: nibbles (u8 0..15) times x (s8), scaled by the sub-block's 6-bit scale in s32, summed over the
+// super-block exactly; the mins multiply the activation's 16-value sums.
+template <int R>
+SPARROW_AVX2 void int8_q4_k_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  const __m128i dup_mins = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 144;
+    const float d = half_f16c(blk), dmin = half_f16c(blk + 2);
+    // the 12 scale bytes -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), four at a time in 32-bit words
+    uint32_t u[3];
+    std::memcpy(u, blk + 4, 12);
+    const uint32_t six = 0x3f3f3f3f, low4 = 0x0f0f0f0f, two = 0x03030303;
+    const __m128i sm = _mm_setr_epi32(static_cast<int>(u[0] & six),
+                                      static_cast<int>((u[2] & low4) | (((u[0] >> 6) & two) << 4)),
+                                      static_cast<int>(u[1] & six),
+                                      static_cast<int>(((u[2] >> 4) & low4) | (((u[1] >> 6) & two) << 4)));
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, dup_mins));  // each min for both 16-halves
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  // s16 lanes 0..7: the scales
+    const uint8_t* qs = blk + 16;
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = load(qs + 32 * j);
+      const __m256i lo = _mm256_and_si256(raw, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      const __m256i s_lo = _mm256_shuffle_epi8(scales, lane16(2 * j));
+      const __m256i s_hi = _mm256_shuffle_epi8(scales, lane16(2 * j + 1));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a[r].q + b * 256 + 64 * j;
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(xq)), s_lo);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(xq + 32)), s_hi);
+        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p0, p1));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float dx = a[r].d[b];
+      const __m256i summ = _mm256_madd_epi16(load(a[r].bsums + b * 16), mins);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(summ), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+// Q6_K x Q8_K: the 6-bit q (u8 0..63) times x (s8), scaled by the group's s8 scale in s32; the offset 32 is taken
+// off once per super-block as 32 * sum(scale * 16-value activation sum).
+template <int R>
+SPARROW_AVX2 void int8_q6_k_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 210;
+    const uint8_t* ql = blk;
+    const uint8_t* qh = blk + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half_f16c(blk + 208);
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+    const __m256i half_scales[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8)),
+                                    _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)))};
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int n = 0; n < 2; ++n) {
+      const __m256i l0 = load(ql + 64 * n), l1 = load(ql + 64 * n + 32), h = load(qh + 32 * n);
+      __m256i q[4];
+      q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+      q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30));
+      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                             _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+      for (int c = 0; c < 4; ++c) {  // groups 8n + 2c (low 128 bits) and 8n + 2c + 1 (high)
+        const __m256i s = _mm256_shuffle_epi8(half_scales[n], _mm256_set_m128i(
+            _mm256_castsi256_si128(lane16(2 * c + 1)), _mm256_castsi256_si128(lane16(2 * c))));
+        for (int r = 0; r < R; ++r) {
+          const __m256i p = _mm256_maddubs_epi16(q[c], load(a[r].q + b * 256 + 128 * n + 32 * c));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, s));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(load(a[r].bsums + b * 16), sc16), 5);
+      const __m256 s = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], offset));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[r].d[b]), s, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+template <int R>
+SPARROW_AVX2 void int8_rows_avx2(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  if (type == Q8_0) int8_q8_0_avx2<R>(w, nb, a, out);
+  else if (type == Q5_0) int8_q5_0_avx2<R>(w, nb, a, out);
+  else if (type == Q4_K) int8_q4_k_avx2<R>(w, nb, a, out);
+  else int8_q6_k_avx2<R>(w, nb, a, out);
+}
+
+// Float activations: the block dequantized as the reference does (the scalar code above, vectorized by the
+// compiler inside this AVX2 function; no contraction), then FMA into 4 accumulators per row (values i / 8 mod 4).
+template <int R>
+SPARROW_AVX2 void float_rows_avx2(int64_t type, const uint8_t* w, int64_t nb, const Format& f, const float* const* x,
+                                  float* out) {
+  alignas(32) float buf[256];
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    dequant_block(type, w + b * f.bytes, buf);
+    for (int64_t i = 0; i < f.values; i += 32) {
+      const __m256 w0 = _mm256_load_ps(buf + i), w1 = _mm256_load_ps(buf + i + 8);
+      const __m256 w2 = _mm256_load_ps(buf + i + 16), w3 = _mm256_load_ps(buf + i + 24);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x[r] + b * f.values + i;
+        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), acc[r][3]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+}
+
+SPARROW_AVX2 void dequant_rows_avx2(int64_t type, const uint8_t* w, int64_t nb, const Format& f, float* y) {
+  for (int64_t b = 0; b < nb; ++b) dequant_block(type, w + b * f.bytes, y + b * f.values);
+}
+
+#endif  // SPARROW_X86
+
+// ---------------------------------------------------------------------------------------------------------------
+// Run-time dispatch on the CPU's features.
+
+enum class Isa { Scalar, Avx2 };  // next: Avx512Vnni (vpdpbusd), Amx (tile dot products)
+
+Isa detect() {
+#ifdef SPARROW_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return Isa::Avx2;
+#endif
+  return Isa::Scalar;
+}
+
+Isa& current() {
+  static Isa isa = detect();
+  return isa;
+}
+
+std::string isa_name(Isa isa) { return isa == Isa::Avx2 ? "avx2" : "scalar"; }
+
+template <int R>
+void int8_rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+#ifdef SPARROW_X86
+  if (current() == Isa::Avx2) return int8_rows_avx2<R>(type, w, nb, a, out);
+#endif
+  int8_rows_scalar<R>(type, w, nb, a, out);
+}
+
+template <int R>
+void float_rows(int64_t type, const uint8_t* w, int64_t nb, const Format& f, const float* const* x, float* out) {
+#ifdef SPARROW_X86
+  if (current() == Isa::Avx2) return float_rows_avx2<R>(type, w, nb, f, x, out);
+#endif
+  float_rows_scalar<R>(type, w, nb, f, x, out);
+}
+
+template <class Fn>
+void by_tile(int r, Fn&& fn) {  // fn(std::integral_constant<int, r>) for r in 1..MAX_TILE
+  switch (r) {
+    case 1: fn(std::integral_constant<int, 1>()); break;
+    case 2: fn(std::integral_constant<int, 2>()); break;
+    case 3: fn(std::integral_constant<int, 3>()); break;
+    default: fn(std::integral_constant<int, 4>()); break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The ops.
+
+int64_t row_bytes(const Format& f, int64_t k) { return k / f.values * f.bytes; }
+
+void check_blocks(const at::Tensor& blocks, int64_t type, int64_t n, int64_t k) {
+  const Format f = format_of(type);
+  TORCH_CHECK(n >= 0 && k > 0 && k % f.values == 0, "sparrow_gguf: in_features ", k,
+              " is not a positive multiple of the block size ", f.values, " (type ", type, ")");
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "sparrow_gguf: blocks must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(blocks.numel() == n * row_bytes(f, k), "sparrow_gguf: blocks hold ", blocks.numel(),
+              " bytes; a [", n, ", ", k, "] weight of type ", type, " needs ", n * row_bytes(f, k));
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_in, int64_t block) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "sparrow_gguf: x must be a float32 [rows, in_features] CPU tensor");
+  TORCH_CHECK(block > 0 && block % 16 == 0 && x_in.size(1) % block == 0, "sparrow_gguf: block ", block,
+              " must be a multiple of 16 dividing in_features ", x_in.size(1));
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({m, k / block}, x.options());
+  std::vector<int16_t> bsums(k / 16);
+  for (int64_t i = 0; i < m; ++i)
+    quantize_row(x.data_ptr<float>() + i * k, k, block, q.data_ptr<int8_t>() + i * k,
+                 d.data_ptr<float>() + i * (k / block), bsums.data());
+  return {q, d};
+}
+
+at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type, int64_t n, bool int8) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "sparrow_gguf: x must be a float32 [rows, in_features] CPU tensor");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  check_blocks(blocks, type, n, k);
+  const Format f = format_of(type);
+  const int64_t nb = k / f.values, rb = row_bytes(f, k);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bsums;
+  std::vector<QuantRow> rows;
+  if (int8) {
+    q.resize(m * k);
+    d.resize(m * (k / f.act_block));
+    bsums.resize(m * (k / 16));
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        quantize_row(xp + i * k, k, f.act_block, q.data() + i * k, d.data() + i * (k / f.act_block),
+                     bsums.data() + i * (k / 16));
+    });
+    for (int64_t i = 0; i < m; ++i)
+      rows.push_back({q.data() + i * k, d.data() + i * (k / f.act_block), bsums.data() + i * (k / 16)});
+  }
+  std::vector<const float*> xs(m);
+  for (int64_t i = 0; i < m; ++i) xs[i] = x.data_ptr<float>() + i * k;
+
+  // Threads split the output rows; each output element is one thread's, computed in one fixed order.
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    float tile[MAX_TILE];
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* wj = w + j * rb;
+      for (int64_t i = 0; i < m; i += MAX_TILE) {
+        const int r = static_cast<int>(std::min<int64_t>(MAX_TILE, m - i));
+        by_tile(r, [&](auto tag) {
+          constexpr int R = decltype(tag)::value;
+          if (int8) int8_rows<R>(type, wj, nb, rows.data() + i, tile);
+          else float_rows<R>(type, wj, nb, f, xs.data() + i, tile);
+        });
+        for (int t = 0; t < r; ++t) out[(i + t) * n + j] = tile[t];
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor dequantize(const at::Tensor& blocks, int64_t type, int64_t k) {
+  const Format f = format_of(type);
+  TORCH_CHECK(k > 0 && k % f.values == 0, "sparrow_gguf: in_features ", k, " is not a positive multiple of ",
+              f.values);
+  const int64_t rb = row_bytes(f, k);
+  TORCH_CHECK(blocks.numel() % rb == 0, "sparrow_gguf: blocks hold ", blocks.numel(),
+              " bytes, not a whole number of rows of ", rb, " bytes");
+  const int64_t n = blocks.numel() / rb;
+  check_blocks(blocks, type, n, k);
+  at::Tensor y = at::empty({n, k}, blocks.options().dtype(at::kFloat));
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  const int64_t nb = k / f.values;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+#ifdef SPARROW_X86
+      if (current() == Isa::Avx2) {
+        dequant_rows_avx2(type, w + j * rb, nb, f, out + j * k);
+        continue;
+      }
+#endif
+      for (int64_t b = 0; b < nb; ++b) dequant_block(type, w + j * rb + b * f.bytes, out + j * k + b * f.values);
+    }
+  });
+  return y;
+}
+
+std::string isa() { return isa_name(current()); }
+
+void set_isa(const std::string& name) {
+  if (name == "scalar") {
+    current() = Isa::Scalar;
+  } else if (name == "avx2" || name == "auto") {
+    const Isa best = detect();
+    TORCH_CHECK(name == "auto" || best == Isa::Avx2, "sparrow_gguf: this CPU has no AVX2 + FMA + F16C");
+    current() = best;
+  } else {
+    TORCH_CHECK(false, "sparrow_gguf: unknown isa '", name, "' (scalar, avx2, auto)");
+  }
+}
+
+}  // namespace
+}  // namespace sparrow_gguf
+
+TORCH_LIBRARY(sparrow_gguf, m) {
+  m.def("matmul(Tensor x, Tensor blocks, int type, int out_features, bool int8) -> Tensor");
+  m.def("dequantize(Tensor blocks, int type, int in_features) -> Tensor");
+  m.def("quantize_activations(Tensor x, int block) -> (Tensor, Tensor)");
+  m.def("isa() -> str", &sparrow_gguf::isa);
+  m.def("set_isa(str name) -> ()", &sparrow_gguf::set_isa);
+}
+
+TORCH_LIBRARY_IMPL(sparrow_gguf, CPU, m) {
+  m.impl("matmul", &sparrow_gguf::matmul);
+  m.impl("dequantize", &sparrow_gguf::dequantize);
+  m.impl("quantize_activations", &sparrow_gguf::quantize_activations);
+}

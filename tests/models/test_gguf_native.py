@@ -1,0 +1,190 @@
+"""--quant gguf (sparrow.models.gguf_native): a model built from a GGUF file's own blocks. On a tiny qwen2 written
+as Q8_0 / Q4_K / Q6_K (tests/gguf_helpers.py): every linear runs on the file's blocks; with float activations it is
+the dequantized model (to float32 rounding); greedy speculative decoding (prompt lookup, a draft model) equals its
+own plain decoding token for token; bad files and bad uses are refused with one line. With the real preset
+installed, the same on qwen2.5-coder-0.5b."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import perturbed, tiny_tokenizer
+from gguf_helpers import write_gguf
+from torch import nn
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import sparrow
+from sparrow.drafters import build_drafter
+from sparrow.errors import UserError
+from sparrow.models import LoadedModel
+from sparrow.models.gguf_native import build_model, load_gguf_model
+from sparrow.models.quantization import describe, parse_quant
+from sparrow.pipeline import Pipeline
+from sparrow.runtime import gguf_kernels
+from sparrow.runtime.gguf_linear import GGUFEmbedding, GGUFLinear
+
+pytestmark = pytest.mark.skipif(not gguf_kernels.available(), reason="the GGUF kernels could not be built here")
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Paris is the capital of France. Paris is"]
+
+
+def tiny_qwen2(seed: int = 0) -> nn.Module:
+    """Dims that are whole Q4_K / Q6_K super-blocks (256)."""
+    torch.manual_seed(seed)  # tests only: model construction draws from the global generator
+    config = Qwen2Config(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # sharper logits, so greedy text is not all ties
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def source() -> nn.Module:
+    return tiny_qwen2()
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory, source):
+    return write_gguf(source, tmp_path_factory.mktemp("gguf") / "tiny-qwen2.gguf", tiny_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def target(gguf_file) -> LoadedModel:
+    loaded = load_gguf_model(str(gguf_file), progress=False)
+    loaded.model.generation_config.eos_token_id = None
+    return loaded
+
+
+def dequantized_copy(model: nn.Module) -> nn.Module:
+    """The same model with every GGUF layer replaced by its dequantized float32 weights (the reference)."""
+    import copy
+
+    dense = copy.deepcopy(model)
+    for name, module in list(dense.named_modules()):
+        parent, _, child = name.rpartition(".")
+        owner = dense.get_submodule(parent) if parent else dense
+        if isinstance(module, GGUFLinear):
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            with torch.no_grad():
+                linear.weight.copy_(module.dequantized())
+                if module.bias is not None:
+                    linear.bias.copy_(module.bias)
+            setattr(owner, child, linear)
+        elif isinstance(module, GGUFEmbedding):
+            weight = gguf_kernels.dequantize(module.blocks, module.qtype, module.embedding_dim)
+            setattr(owner, child, nn.Embedding.from_pretrained(weight))
+    return dense.eval()
+
+
+def test_every_linear_runs_on_the_files_blocks(target, source):
+    model = target.model
+    assert sum(isinstance(m, GGUFLinear) for m in model.modules()) == \
+        sum(isinstance(m, nn.Linear) for m in source.modules())
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.model.embed_tokens, GGUFEmbedding)
+    assert {gguf_kernels.TYPE_NAMES[m.qtype] for m in model.modules() if isinstance(m, GGUFLinear)} == \
+        {"Q8_0", "Q4_K", "Q6_K"}
+    assert describe(model) == "gguf (15 layers)" and model.sparrow_quantization.skipped == ()
+    # the file's weights are the source's to 4-bit rounding (a check that names and rows are where they belong)
+    up = model.model.layers[1].mlp.up_proj
+    err = (up.dequantized() - source.model.layers[1].mlp.up_proj.weight).abs().max()
+    assert err < 0.2 * source.model.layers[1].mlp.up_proj.weight.abs().max()
+
+
+def test_float_activations_equal_the_dequantized_model(gguf_file, target):
+    model, _, _ = build_model(gguf_file, int8=False)
+    ids = torch.randint(0, 320, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        mine = model(ids).logits
+        ref = dequantized_copy(model)(ids).logits
+        int8 = target.model(ids).logits
+    torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4)
+    assert (int8 - ref).abs().max() < 0.05 * ref.abs().max()  # 8-bit activations: close, not equal
+
+
+@pytest.fixture(scope="module")
+def baselines(target) -> dict[str, list[int]]:
+    pipe = Pipeline(target, None)
+    return {p: pipe.generate_plain(p, max_new_tokens=40).token_ids for p in PROMPTS}
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_prompt_lookup_equals_plain(target, baselines, k):
+    pipe = sparrow.load(target, quant="gguf", drafter="prompt-lookup", draft=None, num_draft_tokens=k,
+                        progress=False)
+    accepted = 0
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == baselines[prompt], prompt
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_draft_model_equals_plain(target, source, baselines, k):
+    """The draft: the dense source model, perturbed (drafts partly accepted)."""
+    draft = LoadedModel(perturbed(source, 0.02, seed=1), target.tokenizer, "draft")
+    pipe = sparrow.load(target, quant="gguf", drafter="draft-model", draft=draft, num_draft_tokens=k,
+                        progress=False)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == baselines[prompt], (prompt, result.stats)
+        drafted += result.stats.num_draft_tokens
+        accepted += result.stats.num_accepted_tokens
+    assert 0 < accepted <= drafted
+
+
+def test_verify_rows_equal_one_token_steps(target):
+    """The exact target (as sparrow.load builds it for --quant gguf): logits of a k-token forward equal k one-token
+    forwards bit for bit."""
+    pipe = Pipeline(target, build_drafter("prompt-lookup", target, None, 4))
+    model = sparrow.load(target, quant="gguf", drafter="none", draft=None, progress=False).target.model
+    assert pipe is not None
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, 320, (1, 14), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(ids[:, :8], cache=cache, use_cache=True)
+        batch = model(ids[:, 8:], cache=cache, use_cache=True).logits[0]
+        cache = DynamicCache()
+        model(ids[:, :8], cache=cache, use_cache=True)
+        steps = torch.cat([model(ids[:, i:i + 1], cache=cache, use_cache=True).logits[0] for i in range(8, 14)])
+    assert torch.equal(batch, steps)
+
+
+def test_bad_files_and_uses_are_refused(tmp_path, gguf_file, source):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_file.read_bytes()[: gguf_file.stat().st_size // 2])
+    with pytest.raises(UserError, match="not a readable GGUF file"):
+        load_gguf_model(str(cut), progress=False)
+    with pytest.raises(UserError, match="preset .* or a .gguf file"):
+        load_gguf_model(str(tmp_path), progress=False)
+    with pytest.raises(UserError, match="not a loaded model"):
+        sparrow.load(LoadedModel(source, tiny_tokenizer(), "dense"), quant="gguf", drafter="none", draft=None,
+                     progress=False)
+    with pytest.raises(UserError, match="invalid draft_quant 'gguf'"):
+        parse_quant("gguf", "draft_quant", auto=True)
+    with pytest.raises(UserError, match="CPU only"):
+        load_gguf_model(str(gguf_file), device="meta", progress=False)
+    assert parse_quant("GGUF", "quant") == "gguf"
+
+
+@pytest.mark.real_model
+def test_real_preset_decodes_identically_with_drafters():
+    from sparrow.models.presets import PRESETS, is_installed
+
+    if not is_installed(PRESETS["qwen2.5-coder-0.5b"]):
+        pytest.skip("preset qwen2.5-coder-0.5b not installed")
+    prompt = "Write a Python function `is_prime(n)` that checks whether n is a prime number."
+    plain = None
+    for drafter, draft in (("none", None), ("prompt-lookup", None), ("draft-model", "qwen2.5-coder-0.5b")):
+        pipe = sparrow.load("qwen2.5-coder-0.5b", quant="gguf", drafter=drafter, draft=draft, progress=False,
+                            dtype="float32")
+        out = pipe.generate(prompt, max_new_tokens=48, chat=True).token_ids
+        plain = out if plain is None else plain
+        assert out == plain, drafter

@@ -1,0 +1,176 @@
+"""The GGUF block kernels (sparrow.runtime.gguf_kernels) against references: dequantization bit for bit the `gguf`
+package's, on random blocks and on the real blocks of any installed preset; the matmul within stated bounds of a
+float64 reference, in both activation modes and on both instruction sets; batch-invariant bit for bit (k rows at
+once equal k one-row calls, at any thread count); malformed blocks refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from sparrow.errors import UserError
+from sparrow.runtime import gguf_kernels as gk
+
+pytestmark = pytest.mark.skipif(not gk.available(), reason="the GGUF kernels could not be built here")
+
+TYPES = (gk.Q5_0, gk.Q8_0, gk.Q4_K, gk.Q6_K)
+ISAS = ("scalar", "avx2") if gk.available() and gk.isa() == "avx2" else ("scalar",)
+FP16_OFFSETS = {gk.Q5_0: (0,), gk.Q8_0: (0,), gk.Q4_K: (0, 2), gk.Q6_K: (208,)}  # where each block's fp16 scales lie
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest):
+    gk.set_isa(request.param)
+    yield request.param
+    gk.set_isa("auto")
+
+
+def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Random bytes with finite, modest fp16 scales: [rows, row bytes] uint8."""
+    rng = np.random.default_rng(seed)
+    values, nbytes = gk.BLOCKS[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // values, nbytes), dtype=np.uint8)
+    for offset in FP16_OFFSETS[qtype]:
+        scale = (rng.uniform(0.2, 1.0, size=blocks.shape[0]) * 10.0 ** rng.integers(-4, -1, blocks.shape[0]))
+        blocks[:, offset:offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def reference(blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """gguf's own dequantization."""
+    out = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.ascontiguousarray(out)).reshape(blocks.shape[0], cols)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_equals_gguf_bit_for_bit(qtype: int, isa: str):
+    cols = 512
+    blocks = random_blocks(qtype, 24, cols, seed=qtype)
+    mine = gk.dequantize(blocks, qtype, cols)
+    assert torch.equal(mine.view(torch.int32), reference(blocks, qtype, cols).view(torch.int32))
+
+
+def _installed_ggufs() -> list[Path]:
+    from sparrow.paths import default_cache_dir
+
+    found = sorted((default_cache_dir() / "gguf").glob("*.gguf"))
+    return found or sorted((Path.home() / ".cache" / "sparrow" / "gguf").glob("*.gguf"))
+
+
+def test_dequantize_equals_gguf_on_real_blocks():
+    files = _installed_ggufs()
+    if not files:
+        pytest.skip("no preset GGUF installed")
+    checked = set()
+    for path in files[:3]:
+        reader = gguf.GGUFReader(path)
+        for tensor in reader.tensors:
+            qtype = int(tensor.tensor_type)
+            if qtype not in gk.BLOCKS or len(tensor.shape) != 2:
+                continue
+            cols = int(tensor.shape[0])
+            raw = torch.from_numpy(np.array(tensor.data[:64]))  # the first 64 rows (bytes [rows, row bytes])
+            assert torch.equal(gk.dequantize(raw, qtype, cols).view(torch.int32),
+                               reference(raw, qtype, cols).view(torch.int32)), (path.name, tensor.name)
+            checked.add(qtype)
+    assert checked  # at least one tensor of a supported type in the installed presets
+
+
+def _bound(w: torch.Tensor, x: torch.Tensor, rel: float) -> torch.Tensor:
+    """rel * sum |w| |x| per output: the scale of float32 rounding in a dot product."""
+    return rel * (x.abs().double() @ w.abs().double().T)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_float_activations_match_the_dequantized_product(qtype: int, isa: str):
+    cols, rows = 768, 40
+    blocks = random_blocks(qtype, rows, cols, seed=1)
+    w = reference(blocks, qtype, cols)
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0))
+    y = gk.matmul(x, blocks, qtype, rows, int8=False)
+    exact = x.double() @ w.double().T
+    assert ((y.double() - exact).abs() <= _bound(w, x, 1e-5)).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_int8_activations_are_exact_integer_dots(qtype: int, isa: str):
+    """Against float64 on the 8-bit activations the kernel made: only float32 rounding of the per-block scales
+    separates them; against the float activations, at most half an activation step per weight."""
+    cols, rows = 768, 40
+    block = gk.BLOCKS[qtype][0]
+    blocks = random_blocks(qtype, rows, cols, seed=2)
+    w = reference(blocks, qtype, cols)
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(1))
+    x[1] = 0.0  # a zero row: scale 0
+    x[2, :block] = 0.0  # a zero block
+    y = gk.matmul(x, blocks, qtype, rows, int8=True)
+    q, d = gk.quantize_activations(x, block)
+    xq = (q.double().reshape(5, -1, block) * d.double()[..., None]).reshape(5, cols)
+    assert ((y.double() - xq @ w.double().T).abs() <= _bound(w, xq, 1e-5)).all()
+    step = d.double().repeat_interleave(block, dim=1)  # [5, cols]: each activation's quantization step
+    bound = (step / 2) @ w.abs().double().T + _bound(w, x, 1e-5)
+    assert ((y.double() - x.double() @ w.double().T).abs() <= bound).all()
+    assert (y[1] == 0).all()
+
+
+def test_activation_quantization():
+    x = torch.tensor([[0.5, -1.0, 0.25, 0.0] * 8, [0.0] * 32])
+    q, d = gk.quantize_activations(x, 32)
+    assert d.tolist() == [[pytest.approx(1 / 127)], [0.0]]
+    assert q[0, :4].tolist() == [64, -127, 32, 0] and (q[1] == 0).all()  # 63.5 -> 64: half to even
+
+
+@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_batch_invariant_bit_for_bit(qtype: int, int8: bool, isa: str):
+    """k rows at once give what k one-row calls give, bit for bit, for every k (tiles of 1..4 rows and their
+    remainders) and at 1 or 2 threads."""
+    cols, rows = 512, 72
+    blocks = random_blocks(qtype, rows, cols, seed=3)
+    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(2)) * 3
+    singles = torch.cat([gk.matmul(x[i:i + 1], blocks, qtype, rows, int8) for i in range(len(x))])
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for k in (2, 3, 4, 5, 8, 9, 11):
+                for start in (0, len(x) - k):
+                    batch = gk.matmul(x[start:start + k], blocks, qtype, rows, int8)
+                    assert torch.equal(batch, singles[start:start + k]), (k, start, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_instruction_sets_agree():
+    """Scalar and AVX2 compute the same integer dots and the same dequantized weights; float sums differ in order
+    only (a few ulps)."""
+    if "avx2" not in ISAS:
+        pytest.skip("no AVX2 here")
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
+    for qtype in TYPES:
+        blocks = random_blocks(qtype, 16, 512, seed=4)
+        out = {}
+        for name in ISAS:
+            gk.set_isa(name)
+            out[name] = (gk.matmul(x, blocks, qtype, 16, True), gk.matmul(x, blocks, qtype, 16, False))
+        gk.set_isa("auto")
+        for a, b in zip(out["scalar"], out["avx2"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_malformed_blocks_are_refused():
+    blocks = random_blocks(gk.Q4_K, 8, 512)
+    with pytest.raises(UserError, match="truncated or malformed"):
+        gk.check_blocks(blocks.reshape(-1)[:-1], gk.Q4_K, 8, 512, "blk.0.ffn_up.weight")
+    with pytest.raises(UserError, match="not a multiple of its block size 256"):
+        gk.check_blocks(blocks, gk.Q4_K, 8, 500)
+    with pytest.raises(UserError, match="no GGUF kernel"):
+        gk.row_bytes(gguf.GGMLQuantizationType.Q5_1.value, 512)
+    with pytest.raises(RuntimeError, match="bytes"):  # the op itself checks too
+        gk.matmul(torch.randn(1, 512), blocks.reshape(-1)[:-144], gk.Q4_K, 8)
+    with pytest.raises(RuntimeError, match="unsupported GGML type"):
+        gk.matmul(torch.randn(1, 512), blocks, 2, 8)
