@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import sparrow
+from sparrow.bench.runner import write_rows
 from sparrow.models import load_model
 from sparrow.models.gguf_native import load_gguf_model
 from sparrow.pipeline import Pipeline
@@ -108,10 +109,7 @@ def main() -> None:
         print(f"{method}: median {statistics.median(rates):.2f} tok/s (min {min(rates):.2f}, max {max(rates):.2f}, "
               f"{len(rates)} runs){'' if not same else ', identical to plain-gguf: ' + str(same == {True})}")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

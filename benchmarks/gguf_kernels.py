@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import platform
 import statistics
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sparrow.bench.runner import write_rows
 from sparrow.runtime import gguf_kernels as gk
 from sparrow.runtime.cpu import cpu_info
 from sparrow.runtime.microbench import BENCH_ROWS, BENCH_SHAPE, _copies, _time_ms, cache_bytes, measure
@@ -93,10 +93,7 @@ def main() -> None:
         rows.append(row)
         print(f"| {name} | {cells[0]} | {cells[1]} |")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        write_rows(args.out, rows)
 
 
 if __name__ == "__main__":
