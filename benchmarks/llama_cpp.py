@@ -116,6 +116,9 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
                                  False),
     "sparrow-w8a8-target+auto-vocab-auto": ({"drafter": "auto", "dtype": "float32", "quant": "w8a8",
                                              "draft_quant": "w8a8", "draft_vocab": "auto"}, False),
+    # the GGUF file's own blocks (--quant gguf: integer-dot kernels, 8-bit activations, float32 between them)
+    "sparrow-plain-gguf": ({"drafter": "prompt-lookup", "quant": "gguf"}, True),
+    "sparrow-gguf+prompt-lookup": ({"drafter": "prompt-lookup", "quant": "gguf"}, False),
 }
 BASELINE = "llama.cpp-plain"
 OPENVINO_CACHE = Path(os.environ.get("SPARROW_OPENVINO_CACHE", Path.home() / ".cache" / "sparrow" / "openvino"))
@@ -893,7 +896,8 @@ def reference_config(config: str) -> str | None:
             "sparrow-w8a8-auto+draft-int4": "sparrow-plain-w8a8-auto",
             "sparrow-w8a8-auto+auto": "sparrow-plain-w8a8-auto",
             "sparrow-w8a8-auto+draft-int4-compiled": "sparrow-plain-w8a8-auto",
-            "sparrow-w8a8-auto+auto-compiled": "sparrow-plain-w8a8-auto"}.get(config)
+            "sparrow-w8a8-auto+auto-compiled": "sparrow-plain-w8a8-auto",
+            "sparrow-gguf+prompt-lookup": "sparrow-plain-gguf"}.get(config)
 
 
 def identical_count(group: list[dict], rows: list[dict]) -> str:
