@@ -18,9 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from typing import Any
 
-from torch import nn
-
-from sparrow.drafters.plan import SpecPlan, check_draft_only_compile, resolve_plan, target_compiles
+from sparrow.drafters.plan import SpecPlan, resolve_plan, settle
 from sparrow.drafters.registry import build_drafter
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -35,7 +33,6 @@ from sparrow.models.quantization import (
 from sparrow.pipeline import Pipeline
 from sparrow.policy.measure import follow_cost_curve
 from sparrow.runtime.batch_invariant import exact_copy, source
-from sparrow.runtime.compiled import row_invariant
 from sparrow.runtime.runner import runner_for
 
 
@@ -106,9 +103,7 @@ def _assemble(plan: SpecPlan, target_in: Callable[[str | None], LoadedModel],
     the loaded model, quantized as asked; None: dense); quant "auto" settled on the dense target."""
     quant = target_format(target_in(None).model, AUTO, plan.compile) if plan.quant == AUTO else plan.quant
     target = target_in(quant)
-    compiled = target_compiles(plan.compile, plan.exact, quant, target.model)
-    exact = resolve_exact(plan.exact, compiled, quant, target.model)
-    check_draft_only_compile(plan.drafter, plan.draft, plan.compile and not compiled, exact)  # "auto" may be dense
+    compiled, exact = settle(plan, quant, target.model)
     draft = draft_in(plan.draft_quant) if plan.draft is not None else None
     if exact:
         target = replace(target, model=exact_copy(target.model))
@@ -116,20 +111,6 @@ def _assemble(plan: SpecPlan, target_in: Callable[[str | None], LoadedModel],
     if _quantized_run(quant, plan.draft_quant, draft):  # quantized kernels: k follows the measured cost curve
         follow_cost_curve(built, runner_for(target.model))
     return Pipeline(target, built, plan.verifier, compiled, plan.prefix_cache, compile_draft=plan.compile)
-
-
-def resolve_exact(exact: bool | None, compiled: bool = False, quant: str | None = None,
-                  model: nn.Module | None = None) -> bool:
-    """Whether the target runs batch-invariant forwards: `exact` (checked by `resolve_plan`), or by default (None)
-    for a quantized target that runs eagerly or whose compiled steps keep their rows
-    (`sparrow.runtime.compiled.row_invariant`: int8 / int4 on the CPU); a dense target opts in (its cost was not
-    measured <= 10 % yet, see docs/lossless.md) and then runs eagerly (torch.compile's dense matmuls are not
-    row-invariant)."""
-    if not compiled:
-        return quant is not None if exact is None else exact
-    invariant = model is not None and row_invariant(model)
-    assert not (exact and not invariant), "an exact target whose compiled rows vary runs eagerly (`target_compiles`)"
-    return invariant if exact is None else exact
 
 
 def _quantized(loaded: LoadedModel, quant: str | None, dense: str | None = PREFILL) -> LoadedModel:

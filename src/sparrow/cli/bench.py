@@ -19,7 +19,7 @@ from sparrow.cli._common import (
     drafter_flags_given,
     dtype_name,
 )
-from sparrow.drafters.plan import with_speculative_config
+from sparrow.drafters.plan import resolve_plan
 
 
 @cli_errors
@@ -142,9 +142,11 @@ def bench(
     if speculative_config is not None:
         from sparrow.bench.command import default_methods
 
-        method, draft, k, options = with_speculative_config(
-            speculative_config, drafter="", draft=draft, num_draft_tokens=k,
-            options={"head": head} if head is not None else {}, given=drafter_flags_given(), flags=True)
+        plan = resolve_plan(target, draft=draft, num_draft_tokens=k, dtype=dtype.value, device=device,
+                            speculative_config=speculative_config, given=drafter_flags_given(), flags=True,
+                            **({"head": head} if head is not None else {}))  # the config's method and options
+        method, k, options = plan.drafter, plan.num_draft_tokens, plan.drafter_options
+        draft = plan.draft if isinstance(plan.draft, str) else draft
         head = options.pop("head", None)
         listed = [m.strip() for m in (methods or default_methods(quick)).split(",") if m.strip()]
         methods = ",".join(listed if method in listed else [*listed, method])

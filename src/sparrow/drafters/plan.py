@@ -167,6 +167,28 @@ def target_compiles(compile: bool, exact: bool | None, quant: str | None, model:
     return exact is not True or (row_invariant(model) if model is not None else quant is not None)
 
 
+def settle(plan: SpecPlan, quant: str | None, model: nn.Module) -> tuple[bool, bool]:
+    """(compiled, exact) for the plan's target loaded in the format `quant` (the plan's, "auto" settled): refusing
+    again where only a draft model would compile and the drafter has none ("auto" may have chosen a dense target)."""
+    compiled = target_compiles(plan.compile, plan.exact, quant, model)
+    exact = resolve_exact(plan.exact, compiled, quant, model)
+    check_draft_only_compile(plan.drafter, plan.draft, plan.compile and not compiled, exact)
+    return compiled, exact
+
+
+def resolve_exact(exact: bool | None, compiled: bool = False, quant: str | None = None,
+                  model: nn.Module | None = None) -> bool:
+    """Whether the target runs batch-invariant forwards: `exact`, or by default (None) for a quantized target that
+    runs eagerly or whose compiled steps keep their rows (`sparrow.runtime.compiled.row_invariant`: int8 / int4 on
+    the CPU); a dense target opts in (its cost was not measured <= 10 % yet, see docs/lossless.md) and then runs
+    eagerly (torch.compile's dense matmuls are not row-invariant)."""
+    if not compiled:
+        return quant is not None if exact is None else exact
+    invariant = model is not None and row_invariant(model)
+    assert not (exact and not invariant), "an exact target whose compiled rows vary runs eagerly (`target_compiles`)"
+    return invariant if exact is None else exact
+
+
 def check_draft_only_compile(drafter: str, draft: object, draft_only: bool, exact: bool | None) -> None:
     """Refuse compile=True where only a draft model would compile (`draft_only`) and the drafter compiles none: the
     registry says which drafters compile their own model (`compiles_draft`), a draft model or a quantized copy."""
@@ -179,4 +201,5 @@ def check_draft_only_compile(drafter: str, draft: object, draft_only: bool, exac
                         f"{drafter!r} drafts without one: drop --compile")
 
 
-__all__ = ["SpecPlan", "check_draft_only_compile", "resolve_plan", "target_compiles", "with_speculative_config"]
+__all__ = ["SpecPlan", "check_draft_only_compile", "resolve_exact", "resolve_plan", "settle", "target_compiles",
+           "with_speculative_config"]
