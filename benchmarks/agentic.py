@@ -238,7 +238,12 @@ def main() -> None:
     if args.micro:
         micro(args)
         return
-    rows = ([json.loads(line) for line in args.summary.read_text().splitlines()] if args.summary else run(args))
+    if args.summary:
+        from sparrow.bench.report import read_jsonl  # plain or gzipped rows (benchmarks/results keeps them gzipped)
+
+        rows = [json.loads(line) for line in read_jsonl(args.summary) if line.strip()]
+    else:
+        rows = run(args)
     if args.out and not args.summary:
         with args.out.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

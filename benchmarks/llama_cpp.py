@@ -977,10 +977,12 @@ def render_table(rows: list[dict]) -> str:
 
 
 def report(args: argparse.Namespace) -> None:
-    path = RESULTS / f"{args.name}.jsonl" if args.out is None else args.out
-    if not path.exists():
-        raise SystemExit(f"no rows at {path}: run python benchmarks/llama_cpp.py run first")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from sparrow.bench.report import read_jsonl
+
+    path = RESULTS / f"{args.name}.jsonl" if args.out is None else Path(str(args.out).removesuffix(".gz"))
+    rows = [json.loads(line) for line in read_jsonl(path) if line.strip()]
+    if not rows:
+        raise SystemExit(f"no rows at {path}(.gz): run python benchmarks/llama_cpp.py run first")
     table = render_report(rows)
     path.with_suffix(".md").write_text(table + "\n")
     print(table)

@@ -320,7 +320,10 @@ def render_plot(rows: list[dict], path: Path) -> bool:
 
 
 def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The rows of `path`, or of `path`.gz (benchmarks/results keeps rows gzipped); none if neither exists."""
+    from sparrow.bench.report import read_jsonl
+
+    return [json.loads(line) for line in read_jsonl(path) if line.strip()]
 
 
 def render(out: Path) -> str:

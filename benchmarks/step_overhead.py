@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sparrow.bench.report import read_jsonl
 from sparrow.errors import UserError
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.compiled import StaticCachedModel
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     show.add_argument("--stat", choices=("median", "min"), default="median")
     args = parser.parse_args(argv)
     if args.command == "render":
-        rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in read_jsonl(args.rows) if line.strip()]
         sys.stdout.write(render(rows, args.stat))
         return
     if args.threads is not None:

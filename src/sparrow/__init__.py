@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sparrow.config import GREEDY, SamplingConfig, StoppingConfig
+    from sparrow.drafters.plan import SpecPlan, resolve_plan
     from sparrow.loading import PipelineCache, load
     from sparrow.pipeline import Pipeline
     from sparrow.types import Draft, GenerationResult, GenerationStats, Prompt, Verdict
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 _LAZY = {
     **dict.fromkeys(("GREEDY", "SamplingConfig", "StoppingConfig"), "sparrow.config"),
     **dict.fromkeys(("PipelineCache", "load"), "sparrow.loading"),
+    **dict.fromkeys(("SpecPlan", "resolve_plan"), "sparrow.drafters.plan"),
     "Pipeline": "sparrow.pipeline",
     **dict.fromkeys(("Draft", "GenerationResult", "GenerationStats", "Prompt", "Verdict"), "sparrow.types"),
 }
@@ -60,5 +62,5 @@ def generate(prompt, *, target: str = "qwen2.5-coder-1.5b", drafter: str = "draf
     return pipe.generate(prompt, **options)
 
 
-__all__ = ["generate", "load", "Pipeline", "PipelineCache", "PIPELINES", "SamplingConfig", "StoppingConfig",
-           "GREEDY", "Draft", "Verdict", "Prompt", "GenerationResult", "GenerationStats"]
+__all__ = ["generate", "load", "resolve_plan", "SpecPlan", "Pipeline", "PipelineCache", "PIPELINES", "SamplingConfig",
+           "StoppingConfig", "GREEDY", "Draft", "Verdict", "Prompt", "GenerationResult", "GenerationStats"]

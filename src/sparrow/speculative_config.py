@@ -1,7 +1,8 @@
 """vLLM's `speculative_config` (JSON on the command line, a dict in Python) mapped onto sparrow's drafter options.
 
 The one place the mapping lives; `sparrow generate/serve/bench --speculative-config JSON`, `sparrow.load(...,
-speculative_config=)` and `sparrow.generate(..., speculative_config=)` all go through `apply`.
+speculative_config=)` and `sparrow.generate(..., speculative_config=)` all go through `apply`, called by
+`sparrow.drafters.plan.with_speculative_config` (the plan's resolver).
 
     key                                   sparrow
     method: ngram                         --drafter prompt-lookup

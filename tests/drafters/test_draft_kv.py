@@ -238,18 +238,19 @@ def test_bad_combinations_are_refused(vlm):
 
 def test_cli_options_are_checked_before_loading():
     from sparrow.cli.generate import video_drafter_options
+    from sparrow.drafters.plan import resolve_plan
     from sparrow.errors import UserError
 
-    assert video_drafter_options("draft-model", "auto", None, "hybridkv", 64, 2) == dict(
+    assert video_drafter_options(None, "hybridkv", 64, 2) == dict(
         draft_kv="hybridkv", draft_kv_budget=64, retrieve_every=2)
-    assert video_drafter_options("visual-prune", "auto", 0.5, "topk", None) == dict(
-        drop_rate=0.5, draft_kv="topk", draft_kv_budget=None)
-    for args, message in [(("prompt-lookup", "auto", None, "topk", None), "sparse or visual-prune only"),
-                          (("draft-model", "auto", None, "topk", None, 1), "needs --draft-kv hybridkv"),
-                          (("draft-model", "auto", None, "hybridkv", None, 0), "integer >= 1"),
-                          (("sparse", "auto", None, "h2o", None), "unknown --draft-kv")]:
+    assert video_drafter_options(0.5, "topk", None) == dict(drop_rate=0.5, draft_kv="topk", draft_kv_budget=None)
+    for args, message in [((None, "topk", None, 1), "needs --draft-kv hybridkv"),
+                          ((None, "hybridkv", None, 0), "integer >= 1"),
+                          ((None, "h2o", None), "unknown --draft-kv")]:
         with pytest.raises(UserError, match=message):
             video_drafter_options(*args)
+    with pytest.raises(UserError, match="sparse or visual-prune only"):  # the plan: the drafter takes the flag
+        resolve_plan("no-such-model", drafter="prompt-lookup", flags=True, **video_drafter_options(None, "topk", None))
 
 
 def test_cli_visual_prune_with_retrieval_is_lossless(tmp_path):

@@ -351,11 +351,12 @@ def test_auto_gives_its_draft_model_the_reduced_vocabulary(pair, vocab, plain):
 
 def test_cli_flag_is_checked_before_loading():
     from sparrow.cli.generate import draft_vocab_options
+    from sparrow.drafters.plan import resolve_plan
 
-    assert draft_vocab_options("draft-model", "0") == {}
-    assert draft_vocab_options("layer-skip", "32768") == {"draft_vocab": 32768}
-    assert draft_vocab_options("quantized-self", "auto") == {"draft_vocab": "auto"}
+    assert draft_vocab_options("0") == {}
+    assert draft_vocab_options("32768") == {"draft_vocab": 32768}
+    assert draft_vocab_options("auto") == {"draft_vocab": "auto"}
     with pytest.raises(UserError, match="--draft-vocab must be an integer >= 0"):
-        draft_vocab_options("draft-model", "-5")
-    with pytest.raises(UserError, match="--draft-vocab applies to"):
-        draft_vocab_options("prompt-lookup", "100")
+        draft_vocab_options("-5")
+    with pytest.raises(UserError, match="--draft-vocab applies to"):  # the plan: the drafter has a draft LM head
+        resolve_plan("no-such-model", drafter="prompt-lookup", flags=True, **draft_vocab_options("100"))

@@ -483,11 +483,11 @@ def test_cli_serve_checks_its_flags_before_loading():
 
 
 def test_cli_serve_loads_the_target_in_the_format_asked(monkeypatch):
-    """--quant reaches sparrow.load (the scheduler's loader), as --draft-quant does."""
+    """--quant reaches sparrow.load's plan (the scheduler's loader), as --draft-quant does."""
     seen = {}
 
-    def load(target, **options):
-        seen.update(options, target=target)
+    def load(plan):
+        seen.update(target=plan.target, quant=plan.quant, draft_quant=plan.draft_quant, prefix_cache=plan.prefix_cache)
         raise UserError("loaded")
 
     class LoadAtOnce:

@@ -35,10 +35,11 @@ def test_loose_is_registered_lossy_and_never_auto():
 def test_pipeline_default_verifier_is_lossless():
     import inspect
 
-    from sparrow.loading import load
+    from sparrow.drafters.plan import resolve_plan
     from sparrow.pipeline import Pipeline
 
-    assert inspect.signature(load).parameters["verifier"].default == "auto"
+    assert inspect.signature(resolve_plan).parameters["verifier"].default == "auto"  # what sparrow.load takes
+    assert resolve_plan("no-such-model", drafter="prompt-lookup").verifier == "auto"
     assert inspect.signature(Pipeline).parameters["verifier"].default == "auto"
 
 

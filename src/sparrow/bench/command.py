@@ -5,6 +5,7 @@ The command's flags live in sparrow.cli.bench; heavy imports stay inside the fun
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -12,13 +13,13 @@ from sparrow.bench.data import load_questions, shortest_per_task
 from sparrow.bench.methods import needs_cross_draft, needs_draft, parse_methods
 from sparrow.bench.report import write_report
 from sparrow.bench.runner import BenchConfig, Models, Runner
-from sparrow.drafters.registry import REGISTRY, check_drafter_args, check_quant_args, takers
-from sparrow.drafters.requirements import check_models
+from sparrow.drafters.plan import resolve_plan
+from sparrow.drafters.registry import NONE, REGISTRY, takers
 from sparrow.errors import UserError
 from sparrow.heads.layout import find_head
 from sparrow.models import load_model, resolve_device, resolve_dtype
 from sparrow.models.gguf_native import load_gguf_model
-from sparrow.models.quantization import GGUF, parse_quant, quantized_copy
+from sparrow.models.quantization import AUTO, GGUF, parse_quant, quantized_copy, target_format
 from sparrow.runtime.hardware import choose_draft_quant
 
 DEFAULT_METHODS = "plain,draft-model,prompt-lookup,hf-plain,hf-assisted,hf-prompt-lookup"
@@ -56,9 +57,6 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
                              ("lookup_tokens", lookup_tokens, 1)):
         if value < low:
             raise UserError(f"{name} must be >= {low}, got {value}")
-    check_drafter_args("none", k)
-    for name, options in (drafter_options or {}).items():
-        check_drafter_args(name, k, options)
     headed = [name for name in takers("head") if name in method_list]  # methods that draft with a trained head
     if head is not None and not headed:
         raise UserError(f"--head applies to the {' / '.join(takers('head'))} method only: add it to --methods")
@@ -70,23 +68,27 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
                             f"{target!r} (a head directory, e.g. from `sparrow train head`)")
         head = str(found)
     compute = resolve_dtype(dtype, device)
-    parse_quant(quant, "quant")
     draft_quant = parse_quant(draft_quant, "draft_quant", auto=True)
-    if draft_quant == "auto":  # recorded as the format it resolved to
+    if draft_quant == AUTO:  # recorded as the format it resolved to
         draft_quant = choose_draft_quant(resolve_device(device), dtype=compute)[0]
-    if quant is not None:  # raises for a method that needs an unquantized target
-        for name in method_list:
-            check_quant_args(name if name in REGISTRY else "none", quant, None, False)
-    for name in (m for m in method_list if m in REGISTRY):  # what the models' config.json rules out, as sparrow.load
+    sparrow_methods = dict.fromkeys([NONE, *(m for m in method_list if m in REGISTRY), *(drafter_options or {})])
+    for name in sparrow_methods:  # each sparrow method's plan, checked as sparrow.load checks it
         options = {**(drafter_options or {}).get(name, {}), **({"head": head} if name in headed else {})}
         drafting = cross_draft if needs_cross_draft(name) else draft if needs_draft(name) else None
-        check_models(name, options, target, drafting, device=device, quant=quant, draft_quant=draft_quant)
+        resolve_plan(target, drafter=name, draft=drafting, num_draft_tokens=k, adaptive=adaptive, dtype=dtype,
+                     device=device, quant=quant, draft_quant=draft_quant if drafting is not None else None,
+                     **options)
+    quant = parse_quant(quant, "quant", auto=True)
     config = BenchConfig(target=target, draft=draft if any(map(needs_draft, method_list)) else None,
                          cross_draft=cross_draft if any(map(needs_cross_draft, method_list)) else None, dtype=dtype,
                          k=k, adaptive=adaptive, max_new_tokens=max_new_tokens, turns=2 if all_turns else 1,
                          chat=chat, device=str(resolve_device(device)), quant=quant, draft_quant=draft_quant,
                          lookup_tokens=lookup_tokens, head=head, drafter_options=drafter_options or {})
-    runner = Runner(method_list, load_models(config, progress), config)
+    models = load_models(config, progress)
+    if quant == AUTO:  # recorded as the format it resolved to
+        info = getattr(models.target.model, "sparrow_quantization", None)
+        config = replace(config, quant=info.format if info is not None else None)
+    runner = Runner(method_list, models, config)
     return run_to_dir(runner, questions, out, repeats=repeats, first_repeat=first_repeat, warmup=warmup,
                       progress=progress)
 
@@ -100,8 +102,9 @@ def load_models(config, progress: bool = True):
         target = load_gguf_model(config.target, device=config.device, progress=progress)
     else:
         target = load(config.target)
-    if config.quant not in (None, GGUF):
-        target = quantized_copy(target, config.quant)
+        quant = target_format(target.model, config.quant)  # "auto": the format this machine verifies fastest in
+        if quant is not None:
+            target = quantized_copy(target, quant)
     return Models(target, load(config.draft), load(config.cross_draft))
 
 

@@ -3,6 +3,7 @@ overall, and PNG plots (speedup per task per method, acceptance per draft positi
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Sequence
@@ -12,19 +13,30 @@ from sparrow.bench.metrics import OVERALL, Cell, split_setups, summarize
 from sparrow.errors import UserError
 
 
+def read_jsonl(path: str | Path) -> list[str]:
+    """The lines of a JSONL file kept as `path` or compressed as `path`.gz (benchmarks/results keeps rows gzipped),
+    the compressed ones first (rows a later run appended to a plain file follow them)."""
+    path = Path(str(path).removesuffix(".gz"))
+    packed = Path(f"{path}.gz")
+    text = (gzip.decompress(packed.read_bytes()).decode() if packed.exists() else "") + (
+        path.read_text() if path.exists() else "")
+    return text.splitlines()
+
+
 def read_rows(directory: str | Path) -> list[dict]:
-    """All rows of every *.jsonl file in `directory` (several runs combine into one report)."""
+    """All rows of every *.jsonl (or *.jsonl.gz) file in `directory` (several runs combine into one report)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"report directory {str(directory)!r} does not exist")
     rows = []
-    for path in sorted(directory.glob("*.jsonl")):
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+    for path in sorted({p.with_suffix("") if p.suffix == ".gz" else p for p in directory.glob("*.jsonl*")}):
+        lines = read_jsonl(path)
+        for number, line in enumerate(lines, 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
-                    if number != len(path.read_text().splitlines()):
+                    if number != len(lines):
                         raise UserError(f"{path}: line {number} is not JSON") from None
     if not rows:
         raise UserError(f"no JSONL rows in {str(directory)!r} (expected the rows-*.jsonl of sparrow bench)")

@@ -92,20 +92,14 @@ SPECULATIVE_CONFIG_HELP = ("vLLM's speculative config as JSON, e.g. '{\"method\"
                            "must agree.")
 
 
-def with_speculative_config(text: str | None, drafter: str, draft: object, k: int | None,
-                            options: dict) -> tuple[str, object, int | None, dict]:
-    """--speculative-config applied over --drafter/--draft/-k and the drafter options the flags made; a flag set on
-    the command line (not left at its default) that contradicts a key is refused naming both."""
-    if text is None:
-        return drafter, draft, k, options
-    from sparrow.speculative_config import merged, parse
-
+def drafter_flags_given() -> frozenset[str]:
+    """Which of --drafter / --draft / -k the command line set (not left at their defaults): what a speculative config
+    may not contradict (`sparrow.drafters.plan.resolve_plan`'s `given`)."""
     ctx = current_context()
     flags = {"drafter": "drafter", "draft": "draft", "k": "num_draft_tokens"}
     sources = {param: ctx.get_parameter_source(param) if ctx is not None else None for param in flags}
-    given = {name for param, name in flags.items() if sources[param] is not None and sources[param].name != "DEFAULT"}
-    return merged(parse(text), drafter=drafter, draft=draft, num_draft_tokens=k, options=options,
-                  given=given | set(options))
+    return frozenset(name for param, name in flags.items()
+                     if sources[param] is not None and sources[param].name != "DEFAULT")
 
 
 def current_context() -> object | None:

@@ -11,13 +11,15 @@ from sparrow.bench.command import DEFAULT_METHODS, QUICK_MAX_NEW_TOKENS, QUICK_M
 from sparrow.bench.data import DEFAULT_DATA
 from sparrow.cli._common import (
     DTYPE_HELP,
+    QUANT_HELP,
     SPECULATIVE_CONFIG_HELP,
     DType,
     check_int,
     cli_errors,
+    drafter_flags_given,
     dtype_name,
-    with_speculative_config,
 )
+from sparrow.drafters.plan import resolve_plan
 
 
 @cli_errors
@@ -80,14 +82,7 @@ def bench(
     ] = True,
     dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
     device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
-    quant: Annotated[
-        Optional[str],
-        typer.Option(
-            help="int8|int4 weight-only or w8a8 (CPU: int8 weights and "
-            "activations) target, or gguf (CPU: the GGUF file's own blocks), all methods; lossless relative to "
-            "the quantized target."
-        ),
-    ] = None,
+    quant: Annotated[Optional[str], typer.Option(help=QUANT_HELP + " The target of every method.")] = None,
     draft_quant: Annotated[
         Optional[str],
         typer.Option(
@@ -147,8 +142,11 @@ def bench(
     if speculative_config is not None:
         from sparrow.bench.command import default_methods
 
-        method, draft, k, options = with_speculative_config(speculative_config, "", draft, k,
-                                                            {"head": head} if head is not None else {})
+        plan = resolve_plan(target, draft=draft, num_draft_tokens=k, dtype=dtype.value, device=device,
+                            speculative_config=speculative_config, given=drafter_flags_given(), flags=True,
+                            **({"head": head} if head is not None else {}))  # the config's method and options
+        method, k, options = plan.drafter, plan.num_draft_tokens, plan.drafter_options
+        draft = plan.draft if isinstance(plan.draft, str) else draft
         head = options.pop("head", None)
         listed = [m.strip() for m in (methods or default_methods(quick)).split(",") if m.strip()]
         methods = ",".join(listed if method in listed else [*listed, method])

@@ -18,11 +18,12 @@ from sparrow.cli._common import (
     check_float,
     check_int,
     cli_errors,
+    drafter_flags_given,
     err,
-    with_speculative_config,
 )
 from sparrow.config import check_max_new_tokens, check_seed, check_temperature, check_top_k, check_top_p
-from sparrow.drafters.registry import REGISTRY, check_applies, check_drafter_args, drafter_names
+from sparrow.drafters.plan import resolve_plan
+from sparrow.drafters.registry import drafter_names
 from sparrow.errors import UserError
 
 
@@ -186,28 +187,23 @@ def generate(
     # Cheap checks first, so a typo fails before minutes of model loading.
     check_numbers(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   k=k, frames=frames, drop_rate=drop_rate, draft_kv_budget=draft_kv_budget)
-    drafter, draft, k, spec_options = with_speculative_config(speculative_config, drafter, draft, k,
-                                                             {"head": head} if head is not None else {})
-    head = spec_options.pop("head", None)
     check_int("--compare-runs", compare_runs, 1)
     if any(not s for s in stop or ()):
         raise UserError("--stop must not be an empty string")
     if not prompt.strip():
         raise UserError("prompt must not be empty")
-    check_drafter_args(drafter, k)
     options.update(structured_options(json_schema, regex))
     tree = tree_options(tree_budget, tree_topk, tree_depth)
-    video_options = video_drafter_options(drafter, verify, drop_rate, draft_kv, draft_kv_budget, retrieve_every)
-    drafter_options = {**video_options, **tree,
-                       **draft_vocab_options(drafter, draft_vocab)}
-    drafter_options.update(head_options(drafter, head, draft_device))
-    drafter_options.update(spec_options)
+    drafter_options = {**video_drafter_options(drop_rate, draft_kv, draft_kv_budget, retrieve_every), **tree,
+                       **draft_vocab_options(draft_vocab), **head_options(head, draft_device)}
+    # the plan: every drafter and format argument checked before any model loads
+    plan = resolve_plan(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
+                        verifier=verify, dtype=dtype.value, device=device, quant=quant, draft_quant=draft_quant,
+                        compile=compile_steps, exact=exact, speculative_config=speculative_config,
+                        given=drafter_flags_given(), flags=True, **drafter_options)
     check_media_args(video, frames, image)
     check_media_target(target, video, image)
-    # sparrow.load checks the drafter options (e.g. the tree flags) before loading any model.
-    pipe = sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
-                        dtype=dtype.value, device=device, progress=not as_json, quant=quant, draft_quant=draft_quant,
-                        verifier=verify, compile=compile_steps, exact=exact, **drafter_options)
+    pipe = sparrow.load(plan, progress=not as_json)
     pipe.request(prompt, **options)  # context-length checks need the tokenizer
     comparison = run_compare(pipe, prompt, options, compare_runs) if compare else None
     result = comparison.speculative[0] if comparison is not None else pipe.generate(prompt, **options)
@@ -216,7 +212,8 @@ def generate(
         "finish_reason": result.finish_reason, "seconds": result.seconds,
         "tokens_per_second": result.tokens_per_second, "mean_accepted_tokens": result.stats.mean_accepted_tokens,
         "acceptance_rate": result.stats.acceptance_rate, "drafter": pipe.drafter_name, "target": target,
-        "draft": draft_name(drafter, draft), "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
+        "draft": plan.draft if isinstance(plan.draft, str) else None,
+        "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
         "temperature": temperature, "stats": result.stats.to_dict(), "quant": target_quant_used(pipe),
         "draft_quant": draft_quant_used(pipe, draft_quant), "compiled": pipe.compiled,
         "draft_compiled": pipe.draft_compiled, "exact": pipe.exact,
@@ -385,14 +382,6 @@ def draft_quant_used(pipe: Any, draft_quant: str | None) -> str | None:
     return None if draft_quant in ("auto", "none") else draft_quant
 
 
-def draft_name(drafter: str, draft: str) -> str | None:
-    """The draft model a run used (None for drafters without one)."""
-    entry = REGISTRY.get(drafter)
-    if entry is None or not entry.takes_draft_model:
-        return None
-    return entry.default_draft if draft == "default" else draft
-
-
 def tree_record(drafter: Any, tree: dict[str, int | str]) -> dict[str, int | str] | None:
     """The JSON `tree` of a run: the shape the drafter resolved (the budget "auto" measured), else the options."""
     if not tree:
@@ -403,12 +392,10 @@ def tree_record(drafter: Any, tree: dict[str, int | str]) -> dict[str, int | str
     return {key.removeprefix("tree_"): value for key, value in tree.items()}
 
 
-def head_options(drafter: str, head: str | None, draft_device: str | None = None) -> dict[str, str]:
-    """Validate --head (a path) and --draft-device against the drafter; the drafter options they turn into."""
-    options = {key: value for key, value in (("head", head), ("draft_device", draft_device)) if value is not None}
-    for option in options:
-        check_applies(drafter, "--" + option.replace("_", "-"), option)
-    return options
+def head_options(head: str | None, draft_device: str | None = None) -> dict[str, str]:
+    """--head (a path) and --draft-device: the drafter options they turn into (the plan checks the drafter takes
+    them)."""
+    return {key: value for key, value in (("head", head), ("draft_device", draft_device)) if value is not None}
 
 
 def tree_options(budget: str, topk: int, depth: int) -> dict[str, int | str]:
@@ -424,15 +411,13 @@ def tree_options(budget: str, topk: int, depth: int) -> dict[str, int | str]:
     return {"tree_budget": budget if budget == "auto" else int(budget), "tree_topk": topk, "tree_depth": depth}
 
 
-def draft_vocab_options(drafter: str, value: str) -> dict[str, int | str]:
-    """Validate --draft-vocab; the drafter option it turns into ({} for the full vocabulary)."""
+def draft_vocab_options(value: str) -> dict[str, int | str]:
+    """Validate --draft-vocab; the drafter option it turns into ({} for the full vocabulary; the plan checks the
+    drafter has a draft LM head)."""
     from sparrow.drafters.vocab import parse_draft_vocab
 
     size = parse_draft_vocab(value, "--draft-vocab")
-    if size is None:
-        return {}
-    check_applies(drafter, "--draft-vocab", "draft_vocab")  # drafters with a draft LM head
-    return {"draft_vocab": size}
+    return {} if size is None else {"draft_vocab": size}
 
 
 def draft_vocab_record(drafter: Any) -> int | None:
@@ -441,25 +426,20 @@ def draft_vocab_record(drafter: Any) -> int | None:
     return len(drafter.vocab) if drafter is not None and drafter.vocab is not None else None
 
 
-def video_drafter_options(drafter: str, verify: str, drop_rate: float | None, draft_kv: str | None,
-                          draft_kv_budget: int | None, retrieve_every: int | None = None) -> dict:
-    """Validate --verify/--drop-rate/--draft-kv/--draft-kv-budget/--retrieve-every; the drafter options they
-    turn into. Draft-side KV policies apply to drafters keeping a visual KV of their own: sparse (a selection of
-    the target's), visual-prune and draft-model (a draft VLM's own cache, drafters/draft_kv.py)."""
+def video_drafter_options(drop_rate: float | None, draft_kv: str | None, draft_kv_budget: int | None,
+                          retrieve_every: int | None = None) -> dict:
+    """Validate --drop-rate/--draft-kv/--draft-kv-budget/--retrieve-every; the drafter options they turn into (the
+    plan checks the drafter takes them). Draft-side KV policies apply to drafters keeping a visual KV of their own:
+    sparse (a selection of the target's), visual-prune and draft-model (a draft VLM's own cache,
+    drafters/draft_kv.py)."""
     from sparrow.drafters.kv.compress import SELECTORS
     from sparrow.drafters.visual_prune import visual_budget
-    from sparrow.verifiers import VERIFIERS
 
-    if verify not in ("auto", *VERIFIERS):
-        raise UserError(f"unknown verifier {verify!r}; expected one of: auto, {', '.join(VERIFIERS)}")
     options: dict = {}
     if drop_rate is not None:
-        check_applies(drafter, "--drop-rate", "drop_rate")
         visual_budget(1, drop_rate)
         options["drop_rate"] = drop_rate
     if draft_kv is not None or draft_kv_budget is not None or retrieve_every is not None:
-        # drafters that keep a visual KV cache of their own (sparse, visual-prune, draft-model with a VLM draft)
-        check_applies(drafter, "--draft-kv/--draft-kv-budget/--retrieve-every", "draft_kv")
         if draft_kv is not None and draft_kv not in SELECTORS:
             raise UserError(f"unknown --draft-kv {draft_kv!r}; expected one of: {', '.join(SELECTORS)}")
         if draft_kv_budget is not None and draft_kv_budget < 1:

@@ -25,9 +25,10 @@ from sparrow.cli._common import (
     check_float,
     check_int,
     cli_errors,
-    with_speculative_config,
+    drafter_flags_given,
 )
-from sparrow.drafters.registry import check_drafter_args, drafter_names
+from sparrow.drafters.plan import resolve_plan
+from sparrow.drafters.registry import drafter_names
 from sparrow.errors import UserError
 
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds: within the 30 s a platform (Kubernetes, Docker) waits before SIGKILL
@@ -158,13 +159,11 @@ def serve(
         raise UserError("--api-key must not be empty")
     from sparrow.cli.generate import head_options
 
-    drafter, draft, k, drafter_options = with_speculative_config(speculative_config, drafter, draft, k,
-                                                                 {"head": head} if head is not None else {})
-    drafter_options.update(head_options(drafter, drafter_options.pop("head", None)))
-    check_drafter_args(drafter, k, drafter_options)
-    from sparrow.models.quantization import parse_quant
-
-    parse_quant(quant, "quant", auto=True)  # a bad format is refused before the server starts
+    # the plan: every drafter and format argument checked before the server starts
+    plan = resolve_plan(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
+                        dtype=dtype.value, device=device, quant=quant, draft_quant=draft_quant,
+                        prefix_cache=prefix_cache, speculative_config=speculative_config,
+                        given=drafter_flags_given(), flags=True, **head_options(head))
     try:
         import uvicorn
 
@@ -182,9 +181,7 @@ def serve(
     import sparrow
 
     def load() -> sparrow.Pipeline:
-        return sparrow.load(target, drafter=drafter, draft=draft, num_draft_tokens=k, adaptive=adaptive,
-                            dtype=dtype.value, device=device, quant=quant, draft_quant=draft_quant,
-                            prefix_cache=prefix_cache, **drafter_options)
+        return sparrow.load(plan)
 
     if ray:
         import math

@@ -47,6 +47,7 @@ class DrafterEntry:
     default_draft: str | None = None  # the draft model `sparrow.load(draft="default")` picks
     config: type | str | None = None  # for a builder taking **options: the dataclass whose fields they are
     compiles: bool = True  # runs on a compiled target (static KV cache); False: compile=True is refused up front
+    compiles_draft: bool = False  # compile=True compiles its own model too (its draft model, or quantized copy)
     quantized_copy: bool = False  # drafts with a quantized copy of the target, in the format --draft-quant names
     dense_target: str | None = None  # why it needs an unquantized target (--quant is refused); None: any target
 
@@ -80,11 +81,13 @@ REGISTRY: dict[str, DrafterEntry] = {
         default_num_draft_tokens=8,
         needs_draft_model=True,
         default_draft="qwen2.5-coder-0.5b",
+        compiles_draft=True,
     ),
     "prompt-lookup": DrafterEntry("sparrow.drafters.prompt_lookup:build", default_num_draft_tokens=16),
     "suffix": DrafterEntry("sparrow.drafters.suffix:build", default_num_draft_tokens=None),  # max_tree_depth
     "quantized-self": DrafterEntry(
         "sparrow.drafters.quantized_self:build_quantized_self", default_num_draft_tokens=8, quantized_copy=True,
+        compiles_draft=True,
         dense_target="it drafts with a quantized copy of it; drop --quant, or use --drafter draft-model with "
                      "--draft-quant"),
     "cross-vocab": DrafterEntry(
@@ -99,6 +102,7 @@ REGISTRY: dict[str, DrafterEntry] = {
         default_num_draft_tokens=16,
         uses_draft_model=True,
         default_draft="qwen2.5-coder-0.5b",
+        compiles_draft=True,  # its draft-model candidate's, when it has a draft model
     ),
     "sparse": DrafterEntry("sparrow.drafters.sparse:build", default_num_draft_tokens=8, compiles=False),
     "visual-prune": DrafterEntry(
