@@ -38,18 +38,25 @@ def rows_and_steps(model: torch.nn.Module, ids: torch.Tensor, k: int) -> tuple[t
     return rows, steps
 
 
-def check_rows(exact: torch.nn.Module, batched: torch.nn.Module, tokenizer) -> None:
+def rows_differ(model: torch.nn.Module, tokenizer) -> bool:
+    """Whether some verify rows of `model` differ from its one-token steps (k = 2..9 after two context lengths)."""
+    for text in (" ".join(PROMPTS), " ".join(PROMPTS * 3)):
+        ids = torch.tensor(tokenizer(text)["input_ids"])
+        if any(not torch.equal(*rows_and_steps(model, ids, k)) for k in range(2, 10)):
+            return True
+    return False
+
+
+def check_rows(exact: torch.nn.Module, batched: torch.nn.Module | None, tokenizer) -> None:
     """Verify rows == one-token steps bit for bit on `exact` for k = 2..9 after two context lengths; and, the
-    negative control, somewhere not on `batched` (the same model without exact forwards)."""
-    differs = False
+    negative control, somewhere not on `batched` (the same model without exact forwards), when given."""
     for text in (" ".join(PROMPTS), " ".join(PROMPTS * 3)):
         ids = torch.tensor(tokenizer(text)["input_ids"])
         for k in range(2, 10):
             rows, steps = rows_and_steps(exact, ids, k)
             assert torch.equal(rows, steps), (ids.numel(), k)
-            rows, steps = rows_and_steps(batched, ids, k)
-            differs |= not torch.equal(rows, steps)
-    assert differs  # negative control: without exact forwards some rows differ in the last bits
+    if batched is not None:
+        assert rows_differ(batched, tokenizer)  # negative control: without exact forwards some rows differ
 
 
 def tiny_128(seed: int = 0) -> torch.nn.Module:
@@ -104,7 +111,13 @@ def test_exact_copy_leaves_the_users_model_alone(tokenizer):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_bfloat16_verify_rows_equal_one_token_steps(tokenizer, arch):
     model = tiny_model(arch, seed=0).to(torch.bfloat16)
-    check_rows(exact_copy(model), model, tokenizer)
+    check_rows(exact_copy(model), None, tokenizer)
+
+
+def test_bfloat16_rows_differ_without_exact_forwards_on_some_model(tokenizer):
+    """The negative control of the test above. Which tiny model shows it depends on the CPU's bf16 kernels: on an
+    AVX2-only EPYC (bf16 converted inside the kernel) the qwen2 one's rows matched its steps, the llama one's not."""
+    assert any(rows_differ(tiny_model(arch, seed=0).to(torch.bfloat16), tokenizer) for arch in ("llama", "qwen2"))
 
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])
