@@ -192,8 +192,8 @@ def stage_cuda_tests(args: argparse.Namespace, out: Path, seconds: float, **_: A
     except subprocess.TimeoutExpired as e:
         text, code = f"{e.stdout or ''}{e.stderr or ''}\n(timed out after {seconds:.0f} s)", None
     (out / "cuda_tests.txt").write_text(" ".join(command) + "\n\n" + str(text))
-    summary = next((line for line in reversed(str(text).splitlines()) if " in " in line and "=" in line
-                    or line.strip().endswith("s") and ("passed" in line or "skipped" in line)), "")
+    words = ("passed", "failed", "skipped", "error", "deselected")  # pytest's closing line names some of them
+    summary = next((line for line in reversed(str(text).splitlines()) if any(w in line for w in words)), "")
     return {"exit_code": code, "summary": summary.strip(" =")}
 
 

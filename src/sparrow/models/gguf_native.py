@@ -176,6 +176,8 @@ def _linear(tensors: dict[str, GGUFTensor], base: str, module: nn.Linear, int8: 
     weight = _float(tensor)
     if heads is not None:
         weight = _unpermute_rows(weight, heads).contiguous()
+    # --quant gguf runs on the CPU only (`check_device` refuses another device before loading): the model is built
+    # on "meta", and a layer the kernels do not take is materialised where the rest of it lives
     dense = nn.Linear(in_features, out_features, bias=bias is not None, device="cpu")
     with torch.no_grad():
         dense.weight.copy_(weight)
