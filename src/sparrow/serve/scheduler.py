@@ -1,11 +1,12 @@
-"""Scheduler: the one owner of the pipeline. Requests wait in a bounded queue; one worker thread loads the model,
-then decodes them in batches and reports each request's progress as events.
+"""Scheduler: the HTTP side of the engine. Requests wait in a bounded queue; one worker thread loads the pipeline,
+hands the jobs to its `sparrow.engine.Engine` as the batch has room, steps the engine, and reports each request's
+progress as events.
 
 The HTTP layer (`sparrow.serve.app`) only submits `Job`s and reads their events on its event loop; it never
-touches the pipeline. Continuous batching (`sparrow.decoding.batch`): between two steps, waiting jobs join the batch (up
-to `max_batch`) and finished ones leave; each step drafts for every running job and verifies all drafts in one
-target forward, and the draft budget shrinks as the batch grows (`BatchPolicy`). Models batching does not
-support (sliding-window layers, M-RoPE VLMs) run one job at a time.
+touches the pipeline. The engine batches (continuous batching: between two steps, waiting requests join, up to
+`max_batch`, and finished ones leave; each step drafts for every running request and verifies all drafts in one
+target forward, the draft budget shrinking as the batch grows: `BatchPolicy`); models batching does not support
+(sliding-window layers, M-RoPE VLMs) run one job at a time.
 
 Streaming: the pipeline's `on_text` hook (`sparrow.stopping`) hands the worker the text that is final after each
 round (no partial character, nothing that may still become a stop string); the worker forwards it as `Text`
@@ -29,10 +30,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparrow.decoding.batch import Batch, measure_feeds, measure_rows, supports_batching
 from sparrow.decoding.round import Generation
+from sparrow.engine import Engine, Submitted, check_max_batch
 from sparrow.errors import UserError
-from sparrow.locks import holding
 from sparrow.pipeline import Pipeline
 from sparrow.policy.batch import BatchPolicy
 from sparrow.serve.metrics import Metrics
@@ -146,15 +146,14 @@ class Scheduler:
                  metrics: Metrics | None = None, max_batch: int = 8, policy: BatchPolicy | None = None) -> None:
         if max_queue < 1:
             raise UserError(f"max_queue must be >= 1, got {max_queue}")
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise UserError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        self.max_batch = max_batch
+        self.max_batch = check_max_batch(max_batch)
         self.policy = policy or BatchPolicy()
         if timeout is not None and not timeout > 0:
             raise UserError(f"timeout must be > 0 seconds, got {timeout}")
         self.metrics = metrics or Metrics()
         self.timeout = timeout
         self.pipeline: Pipeline | None = None
+        self.engine: Engine | None = None  # the pipeline's, made by the worker once it loaded
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None  # e.g. the CLI stops the server
         self._load = load
@@ -224,77 +223,34 @@ class Scheduler:
             if self.on_load_error is not None:
                 self.on_load_error(e)
             return
-        why_not = supports_batching(self.pipeline.target.model)
-        if why_not is not None:
-            log.warning("requests run one at a time: batching does not support this model (%s)", why_not)
-            self._serve_one_at_a_time()
-            return
-        self._serve_batched()
-
-    def _serve_batched(self) -> None:
-        """Continuous batching: between steps, jobs join (up to max_batch) and finished ones leave."""
-        pipe = self.pipeline
-        assert pipe is not None
-        with holding(pipe.models()):  # the costs' first points, before any request waits on them
-            self.policy.seed(self._verify_costs(), *self._draft_costs())
-        batch = Batch(pipe.target.model, self.policy)
-        running: dict[int, Running] = {}  # id(generation) -> its job
+        engine = self.engine = Engine(self.pipeline, max_batch=self.max_batch, policy=self.policy)
+        if engine.unbatched is not None:
+            log.warning("requests run one at a time: batching does not support this model (%s)", engine.unbatched)
+        engine.prepare()  # the batch policy's costs, before any request waits on them
+        self._running: dict[int, Running] = {}  # id(Submitted) -> its job
         while not self._stopping.is_set():
-            self._admit(batch, running)
-            if not running:
+            self._admit(engine)
+            if not engine.busy:
                 continue
-            self.metrics.batch_size.observe(len(running))
+            if engine.unbatched is None:
+                self.metrics.batch_size.observe(engine.size)
+            for submitted in engine.step():  # a job whose client left finished too ("cancelled", at its round)
+                run = self._running.pop(id(submitted))
+                if submitted.error is not None:
+                    self._fail(run.job, submitted.error)
+                else:
+                    self._finish(run, submitted.result)
+            self.metrics.running.set(engine.size)
+        engine.close()
+
+    def _admit(self, engine: Engine) -> None:
+        """Hand waiting jobs to the engine while its next step has room (waiting for one when nothing runs); they
+        start at its next step, prefilled together (`Engine.step`)."""
+        pipe = self.pipeline
+        assert pipe is not None
+        while engine.room and not self._stopping.is_set():
             try:
-                with holding(pipe.models()):
-                    finished = batch.step()
-            except Exception as e:  # a bug: every running job fails, the server goes on
-                log.exception("a batch step failed")
-                for run in running.values():
-                    batch.remove(run.generation)
-                    self._fail(run.job, e)
-                    pipe.release(run.generation)
-                running.clear()
-                continue
-            for generation in finished:  # a job whose client left finished too ("cancelled", at its round)
-                self._finish(running.pop(id(generation)))
-            self.metrics.running.set(len(running))
-        for run in running.values():
-            pipe.release(run.generation)
-
-    def _rows(self) -> tuple[int, ...]:
-        """The batch sizes whose steps are timed before serving: 1, 2, 4, ... <= max_batch."""
-        return tuple(2 ** i for i in range(max(1, self.max_batch).bit_length()))
-
-    def _verify_costs(self) -> list[tuple[int, float]]:
-        """A plain batch step's measured seconds for 1, 2, 4, ... rows up to max_batch (once)."""
-        pipe = self.pipeline
-        assert pipe is not None
-        if self.policy.verify.known:
-            return []
-        return measure_rows(pipe.target.model, self._rows(), vocab=len(pipe.tokenizer))
-
-    def _draft_costs(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-        """A draft position's measured seconds for 1, 2, 4, ... rows up to max_batch (the draft model's batched
-        forward grows with its rows), and a catch-up's for one sequence feeding 16, 64 and 256 tokens alone; none
-        without a draft model that drafts batched, or once known."""
-        pipe = self.pipeline
-        assert pipe is not None
-        drafters = [] if pipe.drafter is None else [pipe.drafter, *pipe.drafter.candidates.values()]
-        draft = next((d.draft for d in drafters if d.draft is not None), None)
-        if draft is None or self.policy.draft.known or supports_batching(draft.model) is not None:
-            return [], []
-        vocab = len(pipe.tokenizer)
-        return measure_rows(draft.model, self._rows(), vocab=vocab), measure_feeds(draft.model, vocab=vocab)
-
-    def _admit(self, batch: Batch, running: dict[int, Running]) -> None:
-        """Start waiting jobs while the batch has room (waiting for one when nothing runs); the jobs that joined
-        since the last step prefill together (`Batch.add`)."""
-        pipe = self.pipeline
-        assert pipe is not None
-        joining: list[Running] = []
-        while len(running) + len(joining) < self.max_batch and not self._stopping.is_set():
-            try:
-                job = self._queue.get(timeout=POLL_SECONDS) if not running and not joining else self._queue.get_nowait()
+                job = self._queue.get(timeout=POLL_SECONDS) if not engine.busy else self._queue.get_nowait()
             except queue.Empty:
                 break
             if job.cancelled:
@@ -302,48 +258,19 @@ class Scheduler:
             if self.draining:  # taken from the queue just before `drain` emptied it
                 self._refuse(job)
                 continue
-            self.metrics.running.set(len(running) + len(joining) + 1)
+            self.metrics.running.set(engine.size + 1)
             run = Running(job, self)
             try:
                 ids = prompt_ids(pipe, job.work)
                 run.prompt_tokens = len(ids)
-                run.generation = pipe.sequence(ids, on_text=run.on_text, **options(pipe, job.work, len(ids)))
+                run.submitted = engine.submit(ids, on_text=run.on_text, **options(pipe, job.work, len(ids)))
             except Exception as e:
                 self._fail(job, e)
-                self.metrics.running.set(len(running) + len(joining))
+                self.metrics.running.set(engine.size)
                 continue
-            joining.append(run)
-        if not joining:
-            return
-        try:
-            with holding(pipe.models()):
-                batch.add(*(run.generation for run in joining))  # prefill; a first token may already finish one
-        except Exception:  # the ones not started yet start alone: only a failing request fails
-            for run in joining:
-                if run.generation.committed.numel():  # started
-                    continue
-                try:
-                    with holding(pipe.models()):
-                        batch.add(run.generation)
-                except Exception as e:
-                    self._fail(run.job, e)
-                    batch.remove(run.generation)
-                    pipe.release(run.generation)
-                    run.generation = None
-        for run in joining:
-            if run.generation is None:
-                continue
-            if run.generation.done:
-                self._finish(run)
-            else:
-                running[id(run.generation)] = run
-        self.metrics.running.set(len(running))
+            self._running[id(run.submitted)] = run
 
-    def _finish(self, run: Running) -> None:
-        pipe = self.pipeline
-        assert pipe is not None and run.generation is not None
-        result = pipe.result(run.generation)
-        pipe.release(run.generation, keep=True)  # between rounds: its cache may serve a later prompt
+    def _finish(self, run: Running, result: GenerationResult) -> None:
         if result.finish_reason == CANCELLED:
             self.metrics.request_failure.labels(reason="cancelled").inc()
             return
@@ -361,48 +288,13 @@ class Scheduler:
         self.metrics.request_failure.labels(reason="shutdown").inc()
         job.emit(Failed(ShuttingDown()))
 
-    def _serve_one_at_a_time(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                job = self._queue.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                continue
-            if job.cancelled:
-                continue
-            if self.draining:
-                self._refuse(job)
-                continue
-            self.metrics.running.set(1)
-            try:
-                self._run_one(job)
-            finally:
-                self.metrics.running.set(0)
-
-    def _run_one(self, job: Job) -> None:
-        """Generate one job alone (models batching does not support), emitting the same events."""
-        pipe = self.pipeline
-        assert pipe is not None
-        run = Running(job, self)
-        try:
-            ids = prompt_ids(pipe, job.work)
-            run.prompt_tokens = len(ids)
-            result = pipe.generate(ids, on_text=run.on_text, **options(pipe, job.work, len(ids)))
-        except Exception as e:
-            self._fail(job, e)
-            return
-        if result.finish_reason == CANCELLED:
-            self.metrics.request_failure.labels(reason="cancelled").inc()
-            return
-        self.metrics.finished(result, run.prompt_tokens, time.perf_counter() - job.received)
-        job.emit(Finished(result, run.prompt_tokens, run.ended_by, run.cached_tokens))
-
 
 class Running:
     """A job being generated: its generation in the batch, and the streaming hook that reports its progress."""
 
     def __init__(self, job: Job, scheduler: Scheduler) -> None:
         self.job, self.scheduler = job, scheduler
-        self.generation: Generation | None = None
+        self.submitted: Submitted | None = None  # once the engine took it
         self.prompt_tokens = 0
         self.cached_tokens = 0  # of them, taken from the prefix cache (known after the prefill)
         self.ended_by: str | None = None  # "timeout" or "shutdown" once the server ends it
@@ -410,6 +302,11 @@ class Running:
         self.last = None  # perf_counter of the last round that produced text
         self.tokens = 0  # tokens reported so far
         self.steps = self.drafted = self.accepted = 0  # rounds counted so far, and their draft totals
+
+    @property
+    def generation(self) -> Generation | None:
+        """Its generation in the batch (None before it joined, or running alone)."""
+        return self.submitted.generation if self.submitted is not None else None
 
     def on_text(self, text: str) -> str | None:
         """After each round: emit the new final text; end the job if its client left, its time is up, or the next
