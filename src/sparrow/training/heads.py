@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from sparrow.heads.eagle import EagleHead
 from sparrow.heads.factory import new_head
 from sparrow.training.longspec import train_longspec
-from sparrow.training.loop import Evaluation, StepResult, TrainReport, draw_batch, new_optimiser
+from sparrow.training.loop import Evaluation, StepResult, TrainReport, draw_batch, mean_loss_step, new_optimiser
 
 if TYPE_CHECKING:
     from sparrow.models import LoadedModel
@@ -231,21 +231,7 @@ def train_head(head: EagleHead, target: Target, sequences: Sequence[Tensor], ste
 def train_step(head: EagleHead, optimiser: torch.optim.Optimizer, batch: Sequence[Features], ttt_steps: int,
                decay: float = 0.8, feature_weight: float = 1.0, clip: float = 0.5) -> StepResult:
     """One AdamW step on the mean TTT loss of `batch` (gradients clipped to norm `clip`)."""
-    head.train()
-    optimiser.zero_grad(set_to_none=True)
-    step_loss = step_agreement = 0.0
-    tokens = 0
-    for features in batch:
-        loss, agreements = ttt_loss(head, features, ttt_steps, decay, feature_weight)
-        if loss.requires_grad:  # a constant zero when no row's target argmax lies in the draft vocabulary
-            (loss / len(batch)).backward()
-        step_loss += float(loss.detach()) / len(batch)
-        step_agreement += agreements[0] / len(batch)
-        tokens += features.tokens.numel() - 1
-    parameters = [p for group in optimiser.param_groups for p in group["params"]]
-    nn.utils.clip_grad_norm_(parameters, clip)
-    optimiser.step()
-    return StepResult(step_loss, step_agreement, tokens)
+    return mean_loss_step(head, optimiser, batch, lambda f: ttt_loss(head, f, ttt_steps, decay, feature_weight), clip)
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@ and LongSpec's anchor-offset positions."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,27 @@ class StepResult:
     agreement: float
     tokens: int
 
+
+def mean_loss_step(head: EagleHead, optimiser: torch.optim.Optimizer, batch: Sequence[Any],
+                   loss_of: Callable[[Any], tuple[Tensor, Sequence[float]]], clip: float) -> StepResult:
+    """One optimiser step on the mean of `loss_of(item)` (a loss and its per-depth agreements) over `batch` (items
+    with `tokens`), gradients clipped to norm `clip`. A loss without a gradient (a constant zero: no row's target
+    argmax lies in the draft vocabulary) counts in the mean and adds none."""
+    head.train()
+    optimiser.zero_grad(set_to_none=True)
+    step_loss = step_agreement = 0.0
+    tokens = 0
+    for item in batch:
+        loss, agreements = loss_of(item)
+        if loss.requires_grad:
+            (loss / len(batch)).backward()
+        step_loss += float(loss.detach()) / len(batch)
+        step_agreement += agreements[0] / len(batch)
+        tokens += item.tokens.numel() - 1
+    parameters = [p for group in optimiser.param_groups for p in group["params"]]
+    torch.nn.utils.clip_grad_norm_(parameters, clip)
+    optimiser.step()
+    return StepResult(step_loss, step_agreement, tokens)
 
 
 def new_optimiser(head: EagleHead, lr: float, frozen: Sequence[str] = ()) -> torch.optim.AdamW:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from sparrow.heads.eagle import EagleHead
 from sparrow.heads.longspec import window_mask
 from sparrow.heads.sparrow_head import VideoFeatures, spec_of, text_anchored_mask
-from sparrow.training.loop import Evaluation, StepResult, TrainReport
+from sparrow.training.loop import Evaluation, StepResult, TrainReport, mean_loss_step
 
 
 def sparrow_loss(head: EagleHead, f: VideoFeatures, ttt_steps: int, decay: float = 0.8,
@@ -107,21 +107,10 @@ def sparrow_step(head: EagleHead, optimiser: torch.optim.Optimizer, batch: Seque
                  decay: float = 0.8, clip: float = 0.5, bridge_weight: float = 0.5) -> StepResult:
     """One AdamW step on the mean Sparrow loss of `batch` (gradients clipped to norm `clip`): the step of
     `sparrow.training.trainer.run_training` for a Sparrow head."""
-    head.train()
-    optimiser.zero_grad(set_to_none=True)
     device = head.fc.weight.device
-    step_loss = step_agreement = 0.0
-    tokens = 0
-    for f in batch:
-        loss, agreements = sparrow_depth_loss(head, _on_device(f, device), ttt_steps, decay, bridge_weight)
-        (loss / len(batch)).backward()
-        step_loss += float(loss.detach()) / len(batch)
-        step_agreement += agreements[0] / len(batch)
-        tokens += f.tokens.numel() - 1
-    parameters = [p for group in optimiser.param_groups for p in group["params"]]
-    nn.utils.clip_grad_norm_(parameters, clip)
-    optimiser.step()
-    return StepResult(step_loss, step_agreement, tokens)
+    return mean_loss_step(head, optimiser, batch,
+                          lambda f: sparrow_depth_loss(head, _on_device(f, device), ttt_steps, decay, bridge_weight),
+                          clip)
 
 
 
