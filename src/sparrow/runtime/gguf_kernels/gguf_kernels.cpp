@@ -306,25 +306,26 @@ SPARROW_AVX2 inline float half_f16c(const uint8_t* p) {  // the same value as ha
 // Every 16-bit lane = lane `t` of a vector whose two 128-bit halves are equal (a vpshufb control).
 SPARROW_AVX2 inline __m256i lane16(int t) { return _mm256_set1_epi16(static_cast<int16_t>(((2 * t + 1) << 8) | (2 * t))); }
 
-// Q8_0 x Q8_0: |w| (u8) times x with w's sign (s8); two float accumulators (even / odd blocks) per row.
+// Block b of 32 signed weights `v` (scale dw) times each row's Q8_0 block: |v| (u8) times x with v's sign (s8),
+// into the row's accumulator of even or odd blocks (two per row: the adds of one do not wait on the other's).
+template <int R>
+SPARROW_AVX2 inline void q8_block(__m256i v, float dw, int64_t b, const QuantRow* a, __m256* acc0, __m256* acc1) {
+  const __m256i av = _mm256_sign_epi8(v, v);
+  for (int r = 0; r < R; ++r) {
+    const __m256i sx = _mm256_sign_epi8(load(a[r].q + b * 32), v);
+    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), _mm256_set1_epi16(1)));
+    const __m256 s = _mm256_set1_ps(dw * a[r].d[b]);
+    if (b & 1) acc1[r] = _mm256_fmadd_ps(s, p, acc1[r]);
+    else acc0[r] = _mm256_fmadd_ps(s, p, acc0[r]);
+  }
+}
+
+// Q8_0 x Q8_0.
 template <int R>
 SPARROW_AVX2 void int8_q8_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * 34;
-    const float dw = half_f16c(blk);
-    const __m256i wq = load(blk + 2);
-    const __m256i aw = _mm256_sign_epi8(wq, wq);
-    for (int r = 0; r < R; ++r) {
-      const __m256i sx = _mm256_sign_epi8(load(a[r].q + b * 32), wq);
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
-      const __m256 s = _mm256_set1_ps(dw * a[r].d[b]);
-      if (b & 1) acc1[r] = _mm256_fmadd_ps(s, p, acc1[r]);
-      else acc0[r] = _mm256_fmadd_ps(s, p, acc0[r]);
-    }
-  }
+  for (int64_t b = 0; b < nb; ++b) q8_block<R>(load(w + b * 34 + 2), half_f16c(w + b * 34), b, a, acc0, acc1);
   for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
@@ -334,7 +335,6 @@ template <int R>
 SPARROW_AVX2 void int8_q5_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m128i m4 = _mm_set1_epi8(0xF);
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
@@ -348,14 +348,7 @@ SPARROW_AVX2 void int8_q5_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
     bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, all_but_bit), _mm256_set1_epi64x(-1));
     const __m256i v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(bits, _mm256_set1_epi8(0x10))),
                                       _mm256_set1_epi8(16));
-    const __m256i av = _mm256_sign_epi8(v, v);
-    for (int r = 0; r < R; ++r) {
-      const __m256i sx = _mm256_sign_epi8(load(a[r].q + b * 32), v);
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones));
-      const __m256 s = _mm256_set1_ps(dw * a[r].d[b]);
-      if (b & 1) acc1[r] = _mm256_fmadd_ps(s, p, acc1[r]);
-      else acc0[r] = _mm256_fmadd_ps(s, p, acc0[r]);
-    }
+    q8_block<R>(v, dw, b, a, acc0, acc1);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
