@@ -9,8 +9,8 @@ import typer
 
 from sparrow.bench.command import DEFAULT_METHODS, QUICK_MAX_NEW_TOKENS, QUICK_METHODS, run
 from sparrow.bench.data import DEFAULT_DATA
+from sparrow.cli import flags
 from sparrow.cli._common import (
-    DTYPE_HELP,
     QUANT_HELP,
     SPECULATIVE_CONFIG_HELP,
     DType,
@@ -24,9 +24,8 @@ from sparrow.drafters.plan import resolve_plan
 
 @cli_errors
 def bench(
-    data: Annotated[
-        Path, typer.Option(help="Spec-Bench question.jsonl (question_id, category, turns).")
-    ] = DEFAULT_DATA,
+    data: Annotated[Path, typer.Option(
+        help="Spec-Bench question.jsonl (question_id, category, turns).")] = DEFAULT_DATA,
     methods: Annotated[
         Optional[str],
         typer.Option(
@@ -39,49 +38,29 @@ def bench(
             "(+auto when registered).",
         ),
     ] = None,
-    categories: Annotated[
-        Optional[str],
-        typer.Option(
-            help="Comma-separated categories or tasks (mt_bench, "
-            "translation, summarization, qa, math_reasoning, rag). Default: "
-            "all."
-        ),
-    ] = None,
+    categories: Annotated[Optional[str], typer.Option(
+        help="Comma-separated categories or tasks (mt_bench, translation, summarization, qa, math_reasoning, rag). "
+        "Default: all.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="At most N questions per category.")] = None,
     per_task: Annotated[Optional[int], typer.Option(help="At most N questions per task.")] = None,
     max_new_tokens: Annotated[
         Optional[int], typer.Option(help=f"New tokens per turn (default 128; {QUICK_MAX_NEW_TOKENS} with --quick).")
     ] = None,
     repeats: Annotated[int, typer.Option(help="Timed repeats (mean ± std).")] = 1,
-    first_repeat: Annotated[
-        int, typer.Option(help="Index of the first repeat (to add repeats to an earlier run's directory).")
-    ] = 0,
+    first_repeat: Annotated[int, typer.Option(
+        help="Index of the first repeat (to add repeats to an earlier run's directory).")] = 0,
     warmup: Annotated[int, typer.Option(help="Warm-up runs of every method on the first question.")] = 1,
-    all_turns: Annotated[
-        bool,
-        typer.Option(
-            "--all-turns/--first-turn",
-            help="Generate every turn of multi-turn questions (Spec-Bench) or only the first.",
-        ),
-    ] = False,
-    target: Annotated[
-        str, typer.Option(help="Target model: preset, GGUF file, local dir or hub id.")
-    ] = "qwen2.5-coder-1.5b",
-    draft: Annotated[
-        str, typer.Option(help="Draft model with the target's vocabulary (draft-model, hf-assisted).")
-    ] = "qwen2.5-coder-0.5b",
-    cross_draft: Annotated[
-        str, typer.Option(help="Draft model with another tokenizer (cross-vocab, hf-uad).")
-    ] = "smollm2-135m",
-    k: Annotated[
-        Optional[int],
-        typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (default: each drafter's own)."),
-    ] = None,
-    adaptive: Annotated[
-        bool, typer.Option("--adaptive/--fixed", help="Adaptive draft length (at most k) or exactly k.")
-    ] = True,
-    dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
-    device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
+    all_turns: Annotated[bool, typer.Option('--all-turns/--first-turn',
+        help="Generate every turn of multi-turn questions (Spec-Bench) or only the first.")] = False,
+    target: flags.Target = "qwen2.5-coder-1.5b",
+    draft: Annotated[str, typer.Option(
+        help="Draft model with the target's vocabulary (draft-model, hf-assisted).")] = "qwen2.5-coder-0.5b",
+    cross_draft: Annotated[str, typer.Option(
+        help="Draft model with another tokenizer (cross-vocab, hf-uad).")] = "smollm2-135m",
+    k: flags.NumDraft = None,
+    adaptive: flags.Adaptive = True,
+    dtype: flags.Dtype = DType.auto,
+    device: flags.Device = None,
     quant: Annotated[Optional[str], typer.Option(help=QUANT_HELP + " The target of every method.")] = None,
     draft_quant: Annotated[
         Optional[str],
@@ -92,22 +71,17 @@ def bench(
             "drafts with the same weights."
         ),
     ] = None,
-    head: Annotated[
-        Optional[str],
-        typer.Option(help="The eagle method's head directory (EAGLE-3 layout, e.g. from `sparrow train head`)."),
-    ] = None,
-    lookup_tokens: Annotated[
-        int, typer.Option(help="transformers' prompt_lookup_num_tokens for hf-prompt-lookup.")
-    ] = 10,
-    chat: Annotated[
-        bool, typer.Option("--chat/--no-chat", help="Wrap questions in the target's chat template.")
-    ] = True,
+    head: Annotated[Optional[str], typer.Option(
+        help="The eagle method's head directory (EAGLE-3 layout, e.g. from `sparrow train head`).")] = None,
+    lookup_tokens: Annotated[int, typer.Option(
+        help="transformers' prompt_lookup_num_tokens for hf-prompt-lookup.")] = 10,
+    chat: Annotated[bool, typer.Option('--chat/--no-chat',
+        help="Wrap questions in the target's chat template.")] = True,
     out: Annotated[Path, typer.Option(help="Output directory: rows-<run>.jsonl, report.md, *.png.")] = Path(
         "sparrow-bench"
     ),
-    report_only: Annotated[
-        Optional[Path], typer.Option(help="Only render DIR's report from its JSONL files (combines runs).")
-    ] = None,
+    report_only: Annotated[Optional[Path], typer.Option(
+        help="Only render DIR's report from its JSONL files (combines runs).")] = None,
     quick: Annotated[
         bool,
         typer.Option(

@@ -10,10 +10,8 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
+from sparrow.cli import flags
 from sparrow.cli._common import (
-    DTYPE_HELP,
-    QUANT_HELP,
-    SPECULATIVE_CONFIG_HELP,
     DType,
     check_float,
     check_int,
@@ -30,132 +28,63 @@ from sparrow.errors import UserError
 @cli_errors
 def generate(
     prompt: Annotated[str, typer.Argument(help="Prompt text.")],
-    target: Annotated[
-        str, typer.Option(help="Target model: preset, GGUF file, local dir or hub id.")
-    ] = "qwen2.5-coder-1.5b",
+    target: flags.Target = "qwen2.5-coder-1.5b",
     drafter: Annotated[str, typer.Option(help=f"Drafting method: {', '.join(drafter_names())}.")] = "draft-model",
-    draft: Annotated[
-        str,
-        typer.Option(
-            help="Draft model: preset, local dir or hub id; 'default' = qwen2.5-coder-0.5b for "
-                "draft-model/cross-vocab/auto, none for visual-prune (self-draft)."
-        ),
-    ] = "default",
-    k: Annotated[
-        Optional[int], typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (max, with --adaptive).")
-    ] = None,
-    adaptive: Annotated[
-        bool,
-        typer.Option(
-            "--adaptive/--fixed",
-            help="Adapt the draft length online (confidence threshold + round cap, at most k) or draft exactly k.",
-        ),
-    ] = True,
+    draft: Annotated[str, typer.Option(
+        help="Draft model: preset, local dir or hub id; 'default' = qwen2.5-coder-0.5b for "
+        "draft-model/cross-vocab/auto, none for visual-prune (self-draft).")] = "default",
+    k: flags.NumDraft = None,
+    adaptive: flags.Adaptive = True,
     max_new_tokens: Annotated[int, typer.Option(help="Maximum number of new tokens.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off.")] = 0,
     top_p: Annotated[float, typer.Option(help="1 = off.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the sampling generator.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
-    dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
-    quant: Annotated[Optional[str], typer.Option(help=QUANT_HELP)] = None,
-    draft_quant: Annotated[
-        str,
-        typer.Option(
-            help="Weight format of the draft model (or of the quantized-self copy: "
-            "int4 where auto picks none): auto (default): the format this machine "
-            "runs a one-token draft step fastest (measured once, see `sparrow "
-            "doctor`; dense where none pays); none; or int8|int4|w8a8. Lossless "
-            "either way: the target verifies."
-        ),
-    ] = "auto",
-    device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
+    dtype: flags.Dtype = DType.auto,
+    quant: flags.Quant = None,
+    draft_quant: flags.DraftQuant = "auto",
+    device: flags.Device = None,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the tokenizer's chat template.")] = False,
-    compare: Annotated[
-        bool,
-        typer.Option(
-            help="Also run plain decoding; report identical and speedup (both paths "
-            "warmed up untimed, then timed alternately in ABBA order; medians of "
-            "--compare-runs runs each)."
-        ),
-    ] = False,
-    compare_runs: Annotated[
-        int, typer.Option(help="With --compare: timed runs of each path (ABBA order; the medians are reported).")
-    ] = 2,
+    compare: Annotated[bool, typer.Option(
+        help="Also run plain decoding; report identical and speedup (both paths warmed up untimed, then timed "
+        "alternately in ABBA order; medians of --compare-runs runs each).")] = False,
+    compare_runs: Annotated[int, typer.Option(
+        help="With --compare: timed runs of each path (ABBA order; the medians are reported).")] = 2,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
-    exact: Annotated[
-        Optional[bool],
-        typer.Option(
-            "--exact/--no-exact",
-            help="Batch-invariant verification: each "
-            "verify row computed exactly as plain decoding computes it, so "
-            "greedy output equals plain decoding token for token in bfloat16 too "
-            "(costs verify speed: attention row by row). Default: on with "
-            "--quant (except a target --compile compiles), off otherwise.",
-        ),
-    ] = None,
-    compile_steps: Annotated[
-        bool,
-        typer.Option(
-            "--compile/--no-compile",
-            help="Static KV cache and torch.compile'd "
-            "decode/verify steps for the target and the draft model of "
-            "draft-model/quantized-self/auto (text LMs without sliding-window "
-            "layers; the first steps of each shape compile). An int8/int4 target "
-            "compiles and stays exact (CPU); with --exact and a dense target, or "
-            "--quant w8a8, only the draft model compiles; the target runs eagerly.",
-        ),
-    ] = False,
-    video: Annotated[
-        Optional[str], typer.Option(help="Video file or directory of frames (needs a VLM target).")
-    ] = None,
+    exact: Annotated[Optional[bool], typer.Option('--exact/--no-exact',
+        help="Batch-invariant verification: each verify row computed exactly as plain decoding computes it, so "
+        "greedy output equals plain decoding token for token in bfloat16 too (costs verify speed: attention row by "
+        "row). Default: on with --quant (except a target --compile compiles), off otherwise.")] = None,
+    compile_steps: Annotated[bool, typer.Option('--compile/--no-compile',
+        help="Static KV cache and torch.compile'd decode/verify steps for the target and the draft model of "
+        "draft-model/quantized-self/auto (text LMs without sliding-window layers; the first steps of each shape "
+        "compile). An int8/int4 target compiles and stays exact (CPU); with --exact and a dense target, or --quant "
+        "w8a8, only the draft model compiles; the target runs eagerly.")] = False,
+    video: Annotated[Optional[str], typer.Option(
+        help="Video file or directory of frames (needs a VLM target).")] = None,
     frames: Annotated[Optional[int], typer.Option(help="Frames sampled uniformly from --video (default 8).")] = None,
     image: Annotated[Optional[list[str]], typer.Option(help="Image file (repeatable; needs a VLM target).")] = None,
-    verify: Annotated[
-        str, typer.Option(help="Verifier: auto (lossless), greedy, rejection, or loose (LOSSY, LVSpec-style).")
-    ] = "auto",
-    drop_rate: Annotated[
-        Optional[float],
-        typer.Option(help="--drafter visual-prune: share of visual tokens the draft drops (default 0.9)."),
-    ] = None,
-    draft_kv: Annotated[
-        Optional[str],
-        typer.Option(
-            help="--drafter sparse, visual-prune, or draft-model with a VLM "
-            "draft: draft-side visual KV policy topk|mm-shiftkv|hybridkv "
-            "(target cache untouched)."
-        ),
-    ] = None,
-    draft_kv_budget: Annotated[
-        Optional[int],
-        typer.Option(help="With --draft-kv: visual KV entries the draft keeps per layer and KV head (default 1024)."),
-    ] = None,
-    retrieve_every: Annotated[
-        Optional[int],
-        typer.Option(
-            help="With --draft-kv hybridkv: re-choose the dynamic heads' "
-            "chunks every R draft rounds from the draft's current "
-            "queries (default: fixed at prefill)."
-        ),
-    ] = None,
-    tree_budget: Annotated[
-        str,
-        typer.Option(help="Draft-tree nodes per round: an integer >= 0 or 'auto' (the drafter sizes it); 0 = a chain."),
-    ] = "0",
+    verify: Annotated[str, typer.Option(
+        help="Verifier: auto (lossless), greedy, rejection, or loose (LOSSY, LVSpec-style).")] = "auto",
+    drop_rate: Annotated[Optional[float], typer.Option(
+        help="--drafter visual-prune: share of visual tokens the draft drops (default 0.9).")] = None,
+    draft_kv: Annotated[Optional[str], typer.Option(
+        help="--drafter sparse, visual-prune, or draft-model with a VLM draft: draft-side visual KV policy "
+        "topk|mm-shiftkv|hybridkv (target cache untouched).")] = None,
+    draft_kv_budget: Annotated[Optional[int], typer.Option(
+        help="With --draft-kv: visual KV entries the draft keeps per layer and KV head (default 1024).")] = None,
+    retrieve_every: Annotated[Optional[int], typer.Option(
+        help="With --draft-kv hybridkv: re-choose the dynamic heads' chunks every R draft rounds from the draft's "
+        "current queries (default: fixed at prefill).")] = None,
+    tree_budget: Annotated[str, typer.Option(
+        help="Draft-tree nodes per round: an integer >= 0 or 'auto' (the drafter sizes it); 0 = a chain.")] = "0",
     tree_topk: Annotated[int, typer.Option(help="Children expanded per draft-tree node (with --tree-budget).")] = 4,
     tree_depth: Annotated[int, typer.Option(help="Maximum draft-tree depth (with --tree-budget).")] = 8,
-    head: Annotated[
-        Optional[str],
-        typer.Option(help="--drafter eagle: the head directory (EAGLE-3 layout as SpecForge exports it, or EAGLE-1)."),
-    ] = None,
-    draft_device: Annotated[
-        Optional[str],
-        typer.Option(
-            help="--drafter eagle: run the head on this device (e.g. "
-            "cuda:0) and the target on --device; only token ids and hidden "
-            "states cross (Dovetail)."
-        ),
-    ] = None,
+    head: flags.Head = None,
+    draft_device: Annotated[Optional[str], typer.Option(
+        help="--drafter eagle: run the head on this device (e.g. cuda:0) and the target on --device; only token ids "
+        "and hidden states cross (Dovetail).")] = None,
     json_schema: Annotated[
         Optional[str],
         typer.Option(
@@ -164,19 +93,13 @@ def generate(
             "(EOS only where complete).",
         ),
     ] = None,
-    regex: Annotated[
-        Optional[str], typer.Option(help="Structured output: the output matches this regular expression.")
-    ] = None,
-    draft_vocab: Annotated[
-        str,
-        typer.Option(
-            help="Drafts score only the N most frequent target tokens (FR-Spec; "
-            "draft-model, quantized-self, layer-skip, auto's draft model): an integer "
-            ">= 0 or 'auto' (65536 for vocabularies over 100k tokens); 0 = the full "
-            "vocabulary."
-        ),
-    ] = "0",
-    speculative_config: Annotated[Optional[str], typer.Option(help=SPECULATIVE_CONFIG_HELP)] = None,
+    regex: Annotated[Optional[str], typer.Option(
+        help="Structured output: the output matches this regular expression.")] = None,
+    draft_vocab: Annotated[str, typer.Option(
+        help="Drafts score only the N most frequent target tokens (FR-Spec; draft-model, quantized-self, layer-skip, "
+        "auto's draft model): an integer >= 0 or 'auto' (65536 for vocabularies over 100k tokens); 0 = the full "
+        "vocabulary.")] = "0",
+    speculative_config: flags.SpeculativeConfig = None,
 ) -> None:
     """Generate text with speculative decoding."""
     import sparrow

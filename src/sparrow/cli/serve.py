@@ -17,10 +17,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from sparrow.cli import flags
 from sparrow.cli._common import (
-    DTYPE_HELP,
-    QUANT_HELP,
-    SPECULATIVE_CONFIG_HELP,
     DType,
     check_float,
     check_int,
@@ -36,47 +34,24 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds: within the 30 s a platform (Kubernet
 
 @cli_errors
 def serve(
-    target: Annotated[
-        str, typer.Option(help="Target model: preset, GGUF file, local dir or hub id.")
-    ] = "qwen2.5-coder-1.5b",
+    target: flags.Target = "qwen2.5-coder-1.5b",
     drafter: Annotated[str, typer.Option(help=f"Drafting method: {', '.join(drafter_names())}.")] = "draft-model",
-    draft: Annotated[
-        str, typer.Option(help="Draft model: preset, local dir or hub id; 'default' = the drafter's own default.")
-    ] = "default",
-    k: Annotated[
-        Optional[int], typer.Option("-k", "--num-draft-tokens", help="Tokens drafted per round (max, with --adaptive).")
-    ] = None,
-    adaptive: Annotated[
-        bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length online, or draft exactly k.")
-    ] = True,
-    dtype: Annotated[DType, typer.Option(help=DTYPE_HELP)] = DType.auto,
-    quant: Annotated[Optional[str], typer.Option(help=QUANT_HELP)] = None,
-    draft_quant: Annotated[
-        str,
-        typer.Option(
-            help="Weight format of the draft model: auto (default): the format this "
-            "machine runs a one-token draft step fastest (measured once, see `sparrow "
-            "doctor`; dense where none pays); none; or int8|int4|w8a8. Lossless "
-            "either way: the target verifies."
-        ),
-    ] = "auto",
-    head: Annotated[
-        Optional[str],
-        typer.Option(help="--drafter eagle: the head directory (EAGLE-3 layout, e.g. from `sparrow train head`)."),
-    ] = None,
-    device: Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")] = None,
+    draft: Annotated[str, typer.Option(
+        help="Draft model: preset, local dir or hub id; 'default' = the drafter's own default.")] = "default",
+    k: flags.NumDraft = None,
+    adaptive: flags.Adaptive = True,
+    dtype: flags.Dtype = DType.auto,
+    quant: flags.Quant = None,
+    draft_quant: flags.DraftQuant = "auto",
+    head: flags.Head = None,
+    device: flags.Device = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    api_key: Annotated[
-        Optional[str],
-        typer.Option(
-            envvar="SPARROW_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/ (env SPARROW_API_KEY)."
-        ),
-    ] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar='SPARROW_API_KEY',
+        help="Require 'Authorization: Bearer KEY' on /v1/ (env SPARROW_API_KEY).")] = None,
     max_queue: Annotated[int, typer.Option(help="Requests that may wait; more get HTTP 429.")] = 32,
-    timeout: Annotated[
-        Optional[float], typer.Option(help="Seconds a request may generate; then it ends with finish_reason 'length'.")
-    ] = None,
+    timeout: Annotated[Optional[float], typer.Option(
+        help="Seconds a request may generate; then it ends with finish_reason 'length'.")] = None,
     shutdown_timeout: Annotated[
         Optional[float],
         typer.Option(
@@ -87,55 +62,27 @@ def serve(
     ] = None,
     model_name: Annotated[Optional[str], typer.Option(help="The model name clients send (default: --target).")] = None,
     max_batch: Annotated[int, typer.Option(help="Requests decoded together in one batch step.")] = 8,
-    prefix_cache: Annotated[
-        int,
-        typer.Option(
-            help="Keep the KV of finished requests, up to this many tokens in all (LRU), so that a prompt that "
-                 "begins like one of them (a conversation's next turn, an agent's fixed preamble) prefills only the "
-                 "rest; 0: off. vLLM's automatic prefix caching; usage.prompt_tokens_details.cached_tokens says how "
-                 "many a request took. Not with drafters that read the target's prompt states (eagle, sparse, "
-                 "visual-prune).",
-            metavar="TOKENS",
-        ),
-    ] = 0,
-    ray: Annotated[
-        bool, typer.Option("--ray/--no-ray", help="Serve replicas with Ray Serve (needs the ray extra).")
-    ] = False,
-    replicas: Annotated[
-        Optional[int], typer.Option(help="With --ray: replicas, each loading the model (default 1).")
-    ] = None,
-    ray_address: Annotated[
-        Optional[str],
-        typer.Option(
-            help="With --ray: the Ray cluster to join ('auto', or HEAD_IP:6379); default: a local Ray instance on "
-                "127.0.0.1."
-        ),
-    ] = None,
-    openapi: Annotated[
-        bool,
-        typer.Option(
-            "--openapi/--no-openapi",
-            help="Serve the OpenAPI schema at /openapi.json "
-            "(behind --api-key). Off by default; /docs and /redoc are never served (they "
-            "load scripts from a CDN).",
-        ),
-    ] = False,
-    public_metrics: Annotated[
-        bool,
-        typer.Option(
-            "--public-metrics/--private-metrics",
-            help="Serve /metrics without --api-key (by default it needs the key when one is set).",
-        ),
-    ] = False,
-    replica_cpus: Annotated[
-        Optional[float],
-        typer.Option(
-            help="With --ray: CPUs each replica reserves, and its torch "
-            "threads (default: this machine's CPUs / --replicas on the "
-            "local Ray instance, 1 on a cluster)."
-        ),
-    ] = None,
-    speculative_config: Annotated[Optional[str], typer.Option(help=SPECULATIVE_CONFIG_HELP)] = None,
+    prefix_cache: Annotated[int, typer.Option(metavar='TOKENS',
+        help="Keep the KV of finished requests, up to this many tokens in all (LRU), so that a prompt that begins "
+        "like one of them (a conversation's next turn, an agent's fixed preamble) prefills only the rest; 0: off. "
+        "vLLM's automatic prefix caching; usage.prompt_tokens_details.cached_tokens says how many a request took. "
+        "Not with drafters that read the target's prompt states (eagle, sparse, visual-prune).")] = 0,
+    ray: Annotated[bool, typer.Option('--ray/--no-ray',
+        help="Serve replicas with Ray Serve (needs the ray extra).")] = False,
+    replicas: Annotated[Optional[int], typer.Option(
+        help="With --ray: replicas, each loading the model (default 1).")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(
+        help="With --ray: the Ray cluster to join ('auto', or HEAD_IP:6379); default: a local Ray instance on "
+        "127.0.0.1.")] = None,
+    openapi: Annotated[bool, typer.Option('--openapi/--no-openapi',
+        help="Serve the OpenAPI schema at /openapi.json (behind --api-key). Off by default; /docs and /redoc are "
+        "never served (they load scripts from a CDN).")] = False,
+    public_metrics: Annotated[bool, typer.Option('--public-metrics/--private-metrics',
+        help="Serve /metrics without --api-key (by default it needs the key when one is set).")] = False,
+    replica_cpus: Annotated[Optional[float], typer.Option(
+        help="With --ray: CPUs each replica reserves, and its torch threads (default: this machine's CPUs / "
+        "--replicas on the local Ray instance, 1 on a cluster).")] = None,
+    speculative_config: flags.SpeculativeConfig = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming, /metrics)."""
     check_int("-k/--num-draft-tokens", k, 1)

@@ -62,41 +62,30 @@ train_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, ri
 @train_app.command("head")
 @cli_errors
 def head(
-    out: Annotated[
-        Optional[Path],
-        typer.Option(help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with "
-                     "--drafter eagle --head OUT), checkpoints, features, log, plot. Default for a preset target: "
-                     "<sparrow cache>/heads/<preset>, where --drafter eagle finds it without --head."),
-    ] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Run directory: the head (eagle3: SpecForge's EAGLE-3 layout; every arch loads with --drafter eagle "
+        "--head OUT), checkpoints, features, log, plot. Default for a preset target: <sparrow cache>/heads/<preset>, "
+        "where --drafter eagle finds it without --head.")] = None,
     target: Annotated[
         Optional[str],
         typer.Option(help=f"Target model: preset, local dir or hub id (default {DEFAULT_TARGET}; --arch sparrow: a "
                      "Qwen2.5-VL or LLaVA-OneVision directory or hub id; with --resume, the run's)."),
     ] = None,
-    arch: Annotated[
-        Optional[str],
-        typer.Option(help="eagle3 (three fused target layers, own reduced LM head), eagle1 (last layer, the target's "
-                     "LM head), longspec (sliding-window self-attention + cross-attention over the target's KV cache; "
-                     "trains at anchor-offset positions) or sparrow (Video-LLM targets, Qwen2.5-VL / LLaVA-OneVision: "
-                     "an EAGLE-3 head with no visual KV and a text window, trained on the target's answers about "
-                     "--videos). Default eagle3; with --resume, the run's."),
-    ] = None,
-    fusion: Annotated[
-        Optional[str],
-        typer.Option(help="How eagle3/eagle1/sparrow heads mix feature and token embedding: concat (EAGLE; "
-                     "vLLM/SGLang read it) or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). "
-                     "Default concat."),
-    ] = None,
-    layers: Annotated[
-        Optional[int],
-        typer.Option(help="Decoder layers of an eagle3/eagle1/sparrow head (Dovetail: deeper heads; > 1 is "
-                     "sparrow-only: layers.1.* tensors). Default 1."),
-    ] = None,
-    intermediate_size: Annotated[
-        Optional[int],
-        typer.Option(help="MLP width of an eagle3/eagle1/sparrow head's decoder layer (default: the target's, as "
-                     "SpecForge's heads; smaller heads draft cheaper on a CPU)."),
-    ] = None,
+    arch: Annotated[Optional[str], typer.Option(
+        help="eagle3 (three fused target layers, own reduced LM head), eagle1 (last layer, the target's LM head), "
+        "longspec (sliding-window self-attention + cross-attention over the target's KV cache; trains at "
+        "anchor-offset positions) or sparrow (Video-LLM targets, Qwen2.5-VL / LLaVA-OneVision: an EAGLE-3 head with "
+        "no visual KV and a text window, trained on the target's answers about --videos). Default eagle3; with "
+        "--resume, the run's.")] = None,
+    fusion: Annotated[Optional[str], typer.Option(
+        help="How eagle3/eagle1/sparrow heads mix feature and token embedding: concat (EAGLE; vLLM/SGLang read it) "
+        "or gated (Dovetail's gating fusion; sparrow-only tensors gate.*). Default concat.")] = None,
+    layers: Annotated[Optional[int], typer.Option(
+        help="Decoder layers of an eagle3/eagle1/sparrow head (Dovetail: deeper heads; > 1 is sparrow-only: "
+        "layers.1.* tensors). Default 1.")] = None,
+    intermediate_size: Annotated[Optional[int], typer.Option(
+        help="MLP width of an eagle3/eagle1/sparrow head's decoder layer (default: the target's, as SpecForge's "
+        "heads; smaller heads draft cheaper on a CPU).")] = None,
     anchor_offset: Annotated[
         Optional[int],
         typer.Option(help="longspec: shift training positions (after 0-4 sink tokens) by a random offset up to N, so "
@@ -108,12 +97,10 @@ def head(
         typer.Option(help="eagle3, sparrow: the N most frequent target tokens of the training data (FR-Spec; "
                      f"default {DEFAULT_DRAFT_VOCAB}, at most the vocabulary)."),
     ] = None,
-    videos: Annotated[
-        Optional[list[Path]],
-        typer.Option(help="sparrow: a video file (any the video reader takes, e.g. .mp4/.avi), a directory of video "
-                     "files, or a directory of frame images (repeatable; default: opencv-doc's sample videos under "
-                     "/usr/share/doc/opencv-doc/examples/data)."),
-    ] = None,
+    videos: Annotated[Optional[list[Path]], typer.Option(
+        help="sparrow: a video file (any the video reader takes, e.g. .mp4/.avi), a directory of video files, or a "
+        "directory of frame images (repeatable; default: opencv-doc's sample videos under "
+        "/usr/share/doc/opencv-doc/examples/data).")] = None,
     frames: Annotated[
         Optional[int],
         typer.Option(help=f"sparrow: frames sampled uniformly from each video (default {DEFAULT_FRAMES})."),
@@ -123,25 +110,19 @@ def head(
         typer.Option(help=f"sparrow: text rows each head row attends to (Sparrow's text-anchored window; default "
                      f"{DEFAULT_TEXT_WINDOW})."),
     ] = None,
-    data: Annotated[
-        Optional[list[Path]],
-        typer.Option(help="Directory or file of .py/.md/.rst text (repeatable; default: the standard library and "
-                     "installed packages)."),
-    ] = None,
+    data: Annotated[Optional[list[Path]], typer.Option(
+        help="Directory or file of .py/.md/.rst text (repeatable; default: the standard library and installed "
+        "packages).")] = None,
     tokens: Annotated[
         Optional[int],
         typer.Option(help=f"Training tokens taken from files (self-distilled answers come on top; default "
                      f"{DEFAULT_TOKENS})."),
     ] = None,
-    held_out_tokens: Annotated[
-        Optional[int],
-        typer.Option(help="Held-out tokens from other files (default: tokens / 20, at least 2 sequences)."),
-    ] = None,
-    held_out_percent: Annotated[
-        int,
-        typer.Option(help="Share of files (by a hash of their path) held out for evaluation; sparrow: of the (video, "
-                     "question) pairs (at least one)."),
-    ] = 5,
+    held_out_tokens: Annotated[Optional[int], typer.Option(
+        help="Held-out tokens from other files (default: tokens / 20, at least 2 sequences).")] = None,
+    held_out_percent: Annotated[int, typer.Option(
+        help="Share of files (by a hash of their path) held out for evaluation; sparrow: of the (video, question) "
+        "pairs (at least one).")] = 5,
     seq_len: Annotated[
         Optional[int], typer.Option(help=f"Tokens per training sequence (default {DEFAULT_SEQ_LEN}).")
     ] = None,
@@ -150,16 +131,12 @@ def head(
         typer.Option(help="Self-distilled sequences: the target's greedy answers to prompts built from training files "
                      f"(held out: a tenth; default {DEFAULT_DISTILL})."),
     ] = None,
-    distill_tokens: Annotated[
-        int, typer.Option(help="New tokens per self-distilled answer (sparrow: per answer about a video).")
-    ] = 128,
-    distill_batch: Annotated[
-        Optional[int],
-        typer.Option(help="Self-distilled answers generated together (transformers' batched greedy generate over "
-                     "left-padded prompts); default 32 on a GPU, 16 on a CPU (qwen2.5-coder-1.5b, bf16, AMD EPYC, 2 "
-                     "threads: 40 tokens/s at 16 against 4 one at a time); 1 = sparrow's plain decoding, one answer "
-                     "at a time."),
-    ] = None,
+    distill_tokens: Annotated[int, typer.Option(
+        help="New tokens per self-distilled answer (sparrow: per answer about a video).")] = 128,
+    distill_batch: Annotated[Optional[int], typer.Option(
+        help="Self-distilled answers generated together (transformers' batched greedy generate over left-padded "
+        "prompts); default 32 on a GPU, 16 on a CPU (qwen2.5-coder-1.5b, bf16, AMD EPYC, 2 threads: 40 tokens/s at "
+        "16 against 4 one at a time); 1 = sparrow's plain decoding, one answer at a time.")] = None,
     steps: Annotated[
         Optional[int],
         typer.Option(help=f"Optimiser steps in total (default: 2 epochs of the training sequences; sparrow: "
@@ -171,9 +148,8 @@ def head(
                      "continues."),
     ] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 4,
-    ttt_steps: Annotated[
-        int, typer.Option(help="Training-time-test depth: draft steps trained on the head's own features (EAGLE-3).")
-    ] = 3,
+    ttt_steps: Annotated[int, typer.Option(
+        help="Training-time-test depth: draft steps trained on the head's own features (EAGLE-3).")] = 3,
     lr: Annotated[float, typer.Option(help="AdamW learning rate (after a linear warmup).")] = 5e-4,
     top_k: Annotated[
         Optional[int],
@@ -182,14 +158,11 @@ def head(
     ] = None,
     checkpoint_every: Annotated[int, typer.Option(help="Save a checkpoint every N steps.")] = 100,
     eval_every: Annotated[int, typer.Option(help="Held-out evaluation every N steps.")] = 50,
-    seed: Annotated[
-        int, typer.Option(help="Seed of the file sample, the head's initial weights and the data order.")
-    ] = 0,
-    features: Annotated[
-        Optional[Path],
-        typer.Option(help="Feature cache directory (default OUT/features, or the resumed run's; share one between "
-                     "runs of the same target and layers)."),
-    ] = None,
+    seed: Annotated[int, typer.Option(
+        help="Seed of the file sample, the head's initial weights and the data order.")] = 0,
+    features: Annotated[Optional[Path], typer.Option(
+        help="Feature cache directory (default OUT/features, or the resumed run's; share one between runs of the "
+        "same target and layers).")] = None,
     resume: Annotated[
         bool,
         typer.Option(help="Continue the run in OUT from its last checkpoint (its corpus and recipe; --steps may "
@@ -290,8 +263,9 @@ _EXPORT_HEAD_HELP = "A dense head directory (config.json + model.safetensors: sa
 @cli_errors
 def export_int8(
     head: Annotated[Path, typer.Option(help=_EXPORT_HEAD_HELP)],
-    out: Annotated[Path, typer.Option(help="New directory for the int8 export: manifest.json + int8 safetensors shards "
-                                      "of at most 15 MB, 60 MB in all; loads with --drafter eagle --head OUT.")],
+    out: Annotated[Path, typer.Option(
+        help="New directory for the int8 export: manifest.json + int8 safetensors shards of at most 15 MB, 60 MB in "
+        "all; loads with --drafter eagle --head OUT.")],
 ) -> None:
     """Write a head's per-channel int8 export (symmetric per-row scales; norms and maps kept as they are), which
     --drafter eagle --head loads transparently, dequantized to the target's dtype."""
@@ -302,8 +276,9 @@ def export_int8(
 @cli_errors
 def export_int4(
     head: Annotated[Path, typer.Option(help=_EXPORT_HEAD_HELP)],
-    out: Annotated[Path, typer.Option(help="New directory for the int4 export: manifest.json + int4 safetensors shards "
-                                      "of at most 15 MB, 16 MB in all; loads with --drafter eagle --head OUT.")],
+    out: Annotated[Path, typer.Option(
+        help="New directory for the int4 export: manifest.json + int4 safetensors shards of at most 15 MB, 16 MB in "
+        "all; loads with --drafter eagle --head OUT.")],
 ) -> None:
     """Write a head's int4 export (symmetric, a float16 scale per group of 64 inputs of a row; norms and maps kept
     as they are), which --drafter eagle --head loads transparently, dequantized to the target's dtype."""
