@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sparrow.config import GREEDY, SamplingConfig, StoppingConfig
     from sparrow.drafters.plan import SpecPlan, resolve_plan
+    from sparrow.engine import Engine
     from sparrow.loading import PipelineCache, load
     from sparrow.pipeline import Pipeline
     from sparrow.types import Draft, GenerationResult, GenerationStats, Prompt, Verdict
@@ -23,6 +24,7 @@ _LAZY = {
     **dict.fromkeys(("PipelineCache", "load"), "sparrow.loading"),
     **dict.fromkeys(("SpecPlan", "resolve_plan"), "sparrow.drafters.plan"),
     "Pipeline": "sparrow.pipeline",
+    "Engine": "sparrow.engine",
     **dict.fromkeys(("Draft", "GenerationResult", "GenerationStats", "Prompt", "Verdict"), "sparrow.types"),
 }
 
@@ -62,5 +64,6 @@ def generate(prompt, *, target: str = "qwen2.5-coder-1.5b", drafter: str = "draf
     return pipe.generate(prompt, **options)
 
 
-__all__ = ["generate", "load", "resolve_plan", "SpecPlan", "Pipeline", "PipelineCache", "PIPELINES", "SamplingConfig",
-           "StoppingConfig", "GREEDY", "Draft", "Verdict", "Prompt", "GenerationResult", "GenerationStats"]
+__all__ = ["generate", "load", "resolve_plan", "SpecPlan", "Pipeline", "Engine", "PipelineCache", "PIPELINES",
+           "SamplingConfig", "StoppingConfig", "GREEDY", "Draft", "Verdict", "Prompt", "GenerationResult",
+           "GenerationStats"]
