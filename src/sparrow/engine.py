@@ -33,6 +33,7 @@ from sparrow.errors import UserError
 from sparrow.locks import holding
 from sparrow.pipeline import Pipeline, PromptInput
 from sparrow.policy.batch import BatchPolicy
+from sparrow.runtime.cached_model import CachedModel
 from sparrow.stopping import OnText
 from sparrow.types import GenerationResult
 
@@ -49,10 +50,17 @@ class Submitted:
     result: GenerationResult | None = None
     error: BaseException | None = None
     alone: tuple[PromptInput, dict[str, Any], OnText | None] | None = field(default=None, repr=False)
+    runner: CachedModel | None = field(default=None, repr=False)  # what it runs on alone (the pipeline's)
 
     @property
     def done(self) -> bool:
         return self.result is not None or self.error is not None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens its prefill took from the prefix cache, once prefilled (None: no prefix cache)."""
+        runner = self.generation.target if self.generation is not None else self.runner
+        return runner.reused if runner is not None and runner.prefix_cache is not None else None
 
 
 class Engine:
@@ -108,7 +116,8 @@ class Engine:
         if self.unbatched is not None:
             with holding(self.pipeline.models()):  # the tokenizer is shared with every pipeline on the model
                 encoded = self.pipeline.request(prompt, **options).prompt  # refused now, as a batched one is
-            submitted = Submitted(encoded.input_ids.numel(), alone=(prompt, options, on_text))
+            submitted = Submitted(encoded.input_ids.numel(), alone=(prompt, options, on_text),
+                                  runner=self.pipeline.runner)
             self._alone.append(submitted)
             return submitted
         generation = self.pipeline.sequence(prompt, on_text=on_text, **options)

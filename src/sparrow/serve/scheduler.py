@@ -320,10 +320,9 @@ class Running:
         tokens = len(self.generation.stopper.tokens) if self.generation is not None else 0
         if self.last is None:  # the first round: the prompt is prefilled
             metrics.time_to_first_token.observe(now_ - self.job.received)
-            pipe = self.scheduler.pipeline
-            runner = self.generation.target if self.generation is not None else pipe.runner  # batched, or alone
-            if runner.prefix_cache is not None:
-                self.cached_tokens = runner.reused
+            cached = self.submitted.cached_tokens if self.submitted is not None else None
+            if cached is not None:
+                self.cached_tokens = cached
                 metrics.prefix_cache_queries.inc(self.prompt_tokens)
                 metrics.prefix_cache_hits.inc(self.cached_tokens)
         elif tokens > self.tokens:
