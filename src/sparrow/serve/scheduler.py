@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from sparrow.decoding.batch import Batch, measure_feeds, measure_rows, supports_batching
 from sparrow.decoding.round import Generation
+from sparrow.drafters.base import draft_runners
 from sparrow.errors import UserError
 from sparrow.locks import holding
 from sparrow.pipeline import Pipeline
@@ -279,8 +280,7 @@ class Scheduler:
         without a draft model that drafts batched, or once known."""
         pipe = self.pipeline
         assert pipe is not None
-        drafters = [] if pipe.drafter is None else [pipe.drafter, *pipe.drafter.candidates.values()]
-        draft = next((d.draft for d in drafters if d.draft is not None), None)
+        draft = next(iter(draft_runners(pipe.drafter)), None)
         if draft is None or self.policy.draft.known or supports_batching(draft.model) is not None:
             return [], []
         vocab = len(pipe.tokenizer)
