@@ -102,7 +102,7 @@ def test_auto_reports_its_candidates_runners_and_choices(loaded_target, target_m
     auto = build_drafter("auto", loaded_target, draft, num_draft_tokens=3, suffix=False)
     info = auto.describe()
     assert [c.name for c in info.candidates] == list(auto.candidates)
-    assert info.choices == {} and not info.watches_prefill
+    assert info.rounds_per_option == {} and not info.watches_prefill
     model = auto.candidates["draft-model"]
     assert draft_model_drafters(auto) == [model] and draft_runners(auto) == (model.draft,)
     assert model.batching is model and model.describe().draft is model.draft

@@ -171,9 +171,9 @@ class Runner:
         run = pipe.generate_plain if method == PLAIN else pipe.generate
         result = run(ids, max_new_tokens=max_new_tokens)
         s = result.stats
-        choices = pipe.drafter.describe().choices if pipe.drafter is not None else None  # auto: rounds per option
+        info = pipe.drafter.describe() if pipe.drafter is not None else None
         return {
-            "drafter_choices": choices,
+            "drafter_choices": info.rounds_per_option if info is not None else None,  # auto: rounds per option
             "token_ids": result.token_ids,
             "seconds": result.seconds,
             "decoding_steps": s.steps,

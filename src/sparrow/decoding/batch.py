@@ -353,8 +353,9 @@ class Batch:
         device = seqs[0].target.device
         t0 = now(device)
         limits = [seq.stopper.remaining - 1 if seq.drafter is not None else 0 for seq in seqs]
-        lags = [seq.drafter.batching.behind(seq.committed) if seq.drafter is not None and seq.drafter.batching
-                is not None and limit else 0 for seq, limit in zip(seqs, limits)]  # tokens each draft would first feed
+        caches = [seq.drafter.batching if seq.drafter is not None else None for seq in seqs]  # own draft caches
+        lags = [cache.behind(seq.committed) if cache is not None and limit else 0
+                for seq, cache, limit in zip(seqs, caches, limits)]  # committed tokens each draft would first feed
         cap = self.policy.cap(seqs, limits, [lag if lag > MAX_SHARED_CATCH_UP else 0 for lag in lags])
         behind = [lag if seq.drafter is not None and min(cap, limit) else None
                   for seq, lag, limit in zip(seqs, lags, limits)]  # None: no draft
@@ -372,8 +373,8 @@ class Batch:
             noise = at(seq.generator, seq.committed.numel())
             if seq.drafter is None or budget == 0:
                 proposed[b] = Draft.empty(device)
-            elif seq.drafter.batching is not None:
-                together[b] = seq.drafter.batching.propose_steps(seq.committed, budget, seq.sampling, noise)
+            elif caches[b] is not None:
+                together[b] = caches[b].propose_steps(seq.committed, budget, seq.sampling, noise)
             else:
                 proposed[b] = seq.drafter.propose(seq.committed, budget, seq.sampling, noise)
         proposed.update(draft_together(together))

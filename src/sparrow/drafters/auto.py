@@ -203,7 +203,7 @@ class AutoDrafter(DrafterBase):
         """Its candidates, the rounds each option drafted in its last request, and whether a candidate watches the
         target's prefill."""
         candidates = tuple(self.candidates.values())
-        return DrafterInfo(candidates=candidates, choices=self.counts(),
+        return DrafterInfo(candidates=candidates, rounds_per_option=dict(Counter(self.choices)),
                            watches_prefill=any(c.describe().watches_prefill for c in candidates))
 
     @contextmanager
@@ -337,10 +337,6 @@ class AutoDrafter(DrafterBase):
             else:
                 pending.append(shadow)
         self._shadows = pending
-
-    def counts(self) -> dict[str, int]:
-        """How many rounds of the current request each option was used for."""
-        return dict(Counter(self.choices))
 
 
 def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int, adaptive: bool,

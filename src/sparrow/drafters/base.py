@@ -63,7 +63,7 @@ class DrafterInfo:
     """Its reduced draft vocabulary (FR-Spec), for the CLI's report; None: the full vocabulary."""
     candidates: tuple[Drafter, ...] = ()
     """The drafters it chooses among (auto); empty for every other drafter."""
-    choices: Mapping[str, int] | None = None
+    rounds_per_option: Mapping[str, int] | None = None
     """Rounds per option of its last request (auto), for bench's rows; None: it chooses nothing."""
     free_to_ask: bool = False
     """Proposing costs next to nothing (a lookup in the text: prompt lookup, suffix), so auto asks it every round."""
