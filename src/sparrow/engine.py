@@ -29,6 +29,7 @@ from typing import Any
 
 from sparrow.decoding.batch import Batch, measure_feeds, measure_rows, supports_batching
 from sparrow.decoding.round import Generation
+from sparrow.drafters.base import draft_runners
 from sparrow.errors import UserError
 from sparrow.locks import holding
 from sparrow.pipeline import Pipeline, PromptInput
@@ -220,9 +221,7 @@ class Engine:
         """A draft position's seconds for 1, 2, 4, ... rows (a draft model's batched forward grows with its rows),
         and a catch-up's for one sequence feeding 16, 64 and 256 tokens alone; none without a draft model that
         drafts batched, or once known."""
-        pipe = self.pipeline
-        drafters = [] if pipe.drafter is None else [pipe.drafter, *pipe.drafter.candidates.values()]
-        draft = next((d.draft for d in drafters if d.draft is not None), None)
+        draft = next(iter(draft_runners(self.pipeline.drafter)), None)
         if draft is None or self.policy.draft.known or supports_batching(draft.model) is not None:
             return [], []
         return (measure_rows(draft.model, self._rows(), vocab=self._vocab),

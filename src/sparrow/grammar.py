@@ -125,16 +125,19 @@ class Free:
 FREE = Free()
 
 
+class Guided(Protocol):
+    """What `guiding` sets: a drafter's `grammar` (`sparrow.drafters.base.Drafter.grammar`)."""
+
+    grammar: Constraint
+
+
 @contextmanager
-def guiding(drafter: object, grammar: Constraint) -> Iterator[None]:
+def guiding(drafter: Guided, grammar: Constraint) -> Iterator[None]:
     """A drafter that follows its `grammar` (draft-model and layer-skip chains) drafts only what `grammar` allows
     while inside:
     its draft logits are masked as the target's are, so drafts are not cut at the grammar. Lossless either way:
     a draft token is the argmax of the masked draft logits (q = 1 rule), or sampled from the masked q it
-    reports."""
-    if drafter is None or not hasattr(drafter, "grammar"):
-        yield
-        return
+    reports. Drafters that ignore it are cut at the grammar by the engine."""
     drafter.grammar = grammar
     try:
         yield

@@ -35,7 +35,7 @@ from sparrow.decoding.baseline import plain_decode
 from sparrow.decoding.engine import decode
 from sparrow.decoding.round import Generation
 from sparrow.drafters.base import Drafter
-from sparrow.drafters.draft_model import DraftModelDrafter
+from sparrow.drafters.draft_model import draft_model_drafters
 from sparrow.errors import UserError
 from sparrow.grammar import FREE, Constraint, Grammars, GrammarSpec, guiding
 from sparrow.locks import holding, stateful_objects
@@ -84,11 +84,11 @@ class Pipeline:
             if type(self.runner) is not CachedModel:
                 raise UserError("prefix_cache applies to a text model's dynamic KV cache: not with compile=True "
                                 "(--compile) or a vision-language target")
-            if drafter is not None and (drafter.hidden_layers or drafter.watches_prefill):
+            if drafter is not None and (drafter.hidden_layers or drafter.describe().watches_prefill):
                 raise UserError(f"prefix_cache does not combine with the {drafter.name!r} drafter: it reads what the "
                                 "target computes over the whole prompt, which a prefix-cached prefill skips")
             self.runner.prefix_cache = PrefixCache(prefix_cache)
-            for each in _draft_model_drafters(drafter):  # a draft model keeps its own (its prompts are the target's)
+            for each in draft_model_drafters(drafter):  # a draft model keeps its own (its prompts are the target's)
                 if type(each.draft) is CachedModel:
                     each.draft.prefix_cache = PrefixCache(prefix_cache)
         if self.draft_compiled:
@@ -106,7 +106,7 @@ class Pipeline:
         encoded = self.encode(prompt, chat=chat)
         runners = [self.runner] if self.compiled else []
         if self.draft_compiled:
-            runners += [d.draft for d in _draft_model_drafters(self.drafter)]
+            runners += [d.draft for d in draft_model_drafters(self.drafter)]
         for runner in runners:
             if isinstance(runner, StaticCachedModel):  # a w8a8 draft stays eager
                 runner.warm_up(encoded)
@@ -239,8 +239,8 @@ class Pipeline:
             drafter = None
             if self.drafter is not None and not plain:
                 drafter = self._forks.pop() if self._forks else self.drafter.fork()
-                if drafter.lazy_prefill is not None:  # in a batch, a draft nobody drafts with is never prefilled
-                    drafter.lazy_prefill = True
+                if drafter.batching is not None:  # in a batch, a draft nobody drafts with is never prefilled
+                    drafter.batching.lazy_prefill = True
             runner = runner_for(self.target.model)
             runner.prefix_cache = self.runner.prefix_cache  # one prefix cache for all of them (None: off)
             gen = self._generation(request, runner, drafter, on_text)
@@ -340,18 +340,11 @@ def stop_strings(stop: object) -> tuple[str, ...]:
 # --- compile --------------------------------------------------------------------------------------------
 
 
-def _draft_model_drafters(drafter: Drafter | None) -> list[DraftModelDrafter]:
-    """The draft-model / quantized-self drafters among `drafter` and, for auto, its candidates."""
-    candidates = getattr(drafter, "candidates", None)
-    drafters = list(candidates.values()) if isinstance(candidates, dict) else [drafter]
-    return [d for d in drafters if isinstance(d, DraftModelDrafter)]
-
-
 def _compile_draft_runner(drafter: Drafter | None) -> None:
     """Give each draft-model / quantized-self drafter (auto's too) a compiled runner over its draft (its reduced-head
     view, if any) unless the draft is w8a8; other drafters keep running their forwards eagerly."""
     log = logging.getLogger("sparrow")
-    found = _draft_model_drafters(drafter)
+    found = draft_model_drafters(drafter)
     for each in found:
         if traceable(each.draft.model):
             each.draft = runner_for(each.draft.model, compiled=True)

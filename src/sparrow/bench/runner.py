@@ -171,9 +171,9 @@ class Runner:
         run = pipe.generate_plain if method == PLAIN else pipe.generate
         result = run(ids, max_new_tokens=max_new_tokens)
         s = result.stats
-        counts = pipe.drafter.counts if pipe.drafter is not None else None  # "auto": rounds per option of this request
+        info = pipe.drafter.describe() if pipe.drafter is not None else None
         return {
-            "drafter_choices": counts() if counts is not None else None,
+            "drafter_choices": info.rounds_per_option if info is not None else None,  # auto: rounds per option
             "token_ids": result.token_ids,
             "seconds": result.seconds,
             "decoding_steps": s.steps,

@@ -309,7 +309,7 @@ def tree_record(drafter: Any, tree: dict[str, int | str]) -> dict[str, int | str
     """The JSON `tree` of a run: the shape the drafter resolved (the budget "auto" measured), else the options."""
     if not tree:
         return None
-    shape = drafter.tree if drafter is not None else None
+    shape = drafter.describe().tree if drafter is not None else None
     if shape is not None:
         return {"budget": shape.budget, "topk": shape.topk, "depth": shape.depth}
     return {key.removeprefix("tree_"): value for key, value in tree.items()}
@@ -346,7 +346,8 @@ def draft_vocab_options(value: str) -> dict[str, int | str]:
 def draft_vocab_record(drafter: Any) -> int | None:
     """The JSON `draft_vocab` of a run: tokens the draft scored (None: the full vocabulary)."""
 
-    return len(drafter.vocab) if drafter is not None and drafter.vocab is not None else None
+    vocab = drafter.describe().vocab if drafter is not None else None
+    return len(vocab) if vocab is not None else None
 
 
 def video_drafter_options(drop_rate: float | None, draft_kv: str | None, draft_kv_budget: int | None,

@@ -311,7 +311,7 @@ class Batch:
         for seq in seqs:
             seq.started = time.perf_counter()
         shareable = [seq for seq in seqs if not seq.prompt.model_inputs
-                     and (seq.drafter is None or not seq.drafter.watches_prefill)
+                     and (seq.drafter is None or not seq.drafter.describe().watches_prefill)
                      and not seq.target.cached_prefix(seq.prompt, seq.drafter.hidden_layers if seq.drafter else ())]
         prefilled: dict[int, tuple[TargetOutput, float]] = {}
         for group in prefill_groups([seq.prompt.input_ids.numel() for seq in shareable]):
@@ -332,8 +332,9 @@ class Batch:
             out, seconds = prefilled.get(id(seq), (None, 0.0))
             start(seq, prefilled=out)  # alone where `out` is None
             seq.prefill_seconds += seconds
-            if seq.drafter is not None and seq.drafter.length is not None:  # what its drafter learnt so far:
-                seq.acceptance = copy.deepcopy(seq.drafter.length.acceptance)  # the budget's first estimate
+            length = seq.drafter.describe().length if seq.drafter is not None else None
+            if length is not None:  # what its drafter learnt so far: the budget's first estimate
+                seq.acceptance = copy.deepcopy(length.acceptance)
             if not seq.done:  # one that finished at once keeps its cache, as in `step`
                 self.running.append(seq)
 
@@ -352,8 +353,9 @@ class Batch:
         device = seqs[0].target.device
         t0 = now(device)
         limits = [seq.stopper.remaining - 1 if seq.drafter is not None else 0 for seq in seqs]
-        lags = [seq.drafter.behind(seq.committed) if seq.drafter is not None and limit else 0
-                for seq, limit in zip(seqs, limits)]  # committed tokens each draft would first feed
+        caches = [seq.drafter.batching if seq.drafter is not None else None for seq in seqs]  # own draft caches
+        lags = [cache.behind(seq.committed) if cache is not None and limit else 0
+                for seq, cache, limit in zip(seqs, caches, limits)]  # committed tokens each draft would first feed
         cap = self.policy.cap(seqs, limits, [lag if lag > MAX_SHARED_CATCH_UP else 0 for lag in lags])
         behind = [lag if seq.drafter is not None and min(cap, limit) else None
                   for seq, lag, limit in zip(seqs, lags, limits)]  # None: no draft
@@ -371,8 +373,8 @@ class Batch:
             noise = at(seq.generator, seq.committed.numel())
             if seq.drafter is None or budget == 0:
                 proposed[b] = Draft.empty(device)
-            elif seq.drafter.propose_steps is not None:
-                together[b] = seq.drafter.propose_steps(seq.committed, budget, seq.sampling, noise)
+            elif caches[b] is not None:
+                together[b] = caches[b].propose_steps(seq.committed, budget, seq.sampling, noise)
             else:
                 proposed[b] = seq.drafter.propose(seq.committed, budget, seq.sampling, noise)
         proposed.update(draft_together(together))

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
-from sparrow.drafters.base import DrafterBase, distinct
+from sparrow.drafters.base import DrafterBase, DrafterInfo, distinct
 from sparrow.drafters.registry import REGISTRY
 from sparrow.drafters.vocab import DraftVocab, resolve_draft_vocab
 from sparrow.errors import UserError
@@ -161,13 +161,14 @@ class AutoDrafter(DrafterBase):
         if len(layers) > 1:
             raise UserError(f"auto drafter candidates read different target layers {sorted(layers)}: give one")
         self.hidden_layers: tuple[int, ...] = layers.pop() if layers else ()
-        self.lookups = [c.name for c in candidates if c.free_to_ask]  # asked every round, in this order
+        infos = {c.name: c.describe() for c in candidates}
+        self.lookups = [n for n in names if infos[n].free_to_ask]  # asked every round, in this order
         self.models = [n for n in names if n not in self.lookups]  # candidates that cost real compute to probe
-        for candidate in candidates:  # plain rounds are this drafter's choice ("none"), not a candidate's
-            if candidate.length is not None:
-                candidate.length.backoff = False
-            if candidate.tree_policy is not None:
-                candidate.tree_policy.backoff = False
+        for info in infos.values():  # plain rounds are this drafter's choice ("none"), not a candidate's
+            if info.length is not None:
+                info.length.backoff = False
+            if info.tree_policy is not None:
+                info.tree_policy.backoff = False
         self.verify = DecayedLine(self.config.verify_decay)
         self.stats = {n: Throughput(self.config.forgetting) for n in names}
         self.choices: list[str] = []  # what each round of the current request used
@@ -198,9 +199,12 @@ class AutoDrafter(DrafterBase):
         memo.update((id(obj), obj) for obj in distinct((self._target,)))
         return copy.deepcopy(self, memo)
 
-    @property
-    def watches_prefill(self) -> bool:
-        return any(candidate.watches_prefill for candidate in self.candidates.values())
+    def describe(self) -> DrafterInfo:
+        """Its candidates, the rounds each option drafted in its last request, and whether a candidate watches the
+        target's prefill."""
+        candidates = tuple(self.candidates.values())
+        return DrafterInfo(candidates=candidates, rounds_per_option=dict(Counter(self.choices)),
+                           watches_prefill=any(c.describe().watches_prefill for c in candidates))
 
     @contextmanager
     def watch_prefill(self, target: CachedModel) -> Iterator[None]:
@@ -222,7 +226,7 @@ class AutoDrafter(DrafterBase):
             probes.restart(self.config.reprobe_interval if self.stats[n].count else 0)
         # Drafters with their own model prefill on first use; the rest (they may read the target's
         # fresh cache) now.
-        self._lazy = {n for n, c in self.candidates.items() if c.draft is not None}
+        self._lazy = {n for n, c in self.candidates.items() if c.describe().draft is not None}
         for name, candidate in self.candidates.items():
             if name not in self._lazy:
                 candidate.prefill(prompt, target, out)
@@ -248,7 +252,9 @@ class AutoDrafter(DrafterBase):
         if name in self._lazy:
             self._lazy.discard(name)
             self.candidates[name].prefill(self._prompt, self._target, self._prefill_out)
-        self.candidates[name].catch_up(committed)
+        batching = self.candidates[name].batching
+        if batching is not None:
+            batching.catch_up(committed)
         self._switch_seconds = now(committed.device) - switch
         if probe:
             self.stats[name].rounds.scale(self.config.probe_weight)  # stale: let this round count most
@@ -332,10 +338,6 @@ class AutoDrafter(DrafterBase):
                 pending.append(shadow)
         self._shadows = pending
 
-    def counts(self) -> dict[str, int]:
-        """How many rounds of the current request each option was used for."""
-        return dict(Counter(self.choices))
-
 
 def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int, adaptive: bool,
           quantized_self: bool = False, layer_skip: bool = True, config: AutoConfig | None = None,
@@ -369,7 +371,7 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
             with warnings.catch_warnings():  # a set measured to lose comes back disabled: left out below
                 warnings.simplefilter("ignore")
                 skipper = make("layer-skip", None, **heads)
-            if skipper.enabled:
+            if skipper.describe().enabled:
                 candidates.append(skipper)
         except ValueError:  # no tuned skip set for this target (or a quantized target)
             pass

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from types import MappingProxyType
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -25,8 +25,59 @@ if TYPE_CHECKING:  # annotations only: these modules build on this one
     from sparrow.policy.tree import TreePolicy
 
 
+class Batching(Protocol):
+    """The side of a drafter with its own draft-model KV cache that a batch and `auto` manage (`Drafter.batching`):
+    the draft-model and quantized-self drafters (`DraftModelDrafter`)."""
+
+    lazy_prefill: bool
+    """Whether its draft model prefills on the first proposal instead of at prefill (a batch sets it, so a draft
+    nobody drafts with is never prefilled)."""
+
+    def propose_steps(self, committed: Tensor, max_tokens: int, sampling: SamplingConfig,
+                      generator: Randomness) -> DraftSteps:
+        """`propose` as a generator of draft forwards, which the batch runs together with other requests' forwards
+        (`sparrow.drafters.draft_loop`)."""
+
+    def behind(self, committed: Tensor) -> int:
+        """Committed tokens its draft model would feed before its next draft (a lazy prompt prefill, the rounds it
+        sat out). A batch probes only with drafts nearly in step."""
+
+    def catch_up(self, committed: Tensor) -> None:
+        """Feed the tokens committed while another drafter drafted (auto switching to this one) in one forward."""
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    """What a drafter is, for those that choose among, measure or report on drafters (auto, the policies, the
+    server's cost seeding, bench, the CLI's report): `Drafter.describe()`, read when asked."""
+
+    draft: CachedModel | None = None
+    """The runner of its draft model, whose cost curve the policies measure; None: no draft model."""
+    length: LengthPolicy | None = None
+    """Its draft-length policy (the batch reads it for its first estimate); None: it has none."""
+    tree_policy: TreePolicy | None = None
+    """The policy that decides whether to draft a tree this round; None: chains only (or full trees always)."""
+    tree: TreeShape | None = None
+    """The tree shape it drafts (--tree-budget), for the CLI's report; None: chains."""
+    vocab: DraftVocab | None = None
+    """Its reduced draft vocabulary (FR-Spec), for the CLI's report; None: the full vocabulary."""
+    candidates: tuple[Drafter, ...] = ()
+    """The drafters it chooses among (auto); empty for every other drafter."""
+    rounds_per_option: Mapping[str, int] | None = None
+    """Rounds per option of its last request (auto), for bench's rows; None: it chooses nothing."""
+    free_to_ask: bool = False
+    """Proposing costs next to nothing (a lookup in the text: prompt lookup, suffix), so auto asks it every round."""
+    watches_prefill: bool = False
+    """Whether `watch_prefill` records the target's prefill forward; a batch then prefills its request alone
+    (a shared prefill forward of several prompts is not one prompt's forward)."""
+    enabled: bool = True
+    """False: it drafts nothing (a layer-skip set measured to lose decodes plainly), so auto leaves it out."""
+
+
 class Drafter(Protocol):
-    """Everything the house (the engine, the batch, the policies, auto, the CLI and bench) uses of a drafter.
+    """What the round, the batch and the pipeline call on a drafter every generation, and nothing else: what
+    auto, the policies, bench and the CLI's report read is one record (`describe()`), what only a batch manages
+    one object (`batching`).
 
     The first five are what every drafter defines; `DrafterBase` gives the rest their defaults, so a drafter
     overrides only what it has."""
@@ -51,55 +102,17 @@ class Drafter(Protocol):
         token), and `step` the engine-measured draft and verify seconds."""
 
     # optional members (defaults in DrafterBase)
-    length: LengthPolicy | None
-    """The drafter's draft-length policy, which the batch reads for its first estimate; None: it has none."""
-    tree_policy: TreePolicy | None
-    """The policy that decides whether to draft a tree this round; None: chains only."""
-    tree: TreeShape | None
-    """The tree shape it drafts (--tree-budget), for the CLI's report; None: chains."""
-    vocab: DraftVocab | None
-    """Its reduced draft vocabulary (FR-Spec), for the CLI's report; None: the full vocabulary."""
-    draft: CachedModel | None
-    """The runner of its draft model, whose cost curve the policies measure; None: no draft model."""
-    candidates: Mapping[str, Drafter]
-    """The drafters it chooses among (auto); empty for every other drafter."""
-    counts: Callable[[], Mapping[str, int]] | None
-    """Rounds per option of the last request (auto), for bench's rows; None: not a chooser."""
-    lazy_prefill: bool | None
-    """Whether its draft model prefills on the first proposal instead of at prefill (a batch sets it, so a draft
-    nobody drafts with is never prefilled); None: it has no draft model to prefill."""
-    propose_steps: Callable[[Tensor, int, SamplingConfig, Randomness], DraftSteps] | None
-    """`propose` as a generator of draft forwards, which the batch runs together with other requests' forwards
-    (`sparrow.drafters.draft_loop`); None: proposals run one drafter at a time."""
-
     grammar: Constraint
     """Structured output: the grammar its drafts should stay inside (the pipeline sets it per request); drafters
     that ignore it are cut at the grammar by the engine, which is still lossless, only slower."""
-    free_to_ask: bool
-    """Proposing costs next to nothing (a lookup in the text: prompt lookup, suffix), so auto asks it every round."""
 
-    def catch_up(self, committed: Tensor) -> None:
-        """Feed the tokens committed while another drafter drafted (auto switching to this one) in one forward;
-        a no-op for drafters without a draft model cache."""
-
-    def behind(self, committed: Tensor) -> int:
-        """Committed tokens its draft model would feed before its next draft (a lazy prompt prefill, the rounds it
-        sat out); 0 without a draft model cache. A batch probes only with drafts nearly in step."""
+    def watch_prefill(self, target: CachedModel) -> AbstractContextManager:
+        """A context the engine runs the target's prefill inside (drafters that read what that forward computes,
+        e.g. its queries: sparse, visual-prune; they say so in `describe().watches_prefill`); a no-op by default."""
 
     def park(self, committed: Tensor) -> None:
         """A generation of `committed` ended between rounds: hand the draft model's cache (as far as it holds
         `committed`) to its prefix cache, if it has one (`Pipeline(prefix_cache=...)`); a no-op by default."""
-
-    def watch_prefill(self, target: CachedModel) -> AbstractContextManager:
-        """A context the engine runs the target's prefill inside (drafters that read what that forward computes,
-        e.g. its queries: sparse, visual-prune); a no-op by default."""
-
-    watches_prefill: bool
-    """Whether `watch_prefill` records the target's prefill forward; a batch then prefills its request alone
-    (a shared prefill forward of several prompts is not one prompt's forward)."""
-
-    enabled: bool
-    """False: it drafts nothing (a layer-skip set measured to lose decodes plainly), so auto leaves it out."""
 
     def modules(self) -> tuple[torch.nn.Module, ...]:
         """Every module it runs or changes (its draft model and views of it, a head, the target itself for
@@ -110,30 +123,35 @@ class Drafter(Protocol):
         """A drafter with its own per-generation state (caches, policies) that shares this one's modules, their
         configs, its tokenizers and its process-wide stores (a batch runs one fork per sequence)."""
 
+    batching: Batching | None
+    """Its own draft-model cache, as a batch manages it (drafting in steps, lazy prefill, how far behind it is)
+    and auto switches to it (catch-up); None: it has none, and proposes one drafter at a time."""
+
+    def describe(self) -> DrafterInfo:
+        """What it is (its draft model, policies, tree, vocabulary, candidates, ...), read now."""
+
 
 class DrafterBase:
-    """The defaults of the Drafter protocol's optional members: a drafter with none of them."""
+    """The defaults of the Drafter protocol's optional members: a drafter with none of them. `describe()` reports
+    the fields below, which a drafter sets as it has them."""
 
     hidden_layers: tuple[int, ...] = ()
+    grammar: Constraint = FREE
+    batching: Batching | None = None
+    # what describe() reports (DrafterInfo's fields)
+    draft: CachedModel | None = None
     length: LengthPolicy | None = None
     tree_policy: TreePolicy | None = None
     tree: TreeShape | None = None
     vocab: DraftVocab | None = None
-    draft: CachedModel | None = None
-    candidates: Mapping[str, Drafter] = MappingProxyType({})
-    counts: Callable[[], Mapping[str, int]] | None = None
-    lazy_prefill: bool | None = None
-    propose_steps: Callable[[Tensor, int, SamplingConfig, Randomness], DraftSteps] | None = None
     free_to_ask: bool = False
     watches_prefill: bool = False
-    grammar: Constraint = FREE
     enabled: bool = True
 
-    def catch_up(self, committed: Tensor) -> None:
-        pass
-
-    def behind(self, committed: Tensor) -> int:
-        return 0
+    def describe(self) -> DrafterInfo:
+        return DrafterInfo(draft=self.draft, length=self.length, tree_policy=self.tree_policy, tree=self.tree,
+                           vocab=self.vocab, free_to_ask=self.free_to_ask, watches_prefill=self.watches_prefill,
+                           enabled=self.enabled)
 
     def park(self, committed: Tensor) -> None:
         pass
@@ -155,6 +173,15 @@ class DrafterBase:
         modules = self.modules()
         configs = [sub.config for module in modules for sub in module.modules() if "config" in vars(sub)]
         return copy.deepcopy(self, {id(obj): obj for obj in (*modules, *configs, *self.shared())})
+
+
+def draft_runners(drafter: Drafter | None) -> tuple[CachedModel, ...]:
+    """The runners of the draft models `drafter` drafts with: its own and, for auto, its candidates' (each once, in
+    order); () for plain decoding and model-free drafters."""
+    if drafter is None:
+        return ()
+    info = drafter.describe()
+    return distinct((info.draft, *(runner for candidate in info.candidates for runner in draft_runners(candidate))))
 
 
 def distinct(objects: Iterable[object]) -> tuple:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from sparrow.config import SamplingConfig
-from sparrow.drafters.base import DrafterBase, distinct
+from sparrow.drafters.base import Drafter, DrafterBase, distinct
 from sparrow.drafters.draft_loop import DraftSteps, Forward, draft_chain, drive
 from sparrow.drafters.kv.draft_kv import draft_kv_config, with_draft_kv
 from sparrow.drafters.tree_draft import TreeShape, dynamic_tree, resolve_shape
@@ -69,6 +69,12 @@ class DraftModelDrafter(DrafterBase):
         self.grammar: Constraint = FREE
         """Structured output (`sparrow.grammar.guiding`): chains draft only what the grammar allows (not with a
         reduced draft vocabulary, whose -inf rows could leave no allowed token)."""
+
+    @property
+    def batching(self) -> DraftModelDrafter:
+        """Itself: it drafts in steps (`propose_steps`), prefills lazily in a batch, says how far `behind` its cache
+        is and catches up when auto switches to it."""
+        return self
 
     def modules(self) -> tuple[torch.nn.Module, ...]:
         """The draft model, and the reduced-head view its runner drafts through (with a draft vocabulary)."""
@@ -169,6 +175,15 @@ class DraftModelDrafter(DrafterBase):
             self.length.observe(step)
         elif self.tree_policy is not None:
             self.tree_policy.observe(step, self._forwards)
+
+
+def draft_model_drafters(drafter: Drafter | None) -> list[DraftModelDrafter]:
+    """The draft-model / quantized-self drafters among `drafter` and, for auto, its candidates: those whose draft
+    runner the pipeline compiles, warms up and gives a prefix cache."""
+    if drafter is None:
+        return []
+    candidates = drafter.describe().candidates
+    return [d for d in (candidates or (drafter,)) if isinstance(d, DraftModelDrafter)]
 
 
 def build(target: LoadedModel, draft: LoadedModel, num_draft_tokens: int, adaptive: bool,

@@ -79,8 +79,9 @@ def follow_cost_curve(drafter: Drafter | None, target: CachedModel) -> None:
     draft model, and drafters already set up."""
     if drafter is None:  # plain decoding
         return
-    for candidate in drafter.candidates.values():  # auto: the same draft model, the same rule
+    info = drafter.describe()
+    for candidate in info.candidates:  # auto: the same draft model, the same rule
         follow_cost_curve(candidate, target)
-    policy, draft = drafter.length, drafter.draft
+    policy, draft = info.length, info.draft
     if policy is not None and policy.adaptive and policy.curve is None and isinstance(draft, CachedModel):
         policy.follow(measure_cost_curve(target, policy.max_tokens, draft))
