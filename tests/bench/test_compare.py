@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from sparrow.bench.compare import abba, compare
 from sparrow.cli import app
 from sparrow.pipeline import Pipeline
+from sparrow.request import Request
 from sparrow.types import GenerationResult, GenerationStats
 
 TOKENS = [5, 6, 7, 8]
@@ -72,10 +73,11 @@ def test_cli_compare_reports_medians_of_abba_runs_after_an_untimed_warm_up(model
     timed = {"A": iter([1.0, 4.0]), "B": iter([2.0, 8.0])}  # speculative: 4 and 1 tok/s; plain: 2 and 0.5
 
     def run(path: str):
-        def generate(self, prompt, **options):
-            calls.append((path, options["max_new_tokens"]))
-            warm = options["max_new_tokens"] < 12
-            return fake(100.0 if warm else next(timed[path]), TOKENS[:options["max_new_tokens"]] * 3)
+        def generate(self, request, **options):  # the CLI builds its request once, then generates it
+            assert isinstance(request, Request) and not options
+            n = request.stopping.max_new_tokens
+            calls.append((path, n))
+            return fake(100.0 if n < 12 else next(timed[path]), TOKENS[:n] * 3)
         return generate
 
     monkeypatch.setattr(Pipeline, "generate", run("A"))
