@@ -80,6 +80,14 @@ def test_cli_compare_reports_medians_of_abba_runs_after_an_untimed_warm_up(model
             return fake(100.0 if n < 12 else next(timed[path]), TOKENS[:n] * 3)
         return generate
 
+    encode = Pipeline.encode
+    encoded: list[str] = []
+
+    def counted(self, prompt, *args, **kwargs):
+        encoded.append(prompt)
+        return encode(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "encode", counted)
     monkeypatch.setattr(Pipeline, "generate", run("A"))
     monkeypatch.setattr(Pipeline, "generate_plain", run("B"))
     args = ["generate", "The quick brown fox", "--target", model_dir, "--draft", model_dir, "--dtype", "float32",
@@ -87,6 +95,7 @@ def test_cli_compare_reports_medians_of_abba_runs_after_an_untimed_warm_up(model
     result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output
     assert calls == [("A", 8), ("B", 8), ("A", 12), ("B", 12), ("B", 12), ("A", 12)]  # warm-up, then ABBA
+    assert encoded == ["The quick brown fox"]  # one request, tokenized once, checked and generated
     record = json.loads(result.stdout)
     assert record["compare"]["order"] == "ABBA" and record["compare"]["runs"] == 2
     assert record["compare"]["speculative"]["tokens_per_second"] == [12.0, 3.0]

@@ -85,10 +85,6 @@ class Failed:
 
     error: BaseException
 
-    @property
-    def user_error(self) -> bool:
-        return isinstance(self.error, UserError)
-
 
 Event = Text | Finished | Failed
 
