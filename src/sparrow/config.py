@@ -1,7 +1,9 @@
 """Frozen, validated configuration for sampling and generation, and the checks behind it.
 
 Each check takes the argument's name as the caller spells it (`temperature` in the API, `--temperature` in
-the CLI), so the same rule gives the same message wherever a value comes in.
+the CLI, `max_tokens` in the server), so the same rule gives the same message wherever a value comes in; its
+UserError's `field` is sparrow's name. A request's options are checked by `sparrow.request.check_options`
+alone; the dataclasses below check their own fields again only as their invariant.
 """
 
 from __future__ import annotations
@@ -21,28 +23,29 @@ MIN_TEMPERATURE = 1e-5
 def check_temperature(temperature: object, argument: str = "temperature") -> float:
     """A temperature is 0 (greedy) or a finite number >= MIN_TEMPERATURE."""
     if not _real(temperature) or not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
-        raise UserError(f"{argument} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {temperature!r}")
+        raise UserError(f"{argument} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {temperature!r}",
+                        field="temperature")
     return float(temperature)
 
 
 def check_top_k(top_k: object, argument: str = "top_k") -> int:
     """top-k is an integer >= 0 (0 disables it)."""
     if not _integer(top_k) or top_k < 0:
-        raise UserError(f"{argument} must be an integer >= 0 (0 disables it), got {top_k!r}")
+        raise UserError(f"{argument} must be an integer >= 0 (0 disables it), got {top_k!r}", field="top_k")
     return int(top_k)
 
 
 def check_top_p(top_p: object, argument: str = "top_p") -> float:
     """top-p is a number in (0, 1] (1 disables it)."""
     if not _real(top_p) or not 0 < top_p <= 1:
-        raise UserError(f"{argument} must be in (0, 1] (1 disables it), got {top_p!r}")
+        raise UserError(f"{argument} must be in (0, 1] (1 disables it), got {top_p!r}", field="top_p")
     return float(top_p)
 
 
 def check_max_new_tokens(max_new_tokens: object, argument: str = "max_new_tokens") -> int:
     """At least one new token."""
     if not _integer(max_new_tokens) or max_new_tokens < 1:
-        raise UserError(f"{argument} must be an integer >= 1, got {max_new_tokens!r}")
+        raise UserError(f"{argument} must be an integer >= 1, got {max_new_tokens!r}", field="max_new_tokens")
     return int(max_new_tokens)
 
 
@@ -51,7 +54,7 @@ def check_seed(seed: object, argument: str = "seed") -> int | None:
     if seed is None:
         return None
     if not _integer(seed) or not 0 <= seed < 2**64:
-        raise UserError(f"{argument} must be an integer in [0, 2**64), got {seed!r}")
+        raise UserError(f"{argument} must be an integer in [0, 2**64), got {seed!r}", field="seed")
     return int(seed)
 
 
@@ -95,4 +98,4 @@ class StoppingConfig:
     def __post_init__(self) -> None:
         check_max_new_tokens(self.max_new_tokens)
         if any(not s for s in self.stop_strings):
-            raise UserError("stop strings must not be empty")
+            raise UserError("stop must not be an empty string", field="stop")

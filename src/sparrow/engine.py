@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from sparrow.decoding.batch import Batch, measure_feeds, measure_rows, supports_batching
 from sparrow.decoding.round import Generation
@@ -34,6 +33,7 @@ from sparrow.errors import UserError
 from sparrow.locks import holding
 from sparrow.pipeline import Pipeline, PromptInput
 from sparrow.policy.batch import BatchPolicy
+from sparrow.request import Options, Request
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.stopping import OnText
 from sparrow.types import GenerationResult
@@ -50,7 +50,7 @@ class Submitted:
     generation: Generation | None = None
     result: GenerationResult | None = None
     error: BaseException | None = None
-    alone: tuple[PromptInput, dict[str, Any], OnText | None] | None = field(default=None, repr=False)
+    alone: tuple[Request, OnText | None] | None = field(default=None, repr=False)  # to run alone, at a step
     runner: CachedModel | None = field(default=None, repr=False)  # what it runs on alone (the pipeline's)
 
     @property
@@ -111,18 +111,19 @@ class Engine:
             self.policy.seed([] if known else measure_rows(pipe.target.model, self._rows(), vocab=self._vocab),
                              *self._draft_costs())
 
-    def submit(self, prompt: PromptInput, *, on_text: OnText | None = None, **options) -> Submitted:
-        """Queue a request (the same options as `Pipeline.generate`), validated and tokenized now: a bad one raises
-        its `UserError` here and is not queued. It starts at the next `step`, whatever `room` says."""
+    def submit(self, prompt: PromptInput | Request, options: Options | None = None, /, *,
+               on_text: OnText | None = None, **keywords) -> Submitted:
+        """Queue a request: a `Request` built already, or a prompt with its options (`Pipeline.request`'s), checked
+        and tokenized now: a bad one raises its `UserError` here and is not queued. It starts at the next `step`,
+        whatever `room` says."""
+        request = self.pipeline.as_request(prompt, options, **keywords)
         if self.unbatched is not None:
-            with holding(self.pipeline.models()):  # the tokenizer is shared with every pipeline on the model
-                encoded = self.pipeline.request(prompt, **options).prompt  # refused now, as a batched one is
-            submitted = Submitted(encoded.input_ids.numel(), alone=(prompt, options, on_text),
+            submitted = Submitted(request.prompt.input_ids.numel(), alone=(request, on_text),
                                   runner=self.pipeline.runner)
             self._alone.append(submitted)
             return submitted
-        generation = self.pipeline.sequence(prompt, on_text=on_text, **options)
-        submitted = Submitted(generation.prompt.input_ids.numel(), generation)
+        generation = self.pipeline.sequence(request, on_text=on_text)
+        submitted = Submitted(request.prompt.input_ids.numel(), generation)
         self._joining.append(submitted)
         return submitted
 
@@ -202,9 +203,9 @@ class Engine:
         return submitted
 
     def _run_alone(self, submitted: Submitted) -> Submitted:
-        prompt, options, on_text = submitted.alone
+        request, on_text = submitted.alone
         try:
-            submitted.result = self.pipeline.generate(prompt, on_text=on_text, **options)
+            submitted.result = self.pipeline.generate(request, on_text=on_text)
         except Exception as e:
             submitted.error = e
         return submitted

@@ -9,4 +9,11 @@ from __future__ import annotations
 
 
 class UserError(ValueError):
-    """A bad argument, file or model: the message says which and what was expected."""
+    """A bad argument, file or model: the message says which and what was expected.
+
+    field: the request option it concerns, by sparrow's name (`max_new_tokens`, `prompt`: `sparrow.request`), when
+    one does; the server's HTTP 400 names its own field from it, never from the message."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field

@@ -63,10 +63,10 @@ class GrammarSpec:
         """The spec of the `json_schema=` / `regex=` options (None: unconstrained). json_schema: a dict, or its
         JSON text; {"type": "object"} is any JSON object (OpenAI's json_object)."""
         if json_schema is not None and regex is not None:
-            raise UserError("json_schema and regex exclude each other: pass one")
+            raise UserError("json_schema and regex exclude each other: pass one", field="json_schema")
         if regex is not None:
             if not isinstance(regex, str) or not regex:
-                raise UserError(f"regex must be a non-empty str, got {regex!r}")
+                raise UserError(f"regex must be a non-empty str, got {regex!r}", field="regex")
             return GrammarSpec("regex", regex)
         if json_schema is None:
             return None
@@ -74,9 +74,10 @@ class GrammarSpec:
             try:
                 json_schema = json.loads(json_schema)
             except ValueError as e:
-                raise UserError(f"json_schema is not valid JSON: {e}") from None
+                raise UserError(f"json_schema is not valid JSON: {e}", field="json_schema") from None
         if isinstance(json_schema, bool) or not isinstance(json_schema, Mapping):
-            raise UserError(f"json_schema must be a JSON object (a dict), got {type(json_schema).__name__}")
+            raise UserError(f"json_schema must be a JSON object (a dict), got {type(json_schema).__name__}",
+                            field="json_schema")
         return GrammarSpec("json", json.dumps(json_schema))  # key order kept: it is the order of the output
 
 
@@ -179,24 +180,24 @@ class Grammars:
         try:
             return self._ll.LLMatcher.grammar_from_json_schema(spec.source, defaults=options)
         except (ValueError, RuntimeError) as e:
-            raise UserError(f"json_schema cannot be compiled: {one_line(e)}") from None
+            raise UserError(f"json_schema cannot be compiled: {one_line(e)}", field="json_schema") from None
 
     def start(self, spec: GrammarSpec, stop_ids: Iterable[int]) -> GrammarConstraint:
         """A fresh constraint for one generation; `stop_ids` end it (allowed where the grammar accepts)."""
         stops = tuple(sorted({int(i) for i in stop_ids}))
         if not stops:
             raise UserError("structured output (json_schema / regex) needs an end-of-sequence token, and the "
-                            "model has none")
+                            "model has none", field="json_schema" if spec.kind == "json" else "regex")
         what = "json_schema" if spec.kind == "json" else "regex"
         try:
             matcher = self._ll.LLMatcher(self._view(stops), self.grammar(spec), log_level=0)
         except (ValueError, RuntimeError) as e:
-            raise UserError(f"{what} cannot be compiled: {one_line(e)}") from None
+            raise UserError(f"{what} cannot be compiled: {one_line(e)}", field=what) from None
         if matcher.is_error():
-            raise UserError(f"{what} cannot be compiled: {one_line(matcher.get_error())}")
+            raise UserError(f"{what} cannot be compiled: {one_line(matcher.get_error())}", field=what)
         constraint = GrammarConstraint(matcher, self._torch, self.vocab_size, stops)
         if not bool(constraint.raw_mask().any()):
-            raise UserError(f"the {what} allows no output at all")
+            raise UserError(f"the {what} allows no output at all", field=what)
         return constraint
 
 

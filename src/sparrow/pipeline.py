@@ -13,34 +13,32 @@ Pipelines are made by `sparrow.loading`: `load`, and `PipelineCache` (what `spar
 from __future__ import annotations
 
 import logging
-import numbers
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from sparrow.config import (
-    SamplingConfig,
-    StoppingConfig,
-    check_max_new_tokens,
-    check_seed,
-    check_temperature,
-    check_top_k,
-    check_top_p,
-)
 from sparrow.decoding.baseline import plain_decode
 from sparrow.decoding.engine import decode
 from sparrow.decoding.round import Generation
 from sparrow.drafters.base import Drafter
 from sparrow.drafters.draft_model import draft_model_drafters
 from sparrow.errors import UserError
-from sparrow.grammar import FREE, Constraint, Grammars, GrammarSpec, guiding
+from sparrow.grammar import FREE, Constraint, Grammars, guiding
 from sparrow.locks import holding, stateful_objects
 from sparrow.models import LoadedModel
 from sparrow.noise import PositionalNoise
+from sparrow.request import (
+    OPTIONS,
+    Options,
+    PromptInput,
+    Request,
+    build_request,
+    chat_messages,
+    check_options,
+    is_chat,
+    token_ids,
+)
 from sparrow.runtime.batch_invariant import is_exact
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.compiled import StaticCachedModel, traceable
@@ -51,19 +49,6 @@ from sparrow.text import clean_text
 from sparrow.types import GenerationResult, Prompt
 from sparrow.verifiers import VERIFIERS, build_verifier
 from sparrow.vision.prompt import encode_media
-
-PromptInput = str | bytes | Sequence[int] | torch.Tensor  # text, UTF-8 bytes, or token ids
-
-
-@dataclass(frozen=True)
-class Request:
-    """A validated generation request (the prompt already tokenized)."""
-
-    prompt: Prompt
-    sampling: SamplingConfig
-    stopping: StoppingConfig
-    seed: int | None
-    grammar: GrammarSpec | None = None  # structured output (json_schema= / regex=); None: unconstrained
 
 
 class Pipeline:
@@ -129,16 +114,24 @@ class Pipeline:
 
     def encode(self, prompt: PromptInput, chat: bool = False, *, video=None, frames: int | None = None,
                image=None) -> Prompt:
-        """Tokenize a prompt: text (a str; bytes are UTF-8, invalid UTF-8 becomes U+FFFD) or token ids; with
-        video (file, frame dir, array) / image (file(s)), run the VLM's processor."""
+        """Tokenize a prompt: text (a str; bytes are UTF-8, invalid UTF-8 becomes U+FFFD), token ids, or chat
+        messages ([{"role", "content"}]: the tokenizer's chat template; without one, "role: content" lines, then
+        "assistant:"); with video (file, frame dir, array) / image (file(s)), run the VLM's processor."""
         if isinstance(prompt, (str, bytes, bytearray)):
             prompt = clean_text(prompt, "prompt")
         if video is not None or image is not None or frames is not None:
             return encode_media(self.target.processor, prompt, video=video, frames=frames, image=image,
                                 model_name=f"target {self.target.name!r}")
+        if is_chat(prompt):
+            messages = chat_messages(prompt)
+            if self.tokenizer.chat_template:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)
+                return Prompt(input_ids=torch.tensor(ids, dtype=torch.long))
+            prompt, chat = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:", False
         if isinstance(prompt, str):
             if not prompt.strip():
-                raise UserError("prompt must not be empty")
+                raise UserError("prompt must not be empty", field="prompt")
             if chat and self.tokenizer.chat_template:
                 ids = self.tokenizer.apply_chat_template(
                     [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
@@ -149,32 +142,25 @@ class Pipeline:
             ids = token_ids(prompt, self.runner.vocab_size)
         return Prompt(input_ids=torch.tensor(ids, dtype=torch.long))
 
-    def request(self, prompt: PromptInput, *, max_new_tokens: int = 128, temperature: float = 0.0,
-                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Iterable[str] | None = (),
-                chat: bool = False, video=None, frames: int | None = None, image=None, json_schema: object = None,
-                regex: str | None = None) -> Request:
-        """Check every option (each error names its argument), then tokenize the prompt.
+    def request(self, prompt: PromptInput, options: Options | None = None, /, **keywords) -> Request:
+        """The request to generate: its options checked (`sparrow.request.check_options`, each error names its
+        option; or `options` checked already), then the prompt tokenized and checked against the model's context.
+        Build it once, then hand it to `generate`, `generate_plain` or `sequence` (as often as wanted).
 
-        json_schema (a dict or its JSON text) / regex: structured output (`sparrow.grammar`): every output keeps
-        to it, EOS only where it is complete (finish_reason "length" when max_new_tokens cuts it short)."""
-        sampling = SamplingConfig(temperature=check_temperature(temperature), top_k=check_top_k(top_k),
-                                  top_p=check_top_p(top_p))
-        max_new_tokens = check_max_new_tokens(max_new_tokens)
-        stopping = StoppingConfig(max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids(),
-                                  stop_strings=stop_strings(stop))
-        seed = check_seed(seed)
-        grammar = GrammarSpec.of(json_schema, regex)
-        if not isinstance(chat, bool):
-            raise UserError(f"chat must be True or False, got {chat!r}")
-        encoded = self.encode(prompt, chat, video=video, frames=frames, image=image)
-        context = self.runner.context_length
-        n = encoded.input_ids.numel()
-        if context is not None and n >= context:
-            raise UserError(f"prompt is {n} tokens long, but the model's context is {context} tokens")
-        if context is not None and n + max_new_tokens > context:
-            raise UserError(f"max_new_tokens={max_new_tokens} with a {n}-token prompt exceeds the model's "
-                             f"context of {context} tokens (at most {context - n} new tokens)")
-        return Request(encoded, sampling, stopping, seed, grammar)
+        Options: max_new_tokens (128; None: the rest of the model's context), temperature, top_k, top_p, seed,
+        stop, chat, video / frames / image, json_schema (a dict or its JSON text) / regex: structured output
+        (`sparrow.grammar`): every output keeps to it, EOS only where it is complete (finish_reason "length" when
+        max_new_tokens cuts it short)."""
+        if options is None:
+            options = check_options(keywords)
+        elif keywords:
+            raise UserError(f"options are given twice: as checked Options and as {', '.join(sorted(keywords))}",
+                            field=min(keywords))
+        with holding([self.target.model]):  # the tokenizer is shared with every pipeline on the model
+            encoded = self.encode(prompt, options.chat, video=options.video, frames=options.frames,
+                                  image=options.image)
+        return build_request(encoded, options, eos_token_ids=self.eos_token_ids(),
+                             context_length=self.runner.context_length)
 
     def constraint(self, request: Request) -> Constraint:
         """The request's grammar state (compiled here: a bad schema or regex is a UserError), or FREE."""
@@ -184,26 +170,37 @@ class Pipeline:
             self._grammars = Grammars(self.tokenizer, self.runner.vocab_size)
         return self._grammars.start(request.grammar, request.stopping.eos_token_ids)
 
-    def generate(self, prompt: PromptInput, *, on_text: OnText | None = None, **options) -> GenerationResult:
-        """Speculative generation (plain decoding when the pipeline has no drafter).
+    def generate(self, prompt: PromptInput | Request, *, on_text: OnText | None = None,
+                 **options) -> GenerationResult:
+        """Speculative generation (plain decoding when the pipeline has no drafter) of a prompt with `options`
+        (those of `request`), or of a `Request` built already (then no options).
 
         on_text: streaming; called after each round with the new final text (`sparrow.stopping`); the pieces
         concatenated equal the result's text. Returning a finish reason from it ends the generation."""
-        return self._run(prompt, options, self.drafter, on_text)
+        return self._run(self.as_request(prompt, **options), self.drafter, on_text)
 
-    OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "chat", "video", "frames", "image",
-               "json_schema", "regex")
+    OPTIONS = OPTIONS
 
-    def generate_plain(self, prompt: PromptInput, *, on_text: OnText | None = None, **options) -> GenerationResult:
+    def generate_plain(self, prompt: PromptInput | Request, *, on_text: OnText | None = None,
+                       **options) -> GenerationResult:
         """Plain autoregressive decoding of the same target: the oracle and the baseline."""
-        return self._run(prompt, options, None, on_text)
+        return self._run(self.as_request(prompt, **options), None, on_text)
 
-    def _run(self, prompt: PromptInput, options: dict[str, Any], drafter: Drafter | None,
-             on_text: OnText | None = None) -> GenerationResult:
-        self._check_options(options)
-        # The locks cover tokenizing and detokenizing too: the tokenizer is shared with every pipeline on the model.
+    def as_request(self, prompt: PromptInput | Request, options: Options | None = None, /,
+                   **keywords) -> Request:
+        """A Request as it is (no options with it), or the request of a prompt and its options (`request`)."""
+        if not isinstance(prompt, Request):
+            return self.request(prompt, options, **keywords)
+        given = [*keywords, *(["options"] if options is not None else [])]
+        if given:
+            raise UserError(f"a Request takes no options: its own are checked already (got {', '.join(given)})",
+                            field=min(given))
+        return prompt
+
+    def _run(self, request: Request, drafter: Drafter | None, on_text: OnText | None = None) -> GenerationResult:
+        # The locks cover detokenizing too: the tokenizer is shared with every pipeline on the model.
         with holding(stateful_objects(self.target.model, drafter)):
-            gen = self._generation(self.request(prompt, **options), self.runner, drafter, on_text)
+            gen = self._generation(request, self.runner, drafter, on_text)
             start = time.perf_counter()
             try:
                 if drafter is not None:
@@ -225,17 +222,16 @@ class Pipeline:
             return GenerationResult(token_ids=decoded.token_ids, text=gen.stopper.text(),
                                     finish_reason=decoded.finish_reason, seconds=seconds, stats=decoded.stats)
 
-    def sequence(self, prompt: PromptInput, *, on_text: OnText | None = None, plain: bool = False,
+    def sequence(self, prompt: PromptInput | Request, *, on_text: OnText | None = None, plain: bool = False,
                  **options) -> Generation:
-        """A generation to run in a `sparrow.decoding.batch.Batch` (the same options as `generate`): its own cache over
-        the target, and a copy of the drafter that shares its models (None with plain=True). Give it back with
-        `release` once it finished; `result` turns it into a GenerationResult."""
-        self._check_options(options)
+        """A generation to run in a `sparrow.decoding.batch.Batch` (a prompt with the options of `generate`, or a
+        `Request`): its own cache over the target, and a copy of the drafter that shares its models (None with
+        plain=True). Give it back with `release` once it finished; `result` turns it into a GenerationResult."""
         if self.compiled or self.draft_compiled:
             raise UserError("a compiled pipeline (compile=True, --compile) runs one generation at a time; batched "
                             "sequences (sparrow serve) need compile=False")
+        request = self.as_request(prompt, **options)
         with holding(stateful_objects(self.target.model, self.drafter)):
-            request = self.request(prompt, **options)
             drafter = None
             if self.drafter is not None and not plain:
                 drafter = self._forks.pop() if self._forks else self.drafter.fork()
@@ -247,11 +243,6 @@ class Pipeline:
             if drafter is not None:
                 drafter.grammar = gen.grammar  # drafts only what the grammar allows (until `release`)
         return gen
-
-    def _check_options(self, options: Mapping[str, Any]) -> None:
-        unknown = sorted(set(options) - set(self.OPTIONS))
-        if unknown:
-            raise UserError(f"unknown option {unknown[0]!r}; expected one of: {', '.join(self.OPTIONS)}")
 
     def _generation(self, request: Request, runner: CachedModel, drafter: Drafter | None,
                     on_text: OnText | None) -> Generation:
@@ -293,50 +284,6 @@ class Pipeline:
         return [o for o in stateful_objects(self.target.model, self.drafter) if isinstance(o, torch.nn.Module)]
 
 
-# --- arguments ------------------------------------------------------------------------------------------
-
-
-def token_ids(prompt: object, vocab_size: int) -> list[int]:
-    """A token-id prompt as a list of ints in [0, vocab_size); anything else is refused, naming `prompt`."""
-    if isinstance(prompt, torch.Tensor):
-        if prompt.ndim != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
-            raise UserError(f"prompt as a tensor must be 1-D of integer token ids, got shape {tuple(prompt.shape)} "
-                            f"{prompt.dtype}")
-        ids = prompt.tolist()
-    elif isinstance(prompt, (Mapping, set, frozenset)) or not isinstance(prompt, Iterable):
-        raise UserError(f"prompt must be a str, UTF-8 bytes or a sequence of int token ids, got "
-                        f"{type(prompt).__name__}")
-    else:
-        ids = list(prompt)
-    if not ids:
-        raise UserError("prompt must not be empty")
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise UserError(f"prompt token ids must be ints, got {t!r} ({type(t).__name__}) at position {i}")
-        if not 0 <= t < vocab_size:
-            raise UserError(f"prompt token ids must lie in [0, {vocab_size}), got {t} at position {i}")
-    return [int(t) for t in ids]
-
-
-def stop_strings(stop: object) -> tuple[str, ...]:
-    """`stop` as a tuple of non-empty strings: None (none), one str, or an iterable of str. Invalid UTF-8
-    (lone surrogates) becomes U+FFFD, as in prompts."""
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, (bytes, bytearray, Mapping)) or not isinstance(stop, Iterable):
-        raise UserError(f"stop must be a str or a list of str, got {type(stop).__name__}")
-    strings = []
-    for s in stop:
-        if not isinstance(s, str):
-            raise UserError(f"stop must be a str or a list of str, got an item {s!r} ({type(s).__name__})")
-        if not s:
-            raise UserError("stop strings must not be empty")
-        strings.append(clean_text(s, "stop"))
-    return tuple(strings)
-
-
 # --- compile --------------------------------------------------------------------------------------------
 
 
@@ -355,4 +302,4 @@ def _compile_draft_runner(drafter: Drafter | None) -> None:
                  "are compiled)", drafter.name)
 
 
-__all__ = ["Pipeline", "Request"]
+__all__ = ["Options", "Pipeline", "Request"]

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from sparrow.bench.compare import abba, compare
 from sparrow.cli import app
 from sparrow.pipeline import Pipeline
+from sparrow.request import Request
 from sparrow.types import GenerationResult, GenerationStats
 
 TOKENS = [5, 6, 7, 8]
@@ -72,12 +73,21 @@ def test_cli_compare_reports_medians_of_abba_runs_after_an_untimed_warm_up(model
     timed = {"A": iter([1.0, 4.0]), "B": iter([2.0, 8.0])}  # speculative: 4 and 1 tok/s; plain: 2 and 0.5
 
     def run(path: str):
-        def generate(self, prompt, **options):
-            calls.append((path, options["max_new_tokens"]))
-            warm = options["max_new_tokens"] < 12
-            return fake(100.0 if warm else next(timed[path]), TOKENS[:options["max_new_tokens"]] * 3)
+        def generate(self, request, **options):  # the CLI builds its request once, then generates it
+            assert isinstance(request, Request) and not options
+            n = request.stopping.max_new_tokens
+            calls.append((path, n))
+            return fake(100.0 if n < 12 else next(timed[path]), TOKENS[:n] * 3)
         return generate
 
+    encode = Pipeline.encode
+    encoded: list[str] = []
+
+    def counted(self, prompt, *args, **kwargs):
+        encoded.append(prompt)
+        return encode(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "encode", counted)
     monkeypatch.setattr(Pipeline, "generate", run("A"))
     monkeypatch.setattr(Pipeline, "generate_plain", run("B"))
     args = ["generate", "The quick brown fox", "--target", model_dir, "--draft", model_dir, "--dtype", "float32",
@@ -85,6 +95,7 @@ def test_cli_compare_reports_medians_of_abba_runs_after_an_untimed_warm_up(model
     result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output
     assert calls == [("A", 8), ("B", 8), ("A", 12), ("B", 12), ("B", 12), ("A", 12)]  # warm-up, then ABBA
+    assert encoded == ["The quick brown fox"]  # one request, tokenized once, checked and generated
     record = json.loads(result.stdout)
     assert record["compare"]["order"] == "ABBA" and record["compare"]["runs"] == 2
     assert record["compare"]["speculative"]["tokens_per_second"] == [12.0, 3.0]

@@ -12,7 +12,6 @@ d) Argument checks: prompts (text, bytes, token ids), `stop`, `seed`, `max_new_t
 from __future__ import annotations
 
 import gc
-import inspect
 import threading
 import weakref
 
@@ -301,18 +300,49 @@ def test_token_id_prompts(pipe):
     ({1: 2}, "got dict"), (None, "got NoneType"), ("   ", "must not be empty"), (b"", "must not be empty"),
 ])
 def test_bad_prompts_are_refused_naming_prompt(pipe, prompt, message):
-    with pytest.raises(UserError, match=f"prompt.*{message}"):
+    with pytest.raises(UserError, match=f"prompt.*{message}") as error:
         pipe.request(prompt)
+    assert error.value.field == "prompt"
 
 
 @pytest.mark.parametrize("option, value", [
     ("max_new_tokens", True), ("max_new_tokens", 1.5), ("max_new_tokens", "5"), ("max_new_tokens", 0),
-    ("max_new_tokens", None), ("seed", True), ("seed", -1), ("seed", 1.5), ("seed", 2**64), ("seed", "1"),
+    ("max_new_tokens", -1), ("seed", True), ("seed", -1), ("seed", 1.5), ("seed", 2**64), ("seed", "1"),
     ("temperature", "0.5"), ("temperature", True), ("top_k", 2.0), ("top_p", None), ("chat", "yes"),
 ])
 def test_bad_options_are_refused_naming_them(pipe, option, value):
-    with pytest.raises(UserError, match=option):
+    with pytest.raises(UserError, match=option) as error:
         pipe.request("hi", **{option: value})
+    assert error.value.field == option  # what the server's 400 names its field by
+
+
+def test_max_new_tokens_none_is_the_rest_of_the_context(pipe):
+    request = pipe.request("hi", max_new_tokens=None)
+    context = pipe.runner.context_length
+    assert request.stopping.max_new_tokens == context - request.prompt.input_ids.numel()
+
+
+def test_a_request_is_built_once_and_generated_as_it_is(pipe, monkeypatch):
+    request = pipe.request(PROMPTS[0], max_new_tokens=6)
+    expected = pipe.generate(PROMPTS[0], max_new_tokens=6).token_ids
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a built request was tokenized again")
+
+    monkeypatch.setattr(pipe, "encode", refuse)
+    assert pipe.generate(request).token_ids == expected
+    assert pipe.generate_plain(request).token_ids == pipe.generate_plain(request).token_ids
+    with pytest.raises(UserError, match="a Request takes no options") as error:
+        pipe.generate(request, max_new_tokens=3)
+    assert error.value.field == "max_new_tokens"
+
+
+def test_chat_messages_are_a_prompt(pipe):
+    messages = [{"role": "user", "content": "hi"}]
+    assert pipe.request(messages).prompt.input_ids.numel() > 0
+    with pytest.raises(UserError, match="content must be a str") as error:
+        pipe.request([{"role": "user", "content": 5}])
+    assert error.value.field == "prompt"
 
 
 def test_numpy_integers_are_integers(pipe):
@@ -324,4 +354,3 @@ def test_unknown_generate_options_are_named():
     pipe = Pipeline(LoadedModel(tiny_model("llama", seed=0), tiny_tokenizer(), "tiny"), None)
     with pytest.raises(UserError, match="unknown option 'max_tokens'; expected one of: max_new_tokens"):
         pipe.generate("hello", max_tokens=5)
-    assert set(Pipeline.OPTIONS) == set(inspect.signature(Pipeline.request).parameters) - {"self", "prompt"}

@@ -46,6 +46,8 @@ from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 from sparrow.policy.batch import BatchPolicy
 from sparrow.serve import Scheduler, create_app
+from sparrow.serve.app import bad_request
+from sparrow.serve.protocol import NAMES, ChatCompletionRequest
 from sparrow.stopping import Stopper
 
 PROMPT = "def add(a, b):"
@@ -367,6 +369,14 @@ def test_health_is_503_until_the_model_is_loaded(pipe):
         assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
 
 
+def test_the_400_param_comes_from_the_errors_field_not_its_message():
+    error = UserError("whatever the message says first", field="max_new_tokens")
+    assert bad_request(error, NAMES).param == "max_tokens"
+    assert bad_request(UserError("temperature is named but no field is"), NAMES).param is None
+    assert bad_request(UserError("x", field="prompt"), ChatCompletionRequest(messages=[
+        {"role": "user", "content": "hi"}]).names()).param == "messages"
+
+
 def test_bad_bodies_are_400_naming_the_field(pipe):
     with TestClient(create_app(Scheduler(lambda: pipe), model_name="tiny")) as http:
         while http.get("/health").status_code != 200:
@@ -387,6 +397,10 @@ def test_bad_bodies_are_400_naming_the_field(pipe):
             ({"prompt": PROMPT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
             ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
             ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+            ({"prompt": PROMPT, "top_k": -2}, "top_k"),
+            ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+            ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "max_tokens"),  # over the context
+            ({"messages": [{"role": "user", "content": "hi " * 2000}]}, "messages"),  # the prompt fills the context
         ]
         for body, param in cases:
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from typing import Annotated, Any, Optional
 
 import typer
@@ -19,10 +20,10 @@ from sparrow.cli._common import (
     drafter_flags_given,
     err,
 )
-from sparrow.config import check_max_new_tokens, check_seed, check_temperature, check_top_k, check_top_p
 from sparrow.drafters.plan import resolve_plan
 from sparrow.drafters.registry import drafter_names
 from sparrow.errors import UserError
+from sparrow.request import Request, check_options
 
 
 @cli_errors
@@ -105,17 +106,15 @@ def generate(
     import sparrow
     from sparrow.vision.video import check_media_args
 
-    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   seed=seed, stop=tuple(stop or ()), chat=chat, video=video, frames=frames, image=image or None)
-    # Cheap checks first, so a typo fails before minutes of model loading.
-    check_numbers(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                  k=k, frames=frames, drop_rate=drop_rate, draft_kv_budget=draft_kv_budget)
+    # Cheap checks first, so a typo fails before minutes of model loading: the request's options (by the one
+    # validator, its messages naming the flags), then the drafter's.
+    options = check_options(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, stop=tuple(stop or ()), chat=chat, video=video, frames=frames,
+                                 image=image or None, **structured_options(json_schema, regex)), FLAGS)
+    check_numbers(k=k, frames=frames, drop_rate=drop_rate, draft_kv_budget=draft_kv_budget)
     check_int("--compare-runs", compare_runs, 1)
-    if any(not s for s in stop or ()):
-        raise UserError("--stop must not be an empty string")
     if not prompt.strip():
-        raise UserError("prompt must not be empty")
-    options.update(structured_options(json_schema, regex))
+        raise UserError("prompt must not be empty", field="prompt")
     tree = tree_options(tree_budget, tree_topk, tree_depth)
     drafter_options = {**video_drafter_options(drop_rate, draft_kv, draft_kv_budget, retrieve_every), **tree,
                        **draft_vocab_options(draft_vocab), **head_options(head, draft_device)}
@@ -127,9 +126,9 @@ def generate(
     check_media_args(video, frames, image)
     check_media_target(target, video, image)
     pipe = sparrow.load(plan, progress=not as_json)
-    pipe.request(prompt, **options)  # context-length checks need the tokenizer
-    comparison = run_compare(pipe, prompt, options, compare_runs) if compare else None
-    result = comparison.speculative[0] if comparison is not None else pipe.generate(prompt, **options)
+    request = pipe.request(prompt, options)  # tokenized once (a video decoded once), checked against the context
+    comparison = run_compare(pipe, request, compare_runs) if compare else None
+    result = comparison.speculative[0] if comparison is not None else pipe.generate(request)
     record = {
         "text": result.text, "token_ids": result.token_ids, "new_tokens": result.new_tokens,
         "finish_reason": result.finish_reason, "seconds": result.seconds,
@@ -170,19 +169,19 @@ def check_media_target(target: str, video: str | None, images: list[str] | None)
                         "LLaVA-OneVision) is needed for video or image input")
 
 
-def run_compare(pipe: Any, prompt: str, options: dict[str, Any], runs: int) -> Any:
-    """Speculative and plain decoding of ``prompt``, each warmed up untimed on it (a few tokens: neither timed
+def run_compare(pipe: Any, request: Request, runs: int) -> Any:
+    """Speculative and plain decoding of ``request``, each warmed up untimed on it (a few tokens: neither timed
     path pays for cold kernels, allocator or weight pages), then timed ``runs`` times each in ABBA order."""
     from sparrow.bench.compare import compare
 
-    warm = {**options, "max_new_tokens": min(8, options["max_new_tokens"])}
+    stopping = request.stopping
+    warm = replace(request, stopping=replace(stopping, max_new_tokens=min(8, stopping.max_new_tokens)))
 
     def warm_up() -> None:
-        pipe.generate(prompt, **warm)
-        pipe.generate_plain(prompt, **warm)
+        pipe.generate(warm)
+        pipe.generate_plain(warm)
 
-    return compare(lambda: pipe.generate(prompt, **options), lambda: pipe.generate_plain(prompt, **options),
-                   warm_up, runs)
+    return compare(lambda: pipe.generate(request), lambda: pipe.generate_plain(request), warm_up, runs)
 
 
 def compare_record(comparison: Any) -> dict[str, Any]:
@@ -206,10 +205,9 @@ def compare_record(comparison: Any) -> dict[str, Any]:
 
 
 def structured_options(json_schema: str | None, regex: str | None) -> dict[str, Any]:
-    """--json-schema FILE / --regex as the pipeline's json_schema= / regex= (read and parsed before loading)."""
+    """--json-schema FILE / --regex as the pipeline's json_schema= / regex= (the file read and parsed; the two
+    checked by `check_options`, before loading)."""
     from pathlib import Path
-
-    from sparrow.grammar import GrammarSpec
 
     schema = None
     if json_schema is not None:
@@ -220,7 +218,6 @@ def structured_options(json_schema: str | None, regex: str | None) -> dict[str, 
             schema = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise UserError(f"--json-schema: {json_schema!r} is not valid JSON: {e}") from None
-    GrammarSpec.of(schema, regex)  # the shape (one of the two, an object); compiling needs the tokenizer
     return {"json_schema": schema, "regex": regex}
 
 
@@ -235,14 +232,15 @@ def finite(value: Any) -> Any:
     return value
 
 
-def check_numbers(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-                  k: int | None, frames: int | None, drop_rate: float | None, draft_kv_budget: int | None) -> None:
-    """Refuse non-finite floats and out-of-range integers, naming the flag, before any model is loaded."""
-    check_max_new_tokens(max_new_tokens, "--max-new-tokens")
-    check_temperature(temperature, "--temperature")
-    check_top_k(top_k, "--top-k")
-    check_top_p(top_p, "--top-p")
-    check_seed(seed, "--seed")
+# sparrow's name of a request option -> its flag, for the messages of `check_options`
+FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+         "seed": "--seed", "stop": "--stop", "json_schema": "--json-schema", "regex": "--regex", "video": "--video",
+         "frames": "--frames", "image": "--image"}
+
+
+def check_numbers(*, k: int | None, frames: int | None, drop_rate: float | None, draft_kv_budget: int | None) -> None:
+    """Refuse the drafter's and media's out-of-range numbers, naming the flag, before any model is loaded (the
+    request's own are `check_options`')."""
     check_int("-k/--num-draft-tokens", k, 1)
     check_int("--frames", frames, 1)
     check_float("--drop-rate", drop_rate, "in [0, 1)", lambda rate: 0 <= rate < 1)

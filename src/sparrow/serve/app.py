@@ -18,7 +18,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Any
@@ -30,9 +30,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sparrow.errors import UserError
 from sparrow.serve.metrics import Metrics, num_drafts
 from sparrow.serve.protocol import ChatCompletionRequest, CompletionRequest, Sampling
-from sparrow.serve.scheduler import Failed, Finished, Job, NotReady, QueueFull, Scheduler, ShuttingDown, Text
+from sparrow.serve.scheduler import Failed, Finished, Job, NotReady, QueueFull, Scheduler, ShuttingDown, Text, Work
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting handler checks whether its client is still there
 HANDLER_GRACE_SECONDS = 0.2  # past a shutdown's deadline: the worker's chance to end a job at its round's end
@@ -144,7 +145,11 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
         return await complete(body, request, chat=False)
 
     async def complete(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool):
-        job = Job(body.to_work(), asyncio.get_running_loop())
+        try:
+            work = body.to_work()  # the options checked: a bad value is refused before it waits in the queue
+        except UserError as e:
+            raise bad_request(e, body.names()) from None
+        job = Job(work, asyncio.get_running_loop())
         try:
             scheduler.submit(job)
         except QueueFull as e:
@@ -164,7 +169,7 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
             job.cancel()
             raise
         if isinstance(first, Failed):
-            raise failure(first)
+            raise failure(first, work)
         shape = Shape(model_name, chat)
         if body.stream:
             return StreamingResponse(stream(job, scheduler, first, shape, body.include_usage, body.spans),
@@ -177,7 +182,7 @@ def create_app(scheduler: Scheduler, *, model_name: str, api_key: str | None = N
                     last = event
                 event = await next_event(job, scheduler, request)
                 if isinstance(event, Failed):
-                    raise failure(event)
+                    raise failure(event, work)
         except ClientGone:
             return JSONResponse({}, status_code=499)
         except DeadlinePassed:  # its round overran the shutdown deadline: the text so far
@@ -243,7 +248,7 @@ async def stream(job: Job, scheduler: Scheduler, first: Text | Finished, shape: 
                         yield line
                     break
                 elif isinstance(event, Failed):
-                    yield shape.sse({"error": failure(event).body()})
+                    yield shape.sse({"error": failure(event, job.work).body()})
                     break
                 event = await next_event(job, scheduler)
         except DeadlinePassed:  # its round overran the shutdown deadline: end the stream with the text so far
@@ -333,29 +338,23 @@ def cut_usage(last: Text | None) -> dict[str, Any]:
                             "acceptance_rate": accepted / drafted if drafted else 0.0}}
 
 
-def failure(failed: Failed) -> APIError:
+def failure(failed: Failed, work: Work) -> APIError:
     if isinstance(failed.error, ShuttingDown):  # it waited in the queue when the server began shutting down
         return shutting_down(failed.error)
-    if failed.user_error:  # a request that validation could not see (e.g. a prompt longer than the context)
-        message = str(failed.error).replace("max_new_tokens", "max_tokens")  # the pipeline's name -> the field's
-        return APIError(400, message, param=param_named(message))
+    if isinstance(failed.error, UserError):  # a request that only the model could check (e.g. its context length)
+        return bad_request(failed.error, dict(work.options.names))
     return APIError(500, f"internal error: {type(failed.error).__name__}: {failed.error} -- this is a bug in sparrow",
                     "internal_error")
 
 
+def bad_request(error: UserError, names: Mapping[str, str]) -> APIError:
+    """400 for a request's UserError: `param` is the body field of the option it concerns (`error.field` as the
+    body spells it: `names`, `sparrow.serve.protocol.NAMES`), None where it concerns none."""
+    return APIError(400, str(error), param=None if error.field is None else names.get(error.field, error.field))
+
+
 def shutting_down(error: ShuttingDown) -> APIError:
     return APIError(503, str(error), "service_unavailable", code="shutting_down")
-
-
-PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "prompt", "messages")
-
-
-def param_named(message: str) -> str | None:
-    """The request field a pipeline UserError is about (its message starts with the argument's name)."""
-    word = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
-    if word in ("json_schema", "the"):  # a schema that does not compile, or that allows no output at all
-        return "response_format" if "json_schema" in message else None
-    return word if word in PARAMS else None
 
 
 def validation_error(e: RequestValidationError) -> APIError:

@@ -1,4 +1,6 @@
-"""The OpenAI request bodies sparrow serves (pydantic), checked field by field with sparrow's own checks.
+"""The OpenAI request bodies sparrow serves (pydantic): their shape and types here, their values by sparrow's one
+validator of requests (`sparrow.request.check_options`, called by `to_work`), which spells each field as OpenAI does
+(`NAMES`: `max_tokens`, `response_format`, `messages`), so its UserError's `field` gives the 400's `param`.
 
 Unknown fields are refused (HTTP 400 naming the field). OpenAI fields sparrow does not implement are accepted
 only at their neutral value (`presence_penalty: 0`, `logprobs: null`, ...), so a client that sends them by
@@ -12,8 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from sparrow.config import check_max_new_tokens, check_seed, check_temperature, check_top_k, check_top_p
-from sparrow.pipeline import stop_strings
+from sparrow.request import check_options
 from sparrow.serve.scheduler import Work
 
 # Accepted only at these values (None always); anything else is "not supported".
@@ -99,37 +100,6 @@ class Sampling(Strict):
             value.schema_dict()  # json_schema given where it is needed
         return value
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return None if value is None else check_max_new_tokens(value, info.field_name)
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, value: float) -> float:
-        return check_temperature(value, "temperature")
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, value: float) -> float:
-        return check_top_p(value, "top_p")
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value: int) -> int:
-        return 0 if value == -1 else check_top_k(value, "top_k")
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, value: int | None) -> int | None:
-        return check_seed(value, "seed")
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stop_strings(value)  # non-empty strings
-        return value
-
     @field_validator("n")
     @classmethod
     def _n(cls, value: int) -> int:
@@ -150,12 +120,20 @@ class Sampling(Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def work(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
-             max_tokens: int | None) -> Work:
-        return Work(prompt=prompt, messages=messages, max_tokens=max_tokens, temperature=self.temperature,
-                    top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop_strings(self.stop),
-                    spans=self.spans,
-                    json_schema=self.response_format.schema_dict() if self.response_format is not None else None)
+    def names(self) -> dict[str, str]:
+        """sparrow's name of an option -> the field of this body that sets it (where the two differ)."""
+        return NAMES
+
+    def work(self, prompt: str | list[int] | list[dict[str, str]], max_tokens: int | None) -> Work:
+        """The request's Work, its options checked (a UserError whose message spells the field as the body does)."""
+        options = {"max_new_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                   "top_k": 0 if self.top_k == -1 else self.top_k, "seed": self.seed, "stop": self.stop,
+                   "json_schema": self.response_format.schema_dict() if self.response_format is not None else None}
+        return Work(prompt, check_options(options, self.names()), spans=self.spans)
+
+
+# sparrow's name of an option -> the body field that sets it (the same name where none is given)
+NAMES = {"max_new_tokens": "max_tokens", "json_schema": "response_format"}
 
 
 class ChatCompletionRequest(Sampling):
@@ -163,14 +141,15 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens
     parallel_tool_calls: bool | None = None
 
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _max_completion_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return None if value is None else check_max_new_tokens(value, info.field_name)
+    def names(self) -> dict[str, str]:
+        newer = self.max_completion_tokens is not None
+        return {**NAMES, "prompt": "messages", "max_new_tokens": "max_completion_tokens" if newer else "max_tokens"}
 
     def to_work(self) -> Work:
+        """The Work of the request (max_tokens null: the rest of the model's context)."""
         messages = [{"role": m.role, "content": m.text()} for m in self.messages]
-        return self.work(None, messages, self.max_completion_tokens or self.max_tokens)
+        newer = self.max_completion_tokens is not None
+        return self.work(messages, self.max_completion_tokens if newer else self.max_tokens)
 
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -183,4 +162,6 @@ class CompletionRequest(Sampling):
     best_of: int | None = None
 
     def to_work(self) -> Work:
-        return self.work(self.prompt, None, self.max_tokens or DEFAULT_COMPLETION_TOKENS)
+        """The Work of the request (max_tokens null: DEFAULT_COMPLETION_TOKENS)."""
+        max_tokens = DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
+        return self.work(self.prompt, max_tokens)

@@ -35,8 +35,8 @@ from sparrow.engine import Engine, Submitted, check_max_batch
 from sparrow.errors import UserError
 from sparrow.pipeline import Pipeline
 from sparrow.policy.batch import BatchPolicy
+from sparrow.request import Options
 from sparrow.serve.metrics import Metrics
-from sparrow.text import clean_text
 from sparrow.types import GenerationResult
 
 log = logging.getLogger("sparrow.serve")
@@ -48,18 +48,12 @@ CANCELLED = "cancelled"  # finish reason of a job whose client went away (never 
 
 @dataclass(frozen=True)
 class Work:
-    """One validated request, as the HTTP layer hands it over (sampling fields already checked)."""
+    """One request as the HTTP layer hands it over: its options checked (`sparrow.request.check_options`), its
+    prompt tokenized and checked against the context by the engine when the worker submits it (`Engine.submit`)."""
 
-    prompt: str | list[int] | None  # /v1/completions: text or token ids
-    messages: list[dict[str, str]] | None  # /v1/chat/completions: [{"role", "content"}], for the chat template
-    max_tokens: int | None  # None: the rest of the model's context
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
+    prompt: str | list[int] | list[dict[str, str]]  # /v1/completions: text or token ids; chat: [{"role", "content"}]
+    options: Options  # max_new_tokens None: the rest of the model's context
     spans: bool = False  # stream which characters came from accepted draft tokens (the playground's colours)
-    json_schema: dict | None = None  # response_format: the output keeps to this JSON schema (`sparrow.grammar`)
 
 
 @dataclass(frozen=True)
@@ -90,10 +84,6 @@ class Failed:
     """The job failed: a UserError (the request's fault: HTTP 400) or a bug (HTTP 500)."""
 
     error: BaseException
-
-    @property
-    def user_error(self) -> bool:
-        return isinstance(self.error, UserError)
 
 
 Event = Text | Finished | Failed
@@ -140,7 +130,7 @@ class Job:
 
 
 class Scheduler:
-    """Loads the pipeline on its worker thread, then runs queued jobs one at a time (see the module doc)."""
+    """Loads the pipeline on its worker thread, then hands queued jobs to its engine (see the module doc)."""
 
     def __init__(self, load: Callable[[], Pipeline], *, max_queue: int = 32, timeout: float | None = None,
                  metrics: Metrics | None = None, max_batch: int = 8, policy: BatchPolicy | None = None) -> None:
@@ -246,8 +236,6 @@ class Scheduler:
     def _admit(self, engine: Engine) -> None:
         """Hand waiting jobs to the engine while its next step has room (waiting for one when nothing runs); they
         start at its next step, prefilled together (`Engine.step`)."""
-        pipe = self.pipeline
-        assert pipe is not None
         while engine.room and not self._stopping.is_set():
             try:
                 job = self._queue.get(timeout=POLL_SECONDS) if not engine.busy else self._queue.get_nowait()
@@ -261,9 +249,8 @@ class Scheduler:
             self.metrics.running.set(engine.size + 1)
             run = Running(job, self)
             try:
-                ids = prompt_ids(pipe, job.work)
-                run.prompt_tokens = len(ids)
-                run.submitted = engine.submit(ids, on_text=run.on_text, **options(pipe, job.work, len(ids)))
+                run.submitted = engine.submit(job.work.prompt, job.work.options, on_text=run.on_text)
+                run.prompt_tokens = run.submitted.prompt_tokens
             except Exception as e:
                 self._fail(job, e)
                 self.metrics.running.set(engine.size)
@@ -341,31 +328,3 @@ class Running:
             self.ended_by = "shutdown"
             return "length"
         return None
-
-
-def options(pipe: Pipeline, work: Work, prompt_tokens: int) -> dict:
-    """The pipeline options of a request (max_tokens None: the rest of the model's context)."""
-    max_tokens = work.max_tokens
-    context = pipe.runner.context_length
-    if max_tokens is None:  # the rest of the context (Pipeline.request refuses a prompt that fills it)
-        max_tokens = max(1, context - prompt_tokens) if context is not None else DEFAULT_MAX_TOKENS
-    return dict(max_new_tokens=max_tokens, temperature=work.temperature, top_k=work.top_k, top_p=work.top_p,
-                seed=work.seed, stop=work.stop, json_schema=work.json_schema)
-
-
-DEFAULT_MAX_TOKENS = 1024  # max_tokens of a chat request to a model whose context length is unknown
-
-
-def prompt_ids(pipe: Pipeline, work: Work) -> list[int]:
-    """The request's prompt as token ids: completions as the pipeline encodes text; chat through the tokenizer's
-    chat template (without one: "role: content" lines, then "assistant:")."""
-    if work.messages is None:
-        assert work.prompt is not None
-        return pipe.encode(work.prompt).input_ids.tolist()
-    tokenizer = pipe.tokenizer
-    messages = [{**m, "content": clean_text(m["content"], "messages.content")} for m in work.messages]  # as prompts
-    if tokenizer.chat_template:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-    return pipe.encode(text).input_ids.tolist()
