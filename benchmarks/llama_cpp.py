@@ -353,7 +353,6 @@ def shown_arg(arg: str, prompt: str) -> str:
 
 
 def sparrow_row(config: str, pipe: Any, plain: bool, prompt: dict, max_new_tokens: int) -> dict:
-    from sparrow.cli.generate import draft_quant_used
     from sparrow.runtime.onednn import routed
 
     run = pipe.generate_plain if plain else pipe.generate
@@ -364,8 +363,8 @@ def sparrow_row(config: str, pipe: Any, plain: bool, prompt: dict, max_new_token
         "engine": "sparrow",
         "config": config,
         "draft_max": None if plain else "adaptive",
-        "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
-        "draft_quant": None if plain else draft_quant_used(pipe, SPARROW_CONFIGS[config][0].get("draft_quant")),
+        "dtype": result.ran.dtype,
+        "draft_quant": result.ran.draft_quant,
         "float32_onednn": any(map(routed, pipe.target.model.modules())),
         "prompt_tokens": prompt["tokens"],
         "prompt_tokens_hf": prompt["tokens"],

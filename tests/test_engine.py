@@ -126,3 +126,16 @@ def test_prepare_seeds_both_cost_tables_once(pipe):
     bins = {k: v.mean(2) for k, v in engine.policy.verify.bins.items()}
     engine.prepare()  # known: not measured again
     assert {k: v.mean(2) for k, v in engine.policy.verify.bins.items()} == bins
+
+
+def test_a_result_says_what_ran(pipe):
+    """`GenerationResult.ran`: the drafter and formats, alone and batched alike; plain decoding says "none"."""
+    alone = pipe.generate(PROMPTS[0], max_new_tokens=8).ran
+    assert (alone.drafter, alone.dtype, alone.quant, alone.draft_quant, alone.compiled, alone.exact, alone.tree) == (
+        "draft-model", "float32", None, None, False, False, None)
+    assert pipe.generate_plain(PROMPTS[0], max_new_tokens=8).ran.drafter == "none"
+    engine = Engine(pipe)
+    batched = engine.submit(PROMPTS[1], max_new_tokens=8)
+    while engine.busy:
+        engine.step()
+    assert batched.result.ran == alone

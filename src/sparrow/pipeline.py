@@ -46,7 +46,7 @@ from sparrow.runtime.prefix_cache import PrefixCache
 from sparrow.runtime.runner import runner_for
 from sparrow.stopping import OnText, Stopper
 from sparrow.text import clean_text
-from sparrow.types import GenerationResult, Prompt
+from sparrow.types import GenerationResult, Prompt, Ran
 from sparrow.verifiers import VERIFIERS, build_verifier
 from sparrow.vision.prompt import encode_media
 
@@ -220,7 +220,8 @@ class Pipeline:
             if drafter is not None:
                 drafter.park(gen.committed)
             return GenerationResult(token_ids=decoded.token_ids, text=gen.stopper.text(),
-                                    finish_reason=decoded.finish_reason, seconds=seconds, stats=decoded.stats)
+                                    finish_reason=decoded.finish_reason, seconds=seconds, stats=decoded.stats,
+                                    ran=self.ran(drafter))
 
     def sequence(self, prompt: PromptInput | Request, *, on_text: OnText | None = None, plain: bool = False,
                  **options) -> Generation:
@@ -277,7 +278,26 @@ class Pipeline:
         with holding([self.target.model]):  # the tokenizer is shared with every pipeline on the model
             text = seq.stopper.text()
         return GenerationResult(token_ids=decoded.token_ids, text=text, finish_reason=decoded.finish_reason,
-                                seconds=time.perf_counter() - seq.started, stats=decoded.stats)
+                                seconds=time.perf_counter() - seq.started, stats=decoded.stats,
+                                ran=self.ran(seq.drafter))
+
+    def ran(self, drafter: Drafter | None) -> Ran:
+        """What a generation with `drafter` (None: plain decoding) runs: `GenerationResult.ran`."""
+        info = drafter.describe() if drafter is not None else None
+        target = self.target.model
+        quant = getattr(target, "sparrow_quantization", None)
+        drafts = [] if drafter is None else [getattr(m, "sparrow_quantization", None) for m in drafter.modules()
+                                             if m is not target]
+        tree = info.tree if info is not None else None
+        return Ran(drafter=drafter.name if drafter is not None else "none",
+                   dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
+                   quant=quant.format if quant is not None else None,
+                   draft_quant=next((q.name for q in drafts if q is not None), None),
+                   compiled=self.compiled, draft_compiled=self.draft_compiled and drafter is not None,
+                   exact=self.exact, verifier=self.verifier if drafter is not None else "none",
+                   tree=(tree.budget, tree.topk, tree.depth) if tree is not None else None,
+                   draft_vocab=len(info.vocab) if info is not None and info.vocab is not None else None,
+                   rounds_per_option=info.rounds_per_option if info is not None else None)
 
     def models(self) -> list[torch.nn.Module]:
         """Every module this pipeline runs: the target's and those its drafter declares (`Drafter.modules`)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -215,6 +216,24 @@ class Decoded:
 
 
 @dataclass(frozen=True)
+class Ran:
+    """What ran a generation (`GenerationResult.ran`), read from its pipeline and drafter when it ended, so that a
+    caller (the CLI's report, bench's rows) says what was used without reaching into the pipeline."""
+
+    drafter: str  # "none": plain decoding
+    dtype: str  # the target's ("float32", "bfloat16", ...)
+    quant: str | None  # the target's weight format (--quant, or what auto chose); None: dense
+    draft_quant: str | None  # the format of the drafter's own model; None: dense, or no model of its own
+    compiled: bool  # the target on the compiled static-cache runner
+    draft_compiled: bool  # the draft model likewise
+    exact: bool  # batch-invariant verification
+    verifier: str  # as asked: "auto" (greedy at temperature 0, else rejection sampling), or the one named
+    tree: tuple[int, int, int] | None = None  # (budget, topk, depth) of the trees it drafts; None: chains
+    draft_vocab: int | None = None  # tokens its drafts score (FR-Spec); None: the full vocabulary
+    rounds_per_option: Mapping[str, int] | None = None  # auto: rounds each option drafted (or ran plain)
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     """Output of one generation: new tokens only (the prompt is not repeated)."""
 
@@ -223,6 +242,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or stop string), "length" (max_new_tokens or context)
     seconds: float  # wall time of the whole generation, prefill included
     stats: GenerationStats
+    ran: Ran | None = None  # what ran it (None: built by hand)
 
     @property
     def new_tokens(self) -> int:

@@ -171,9 +171,8 @@ class Runner:
         run = pipe.generate_plain if method == PLAIN else pipe.generate
         result = run(ids, max_new_tokens=max_new_tokens)
         s = result.stats
-        info = pipe.drafter.describe() if pipe.drafter is not None else None
         return {
-            "drafter_choices": info.rounds_per_option if info is not None else None,  # auto: rounds per option
+            "drafter_choices": result.ran.rounds_per_option,  # auto: rounds per option
             "token_ids": result.token_ids,
             "seconds": result.seconds,
             "decoding_steps": s.steps,

@@ -129,20 +129,18 @@ def generate(
     request = pipe.request(prompt, options)  # tokenized once (a video decoded once), checked against the context
     comparison = run_compare(pipe, request, compare_runs) if compare else None
     result = comparison.speculative[0] if comparison is not None else pipe.generate(request)
+    ran = result.ran
     record = {
         "text": result.text, "token_ids": result.token_ids, "new_tokens": result.new_tokens,
         "finish_reason": result.finish_reason, "seconds": result.seconds,
         "tokens_per_second": result.tokens_per_second, "mean_accepted_tokens": result.stats.mean_accepted_tokens,
-        "acceptance_rate": result.stats.acceptance_rate, "drafter": pipe.drafter_name, "target": target,
-        "draft": plan.draft if isinstance(plan.draft, str) else None,
-        "dtype": str(pipe.target.model.dtype).removeprefix("torch."),
-        "temperature": temperature, "stats": result.stats.to_dict(), "quant": target_quant_used(pipe),
-        "draft_quant": draft_quant_used(pipe, draft_quant), "compiled": pipe.compiled,
-        "draft_compiled": pipe.draft_compiled, "exact": pipe.exact,
-        "lossless_relative_to": f"the {target_quant_used(pipe)}-quantized target" if target_quant_used(pipe)
-                                else "the target",
-        "tree": tree_record(pipe.drafter, tree),
-        "draft_vocab": draft_vocab_record(pipe.drafter),
+        "acceptance_rate": result.stats.acceptance_rate, "drafter": ran.drafter, "target": target,
+        "draft": plan.draft if isinstance(plan.draft, str) else None, "dtype": ran.dtype,
+        "temperature": temperature, "stats": result.stats.to_dict(), "quant": ran.quant,
+        "draft_quant": ran.draft_quant,
+        "compiled": ran.compiled, "draft_compiled": ran.draft_compiled, "exact": ran.exact,
+        "lossless_relative_to": f"the {ran.quant}-quantized target" if ran.quant else "the target",
+        "tree": tree_record(ran.tree, tree), "draft_vocab": ran.draft_vocab,
     }
     if verify == "loose":  # LOSSY: the output may differ from the target's own output
         record.update(verifier="loose", lossy=True, lossless_relative_to=None)
@@ -288,28 +286,12 @@ def runs(compare: dict[str, Any], path: str) -> str:
     return f" (median of {count} run{'s' * (count != 1)}: {rate(timing['min'])}-{rate(timing['max'])})"
 
 
-def target_quant_used(pipe: Any) -> str | None:
-    """The weight format the target runs (--quant, or what --quant auto chose; None: dense)."""
-    info = getattr(pipe.target.model, "sparrow_quantization", None)
-    return info.format if info is not None else None
-
-
-def draft_quant_used(pipe: Any, draft_quant: str | None) -> str | None:
-    """The weight format the drafter's own model runs ("int4" for quantized-self by default), else --draft-quant."""
-    for model in pipe.models():
-        info = getattr(model, "sparrow_quantization", None)
-        if model is not pipe.target.model and info is not None:
-            return info.name
-    return None if draft_quant in ("auto", "none") else draft_quant
-
-
-def tree_record(drafter: Any, tree: dict[str, int | str]) -> dict[str, int | str] | None:
+def tree_record(shape: tuple[int, int, int] | None, tree: dict[str, int | str]) -> dict[str, int | str] | None:
     """The JSON `tree` of a run: the shape the drafter resolved (the budget "auto" measured), else the options."""
     if not tree:
         return None
-    shape = drafter.describe().tree if drafter is not None else None
     if shape is not None:
-        return {"budget": shape.budget, "topk": shape.topk, "depth": shape.depth}
+        return dict(zip(("budget", "topk", "depth"), shape))
     return {key.removeprefix("tree_"): value for key, value in tree.items()}
 
 
@@ -339,13 +321,6 @@ def draft_vocab_options(value: str) -> dict[str, int | str]:
 
     size = parse_draft_vocab(value, "--draft-vocab")
     return {} if size is None else {"draft_vocab": size}
-
-
-def draft_vocab_record(drafter: Any) -> int | None:
-    """The JSON `draft_vocab` of a run: tokens the draft scored (None: the full vocabulary)."""
-
-    vocab = drafter.describe().vocab if drafter is not None else None
-    return len(vocab) if vocab is not None else None
 
 
 def video_drafter_options(drop_rate: float | None, draft_kv: str | None, draft_kv_budget: int | None,
