@@ -40,7 +40,7 @@ from torch import Tensor
 
 from sparrow.drafters.base import distinct
 from sparrow.drafters.draft_model import DraftModelDrafter
-from sparrow.drafters.kv.draft_kv import DraftKVConfig, draft_kv_config, with_draft_kv
+from sparrow.drafters.kv.draft_kv import DraftKVConfig, SequenceView, draft_kv_config, with_draft_kv
 from sparrow.drafters.kv.selection import attention_scores
 from sparrow.errors import UserError
 from sparrow.runtime.attention.capture import QueryCapture
@@ -165,29 +165,21 @@ def pruned_decoder_inputs(model: torch.nn.Module, keep: Tensor):
             handle.remove()
 
 
-class PrunedView:
-    """The draft CachedModel seen in full-sequence token positions: its cache lacks `pruned` prompt entries."""
+class PrunedView(SequenceView):
+    """The draft CachedModel (`runner`) seen in full-sequence token positions: its cache lacks `pruned` (`hidden`)
+    prompt entries."""
 
     def __init__(self, runner: CachedModel) -> None:
-        self.runner = runner
-        self.pruned = 0
+        self.inner = self.runner = runner
         self.keep: Tensor | None = None  # [m] prompt positions in the runner's cache, ascending
 
     @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
+    def pruned(self) -> int:
+        return self.hidden
 
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
-
-    @property
-    def vocab_size(self) -> int:
-        return self.runner.vocab_size
-
-    @property
-    def length(self) -> int:
-        return self.runner.length + self.pruned
+    @pruned.setter
+    def pruned(self, value: int) -> None:
+        self.hidden = value
 
     def prefill(self, prompt: Prompt, keep: Tensor) -> TargetOutput:
         """Prefill the prompt positions `keep` ([m] ascending, the last prompt token included)."""

@@ -110,9 +110,34 @@ def kv_bytes(cache) -> int:
                for t in (layer.keys, layer.values))
 
 
-class DraftKV:
+class SequenceView:
+    """A draft runner seen in full-sequence positions while the cache under it lacks `hidden` prompt entries (pruned
+    or compacted visual tokens): the model, device, vocabulary and length (in sequence positions) of `inner`, the
+    runner it wraps, so that a drafter runs it as a runner. `DraftKV` and visual-prune's `PrunedView`."""
+
+    inner: CachedModel | SequenceView
+    hidden: int = 0
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.inner.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def length(self) -> int:
+        return self.inner.length + self.hidden
+
+
+class DraftKV(SequenceView):
     """A draft runner whose prompt visual KV is compacted by a policy (see the module docstring). Sequence
-    coordinates outside, the runner's shorter cache inside."""
+    coordinates outside, the runner's shorter cache inside; `hidden` (also `dropped`): the entries compaction took."""
 
     def __init__(self, inner: CachedModel, config: DraftKVConfig) -> None:
         """inner: the drafter's runner, a CachedModel or visual-prune's PrunedView (its interface, in sequence
@@ -130,7 +155,7 @@ class DraftKV:
         self.pool: dict[int, tuple[Tensor, Tensor]] = {}  # retrieval: layer -> dynamic heads' span KV [h, L, d]
         self.retrieval = (ChunkRetrieval(model, self.selector, self._pooled,
                                          config.retrieve_every) if config.retrieve_every else None)
-        self.dropped = 0  # prompt entries the compaction removed from the runner's cache
+        self.hidden = 0  # prompt entries the compaction removed from the runner's cache
         self.prompt_length = 0  # sequence positions of the prefilled prompt (rewinds never go below)
         self.kept: tuple[Tensor, ...] = ()  # per layer [kv_heads, m] kept entries (pre-compaction cache indices)
         self.span = (0, 0)  # the visual span in the pre-compaction cache
@@ -142,20 +167,13 @@ class DraftKV:
         return self.pool[layer]
 
     @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
+    def dropped(self) -> int:
+        """Prompt entries the compaction removed from the runner's cache."""
+        return self.hidden
 
-    @property
-    def device(self) -> torch.device:
-        return self.inner.device
-
-    @property
-    def vocab_size(self) -> int:
-        return self.inner.vocab_size
-
-    @property
-    def length(self) -> int:
-        return self.inner.length + self.dropped
+    @dropped.setter
+    def dropped(self, value: int) -> None:
+        self.hidden = value
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, *args) -> TargetOutput:
