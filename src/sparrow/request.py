@@ -8,7 +8,7 @@ Two steps, both here, each value checked once:
 `check_options` decides every option's rules (sampling, stopping, seed, grammar, chat, media); `Pipeline.request`
 tokenizes the prompt (`token_ids`, `chat_messages` check what it is given) and calls `build_request`, which checks
 the prompt against the model's context. The CLI checks the options before it loads a model, and the server before
-it queues a request; neither checks a value itself, and `Pipeline.generate` runs a `Request` as it is.
+it queues a request; neither checks an option's value itself, and `Pipeline.generate` runs a `Request` as it is.
 
 Each refusal is a `UserError` whose `field` is sparrow's name of the option (`max_new_tokens`, `prompt`, ...);
 its message spells the option as the caller does (`names`: `--max-new-tokens` in the CLI, `max_tokens` in the
