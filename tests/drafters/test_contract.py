@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+from collections import Counter
 from pathlib import Path
 
 from conftest import perturbed
@@ -16,6 +17,7 @@ from sparrow.drafters import build_drafter
 from sparrow.drafters.base import Drafter, DrafterBase, DrafterInfo, draft_runners
 from sparrow.drafters.draft_model import draft_model_drafters
 from sparrow.models import LoadedModel
+from sparrow.pipeline import Pipeline
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "sparrow"
 PROBES = {"getattr", "hasattr", "isinstance"}
@@ -106,3 +108,6 @@ def test_auto_reports_its_candidates_runners_and_choices(loaded_target, target_m
     model = auto.candidates["draft-model"]
     assert draft_model_drafters(auto) == [model] and draft_runners(auto) == (model.draft,)
     assert model.batching is model and model.describe().draft is model.draft
+    result = Pipeline(loaded_target, auto).generate([1, 2, 3, 4], max_new_tokens=8)
+    rounds = auto.describe().rounds_per_option  # what bench records as "drafter_choices"
+    assert rounds == dict(Counter(auto.choices)) and sum(rounds.values()) == result.stats.steps

@@ -1,4 +1,5 @@
-"""The drafter interface: what the engine calls, and what it hands back after each round."""
+"""The drafter interface: what the round calls, what a batch manages (`Batching`), and what a drafter tells those
+that choose among, measure or report on drafters (`DrafterInfo`)."""
 
 from __future__ import annotations
 
