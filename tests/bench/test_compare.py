@@ -5,6 +5,7 @@ Timings are injected (fake generations with chosen durations): nothing here depe
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from conftest import tiny_model, tiny_tokenizer
@@ -77,7 +78,8 @@ def test_cli_compare_reports_medians_of_abba_runs_after_an_untimed_warm_up(model
             assert isinstance(request, Request) and not options
             n = request.stopping.max_new_tokens
             calls.append((path, n))
-            return fake(100.0 if n < 12 else next(timed[path]), TOKENS[:n] * 3)
+            result = fake(100.0 if n < 12 else next(timed[path]), TOKENS[:n] * 3)
+            return replace(result, ran=self.ran(self.drafter))  # what a pipeline's result says ran it
         return generate
 
     encode = Pipeline.encode
