@@ -167,7 +167,8 @@ class _OnlineSteps:
                  progress: dict[str, Any]) -> None:
         self.head, self.model, self.train, self.held_out, self.settings = head, model, train, held_out, settings
         self.device, self.autocast, self.out, self.started, self.progress = device, autocast, out, started, progress
-        self.optimiser = new_optimiser(head, settings.lr, frozen=() if settings.train_lm_head else ("lm_head",))
+        self.optimiser = new_optimiser(head, settings.lr, frozen=() if settings.train_lm_head else ("lm_head",),
+                                       kind=settings.optimizer)
         self.order = torch.Generator().manual_seed(settings.seed)
         self.meter = _Meter()
         self.exported: dict[str, Any] = {}
@@ -275,7 +276,7 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
             vocab = model.get_output_embeddings().weight.shape[0]
             ids = frequent_tokens(train, min(settings.draft_vocab, vocab), vocab, always=[i for i in eos if i < vocab])
             shape = {} if settings.intermediate_size is None else {"intermediate_size": settings.intermediate_size}
-            head = fresh_head(model, "eagle3", settings.seed, ids, **shape)
+            head = fresh_head(model, "eagle3", settings.seed, ids, init=settings.init_from_target, **shape)
         progress = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0}
     # refused before any training, not at its end (a trained LM head is exported with the head)
     check_size(dict(head.state_dict()) if settings.train_lm_head else exported_tensors(head)[1], EXPORT_BITS)
