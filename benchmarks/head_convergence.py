@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import math
 import re
@@ -64,18 +65,18 @@ class Variant:
 def variants(base: Variant, seeds: int) -> list[Variant]:
     """The baseline (`seeds` seeds), then one axis at a time."""
     lr, b = base.lr, base.batch_size
-    return [
+    return [  # the most telling first: a run cut short keeps them
         *[replace(base, name=f"baseline seed {s}", seed=s) for s in range(seeds)],
-        replace(base, name="init: random (LM head trained)", axis="init", init="none", train_lm_head=True),
         replace(base, name="init: + last layer", axis="init", init="layer"),
-        replace(base, name="TTT 1", axis="ttt", ttt_steps=1),
-        replace(base, name="TTT 5", axis="ttt", ttt_steps=5),
-        replace(base, name="decay 1.0", axis="decay", decay=1.0),
-        replace(base, name="decay 0.6", axis="decay", decay=0.6),
         replace(base, name="Muon", axis="optimizer", optimizer="muon"),
-        replace(base, name=f"lr {lr / 3:.0e}", axis="lr", lr=lr / 3),
         replace(base, name=f"lr {lr * 3:.0e}", axis="lr", lr=lr * 3),
+        replace(base, name="TTT 1", axis="ttt", ttt_steps=1),
+        replace(base, name="decay 1.0", axis="decay", decay=1.0),
+        replace(base, name="init: random (LM head trained)", axis="init", init="none", train_lm_head=True),
+        replace(base, name=f"lr {lr / 3:.0e}", axis="lr", lr=lr / 3),
+        replace(base, name="decay 0.6", axis="decay", decay=0.6),
         replace(base, name=f"batch {2 * b}", axis="batch", batch_size=2 * b),
+        replace(base, name="TTT 5", axis="ttt", ttt_steps=5),
         replace(base, name=f"Muon lr {lr * 3:.0e}", axis="optimizer", optimizer="muon", lr=lr * 3),
     ]
 
@@ -219,6 +220,26 @@ def load(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     return loaded.model.eval().requires_grad_(False), loaded.tokenizer
 
 
+def features(model: nn.Module, tokenizer: Any, args: argparse.Namespace
+             ) -> tuple[list[Cached], list[Cached], Tensor, dict[str, Any], float]:
+    """The corpus (files + the target's answers), the draft vocabulary and the features of both splits."""
+    settings = RecipeSettings(out="", target=args.target, data=tuple(args.data or ()), tokens=args.tokens,
+                              held_out_tokens=args.held_out_tokens, seq_len=args.seq_len, distill=args.distill,
+                              distill_tokens=args.distill_tokens, distill_batch=args.distill_batch, seed=0)
+    eos = eos_ids(model, tokenizer)
+    train_seqs, held_seqs, corpus, _ = build_corpus(model, tokenizer, settings, time.monotonic() + args.distill_seconds,
+                                                    eos)
+    print(json.dumps({"corpus": corpus}), flush=True)
+    train_seqs = [s[: 2 * args.seq_len] for s in train_seqs if s.numel() >= 2]
+    held_seqs = [s[: 2 * args.seq_len] for s in held_seqs if s.numel() >= 2][: args.eval_sequences]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    draft_vocab = frequent_tokens(train_seqs, min(args.draft_vocab, vocab), vocab, always=[i for i in eos if i < vocab])
+    layers = fresh_head(model, "eagle3", 0, draft_vocab).config.target_layers
+    mark = time.monotonic()
+    return extract(model, train_seqs, layers, args.top_k), extract(model, held_seqs, layers, args.top_k), \
+        draft_vocab, corpus, mark
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     out = Path(args.out or HERE / "results" / "heads" / f"convergence-{cpu_slug()}")
@@ -226,22 +247,21 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     started = time.monotonic()
     model, tokenizer = load(args)
     loaded = time.monotonic() - started
-    settings = RecipeSettings(out="", target=args.target, data=tuple(args.data or ()), tokens=args.tokens,
-                              held_out_tokens=args.held_out_tokens, seq_len=args.seq_len, distill=args.distill,
-                              distill_tokens=args.distill_tokens, distill_batch=args.distill_batch, seed=0)
-    eos = eos_ids(model, tokenizer)
-    train_seqs, held_seqs, corpus, _ = build_corpus(model, tokenizer, settings, time.monotonic() + args.distill_seconds,
-                                                    eos)
-    train_seqs = [s[: 2 * args.seq_len] for s in train_seqs if s.numel() >= 2]
-    held_seqs = [s[: 2 * args.seq_len] for s in held_seqs if s.numel() >= 2][: args.eval_sequences]
-    vocab = model.get_output_embeddings().weight.shape[0]
-    draft_vocab = frequent_tokens(train_seqs, min(args.draft_vocab, vocab), vocab, always=[i for i in eos if i < vocab])
-    layers = fresh_head(model, "eagle3", 0, draft_vocab).config.target_layers
-    mark = time.monotonic()
-    train = extract(model, train_seqs, layers, args.top_k)
-    held_out = extract(model, held_seqs, layers, args.top_k)
+    key = hashlib.sha256(json.dumps([args.target, args.data, args.tokens, args.held_out_tokens, args.seq_len,
+                                     args.distill, args.distill_tokens, args.draft_vocab, args.top_k,
+                                     args.eval_sequences]).encode()).hexdigest()[:16]
+    cache = Path(args.cache) / f"{key}.pt"
+    if cache.is_file():  # a rerun (e.g. of the variants a cut run missed) reuses the corpus and features
+        saved = torch.load(cache, weights_only=False)
+        train, held_out, draft_vocab, corpus = saved["train"], saved["held_out"], saved["draft_vocab"], saved["corpus"]
+        mark = time.monotonic()
+    else:
+        train, held_out, draft_vocab, corpus, mark = features(model, tokenizer, args)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"train": train, "held_out": held_out, "draft_vocab": draft_vocab, "corpus": corpus}, cache)
     setup = {"target": args.target, "load_seconds": loaded, "corpus": corpus,
              "corpus_seconds": mark - started - loaded, "feature_seconds": time.monotonic() - mark,
+             "features_cached": str(cache),
              "train_sequences": len(train), "train_positions": sum(c.tokens.numel() - 1 for c in train),
              "held_out_sequences": len(held_out), "held_out_positions": sum(c.tokens.numel() - 1 for c in held_out),
              "draft_vocab": int(draft_vocab.numel()), "seq_len": args.seq_len, "steps": args.steps,
@@ -253,8 +273,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.variants:
         wanted = [w.strip() for w in args.variants.split(",")]
         chosen = [v for v in chosen if v.name in wanted or v.axis in wanted]
-    rows: list[dict[str, Any]] = []
-    for variant in chosen:
+    rows: list[dict[str, Any]] = read(Path(f"{out}.jsonl.gz")) if args.resume else []
+    done = {r["variant"] for r in rows}
+    for variant in [v for v in chosen if v.name not in done]:
         row = {**train_variant(model, train, held_out, draft_vocab, variant, args), "setup": setup,
                "machine": machine()}
         rows.append(row)
@@ -332,6 +353,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=2, help="baseline runs (seeds 0 ..) to show the noise")
     p.add_argument("--variants", default=None, help="comma-separated names or axes to run (default: all)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--resume", action="store_true", help="keep OUT's rows and run only the variants it lacks")
+    p.add_argument("--cache", default="/tmp/sparrow-head-convergence", help="where features are kept between runs")
     return p
 
 

@@ -41,13 +41,15 @@ def test_the_study_runs_every_variant_on_a_tiny_target_and_writes_rows_and_a_tab
     out = tmp_path / "convergence-test"
     argv = ["--target", str(files / "target"), "--data", str(files / "data"), "--out", str(out), "--tokens", "1200",
             "--held-out-tokens", "200", "--seq-len", "32", "--distill", "2", "--distill-tokens", "8",
-            "--draft-vocab", "100", "--steps", "2", "--eval-sequences", "3", "--eval-depth", "4"]
+            "--draft-vocab", "100", "--steps", "2", "--eval-sequences", "3", "--eval-depth", "4",
+            "--cache", str(tmp_path / "cache")]
     assert study.main(argv) == 0
     packed = (out.parent / f"{out.name}.jsonl.gz").read_bytes()
     assert packed[4:8] == b"\0\0\0\0" and packed[3] & 0x08 == 0  # gzip -9n: no time, no name
     rows = [json.loads(line) for line in gzip.decompress(packed).decode().splitlines()]
     names = [r["variant"] for r in rows]
-    assert names[:2] == ["baseline seed 0", "baseline seed 1"] and len(names) == len(set(names)) == 13
+    assert names[:4] == ["baseline seed 0", "baseline seed 1", "init: + last layer", "Muon"]
+    assert len(names) == len(set(names)) == 13
     assert {r["axis"] for r in rows} == {"baseline", "init", "ttt", "decay", "optimizer", "lr", "batch"}
     for r in rows:
         assert len(r["agreement"]) == 4 and all(0 <= a <= 1 for a in r["agreement"])
@@ -66,8 +68,13 @@ def test_the_study_runs_the_variants_asked_for(study, files, tmp_path):
     out = tmp_path / "some"
     argv = ["--target", str(files / "target"), "--data", str(files / "data"), "--out", str(out), "--tokens", "600",
             "--held-out-tokens", "200", "--seq-len", "32", "--distill", "0", "--draft-vocab", "100", "--steps", "1",
-            "--eval-sequences", "2", "--eval-depth", "2", "--seeds", "1", "--variants", "ttt,Muon"]
-    assert study.main(argv) == 0
+            "--eval-sequences", "2", "--eval-depth", "2", "--seeds", "1", "--cache", str(tmp_path / "cache")]
+    assert study.main([*argv, "--variants", "ttt,Muon"]) == 0
     rows = study.read(out.parent / f"{out.name}.jsonl.gz")
-    assert [r["variant"] for r in rows] == ["TTT 1", "TTT 5", "Muon"]
+    assert [r["variant"] for r in rows] == ["Muon", "TTT 1", "TTT 5"]
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the features, kept for a rerun
+    assert study.main([*argv, "--variants", "ttt,decay", "--resume"]) == 0  # the variants it lacks, features reused
+    rows = study.read(out.parent / f"{out.name}.jsonl.gz")
+    assert [r["variant"] for r in rows] == ["Muon", "TTT 1", "TTT 5", "decay 1.0", "decay 0.6"]
+    assert rows[-1]["setup"]["feature_seconds"] < rows[0]["setup"]["feature_seconds"] + 1
     assert study.cpu_slug().split("-")[-1] in ("amxtile", "avx512f", "avx2", "sve", "asimd", "x8664", "aarch64")
