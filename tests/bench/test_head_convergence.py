@@ -69,7 +69,11 @@ def test_the_study_runs_the_variants_asked_for(study, files, tmp_path):
     argv = ["--target", str(files / "target"), "--data", str(files / "data"), "--out", str(out), "--tokens", "600",
             "--held-out-tokens", "200", "--seq-len", "32", "--distill", "0", "--draft-vocab", "100", "--steps", "1",
             "--eval-sequences", "2", "--eval-depth", "2", "--seeds", "1", "--cache", str(tmp_path / "cache")]
+    import torch.optim._muon as muon
+
+    original = muon._zeropower_via_newtonschulz
     assert study.main([*argv, "--variants", "ttt,Muon"]) == 0
+    assert muon._zeropower_via_newtonschulz is original  # float32 orthogonalisation only inside the study
     rows = study.read(out.parent / f"{out.name}.jsonl.gz")
     assert [r["variant"] for r in rows] == ["Muon", "TTT 1", "TTT 5"]
     assert len(list((tmp_path / "cache").iterdir())) == 1  # the features, kept for a rerun
