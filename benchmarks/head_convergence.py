@@ -80,6 +80,9 @@ def variants(base: Variant, seeds: int) -> list[Variant]:
         replace(base, name=f"batch {2 * b}", axis="batch", batch_size=2 * b),
         replace(base, name="TTT 5", axis="ttt", ttt_steps=5),
         replace(base, name=f"Muon lr {lr * 3:.0e}", axis="optimizer", optimizer="muon", lr=lr * 3),
+        # Muon's updates are scaled to 0.2 x AdamW's RMS (match_rms_adamw): its learning rates run ~10x AdamW's
+        replace(base, name=f"Muon lr {lr * 10:.0e}", axis="optimizer", optimizer="muon", lr=lr * 10),
+        replace(base, name="LM head trained (from the target's rows)", axis="init", train_lm_head=True),
     ]
 
 

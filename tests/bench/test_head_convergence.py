@@ -49,7 +49,7 @@ def test_the_study_runs_every_variant_on_a_tiny_target_and_writes_rows_and_a_tab
     rows = [json.loads(line) for line in gzip.decompress(packed).decode().splitlines()]
     names = [r["variant"] for r in rows]
     assert names[:4] == ["baseline seed 0", "baseline seed 1", "init: + last layer", "Muon"]
-    assert len(names) == len(set(names)) == 13
+    assert len(names) == len(set(names)) == 15
     assert {r["axis"] for r in rows} == {"baseline", "init", "ttt", "decay", "optimizer", "lr", "batch"}
     for r in rows:
         assert len(r["agreement"]) == 4 and all(0 <= a <= 1 for a in r["agreement"])
@@ -60,7 +60,7 @@ def test_the_study_runs_every_variant_on_a_tiny_target_and_writes_rows_and_a_tab
     assert batch["steps"] == 1 and base["steps"] == 2  # the same positions: half the steps at twice the batch
     assert rows[0]["setup"]["command"].startswith("python benchmarks/head_convergence.py --target")
     table = (out.parent / f"{out.name}.md").read_text()
-    assert table.count("\n| ") == 1 + 13 and "| baseline seed 1 |" in table and "CPU: " in table
+    assert table.count("\n| ") == 1 + 15 and "| baseline seed 1 |" in table and "CPU: " in table
     assert study.render(study.read(out.parent / f"{out.name}.jsonl.gz")) == table
 
 
