@@ -93,3 +93,9 @@ def test_init_none_leaves_the_lm_head_random_and_bad_inits_are_refused(model):
         fresh_head(model, "eagle3", 0, None, init="mlp")
     with pytest.raises(UserError, match="EAGLE-3 head with concatenation fusion"):
         fresh_head(model, "eagle3", 0, None, init="layer", fusion="gated")
+
+
+def test_a_target_layer_unlike_llamas_is_refused_in_one_line(model, monkeypatch):
+    monkeypatch.setattr(model.model.layers[-1], "mlp", torch.nn.Identity())
+    with pytest.raises(UserError, match="no mlp.gate_proj, mlp.up_proj, mlp.down_proj .*--init-from-target lm_head"):
+        fresh_head(model, "eagle3", 0, None, init="layer")

@@ -130,6 +130,14 @@ def init_from_target(head: EagleHead, model: nn.Module, layer: bool = False) -> 
         copy_last_layer(head, model)
 
 
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 @torch.no_grad()
 def copy_last_layer(head: EagleHead, model: nn.Module) -> None:
     """An EAGLE-3 head's first decoder layer from the target's last one, and its fc as a reading of the highest
@@ -143,6 +151,12 @@ def copy_last_layer(head: EagleHead, model: nn.Module) -> None:
     if c.arch != "eagle3" or c.fusion != "concat":
         raise UserError("initialising from the target's last layer needs an EAGLE-3 head with concatenation fusion")
     source = model.get_decoder().layers[-1]
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+    missing = [name for name in names if not _has(source, name)]
+    if missing:
+        raise UserError(f"the target's last layer has no {', '.join(missing)} (not a Llama-style layer): start the "
+                        "head from its LM head only (--init-from-target lm_head)")
     mine, attn = head.midlayer, source.self_attn
     d = c.hidden_size
     pairs = [(mine.self_attn.q_proj, attn.q_proj), (mine.self_attn.k_proj, attn.k_proj),
@@ -150,7 +164,8 @@ def copy_last_layer(head: EagleHead, model: nn.Module) -> None:
     for ours, theirs in pairs:
         if ours.weight.shape != (theirs.weight.shape[0], 2 * theirs.weight.shape[1]) or c.target_hidden_size != d:
             raise UserError(f"the head's attention {tuple(ours.weight.shape)} is not shaped like the target's "
-                            f"{tuple(theirs.weight.shape)}: it cannot start from the target's last layer")
+                            f"{tuple(theirs.weight.shape)}: it cannot start from the target's last layer "
+                            "(--init-from-target lm_head)")
         ours.weight[:, d:].copy_(theirs.weight.to(ours.weight))
     mine.self_attn.o_proj.weight.copy_(attn.o_proj.weight.to(mine.self_attn.o_proj.weight))
     units = min(c.intermediate_size, source.mlp.gate_proj.weight.shape[0])

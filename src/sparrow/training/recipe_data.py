@@ -266,7 +266,9 @@ class RecipeSettings:
     intermediate_size: int | None = 2816  # None: the target's
     train_lm_head: bool = False  # off: the LM head stays the target's rows of the draft vocabulary, not exported
     init_head: str = "auto"  # an export or head directory to start from; auto: the preset's shipped head; none
-    init_from_target: str = "lm_head"  # a fresh head from the target's: lm_head (+ final norm), or also layer
+    # a fresh head from the target's: lm_head (+ final norm), or also its last layer (+ fc); layer won on the CPU
+    # (docs/heads.md, "Convergence on the CPU")
+    init_from_target: str = "layer"
     optimizer: str = "adamw"  # or muon (sparrow.training.loop.OPTIMISERS)
     answers: tuple[str, ...] = ()  # answers files of earlier runs (answers.npz): trained on, their prompts not asked
     ttt_steps: int = 6  # = the eagle drafter's default draft length
