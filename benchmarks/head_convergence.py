@@ -54,7 +54,7 @@ class Variant:
 
     name: str
     axis: str = "baseline"
-    init: str = "lm_head"  # sparrow.training.heads.INITS
+    init: str = "lm_head"  # sparrow.training.heads.INITS (the recipe's default before this study; now "layer")
     train_lm_head: bool = False
     ttt_steps: int = 3
     decay: float = 0.8

@@ -17,7 +17,8 @@ latest results survive the process being killed.
 3. the head: started from `--init-head` (an export or head directory; `auto`, the default: the head shipped for
    the preset whose GGUF the target is, `sparrow/heads/shipped/<preset>/`, when there is one; `none`), its shape
    and draft vocabulary then the export's; else a fresh one with a draft vocabulary of the `--draft-vocab` most
-   frequent target tokens of the training sequences (EOS included) and its norm and LM head from the target's.
+   frequent target tokens of the training sequences (EOS included), its norm and LM head from the target's and (by
+   default, `--init-from-target layer`) its decoder layer from the target's last one.
    Unless `--train-lm-head`, the LM head stays those target rows (frozen), so the export leaves it out;
 4. training: each step draws `--batch-size` sequences, runs the target over them ONLINE (no_grad; its hidden
    states of the head's three layers and its top-k next-token log-probs, nothing cached on disk), then the head's
