@@ -278,6 +278,22 @@ def test_bad_recipe_options_are_one_line_errors(tmp_path, capsys):
     assert "--init-head" in capsys.readouterr().err and not (tmp_path / "p").exists()  # before loading anything
     assert main(["run", "--out", str(tmp_path / "p"), "--target", "x", "--answers", str(tmp_path / "a.npz")]) == 2
     assert f"--answers {str(tmp_path / 'a.npz')!r}: no such file" in capsys.readouterr().err
+    assert main(["run", "--out", str(tmp_path / "p"), "--target", "x", "--optimizer", "sgd"]) == 2
+    assert "--optimizer must be adamw or muon, got 'sgd'" in capsys.readouterr().err
+    assert main(["run", "--out", str(tmp_path / "p"), "--target", "x", "--init-from-target", "none"]) == 2
+    assert "--init-from-target must be lm_head or layer, got 'none'" in capsys.readouterr().err
+
+
+def test_muon_and_a_head_from_the_targets_last_layer_train_checkpoint_and_resume(files, target, tmp_path):
+    out = tmp_path / "run"
+    common = {"target": str(files / "target"), "data": (str(files / "data"),), "time_budget": 120,
+              "checkpoint_every": 1e6, **{**SMALL, "distill": 0, "lr": 1e-3}}
+    first = run(RecipeSettings(out=str(out), max_steps=6, optimizer="muon", init_from_target="layer", **common))
+    assert first["step"] == 6 and first["error"] is None and first["settings"]["optimizer"] == "muon"
+    state = torch.load(out / "checkpoint" / "recipe_state.pt", weights_only=True)
+    assert len(state["optimiser"]["parts"]) == 2  # Muon's state and AdamW's
+    resumed = run(RecipeSettings(out=str(out), target=str(files / "target"), resume=True, max_steps=9, threads=1))
+    assert resumed["step"] == 9 and resumed["error"] is None and resumed["settings"]["init_from_target"] == "layer"
 
 
 # resuming from the newest committed head, and the target's answers kept (issue #42) ------------------------------

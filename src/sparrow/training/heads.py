@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 from torch import Tensor, nn
 
+from sparrow.errors import UserError
 from sparrow.heads.eagle import EagleHead
 from sparrow.heads.factory import new_head
 from sparrow.training.longspec import train_longspec
@@ -100,10 +101,17 @@ def frequent_tokens(sequences: Sequence[Tensor], size: int, vocab_size: int, alw
     return counts.topk(size).indices.sort().values
 
 
-def init_from_target(head: EagleHead, model: nn.Module) -> None:
+INITS = ("none", "lm_head", "layer")
+"""What of a fresh EAGLE-3 head starts from its target (`fresh_head`'s `init`): nothing (all random); "lm_head" its
+final norm and the LM-head rows of the draft vocabulary; "layer" those and the target's last decoder layer (see
+`copy_last_layer`)."""
+
+
+def init_from_target(head: EagleHead, model: nn.Module, layer: bool = False) -> None:
     """Start an EAGLE-3 head's norm and LM head from the target's final norm and LM head rows of the draft
-    vocabulary (the head's output then begins as a reading of a target-like state; it trains from there); a
-    LongSpec head's norm from the target's final norm."""
+    vocabulary (the head's output then begins as a reading of a target-like state; it trains from there), and with
+    `layer` its decoder layer and fc from the target's last layer (`copy_last_layer`); a LongSpec head's norm from
+    the target's final norm."""
     if head.config.arch not in ("eagle3", "longspec"):
         return
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
@@ -118,14 +126,68 @@ def init_from_target(head: EagleHead, model: nn.Module) -> None:
             and norm.weight.shape == head.norm.weight.shape
         ):
             head.norm.weight.copy_(norm.weight.to(head.norm.weight))
+    if layer:
+        copy_last_layer(head, model)
 
 
-def fresh_head(model: nn.Module, arch: str, seed: int, draft_vocab: Tensor | None, **shape: Any) -> EagleHead:
-    """A new float32 head of `arch` for `model` (weights drawn from `seed`; `shape`: new_head's options), its norm
-    and LM head started from the target's (`init_from_target`)."""
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+@torch.no_grad()
+def copy_last_layer(head: EagleHead, model: nn.Module) -> None:
+    """An EAGLE-3 head's first decoder layer from the target's last one, and its fc as a reading of the highest
+    target layer it fuses: q/k/v's columns over the hidden half of cat(norm(embedding), norm(h)) get the target's
+    q/k/v (the embedding half stays random), o_proj, the MLP (its first `intermediate_size` units when the head's
+    is narrower; the target's units first and the rest random when wider), hidden_norm the target's input norm,
+    post_attention_layernorm its own; fc's block over the highest fused layer becomes the identity (the head then
+    starts as the target's last layer over that layer's state). Biases (Qwen2's q/k/v) are not copied: the head
+    has none. A head whose attention is shaped otherwise than the target's is refused."""
+    c = head.config
+    if c.arch != "eagle3" or c.fusion != "concat":
+        raise UserError("initialising from the target's last layer needs an EAGLE-3 head with concatenation fusion")
+    source = model.get_decoder().layers[-1]
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+    missing = [name for name in names if not _has(source, name)]
+    if missing:
+        raise UserError(f"the target's last layer has no {', '.join(missing)} (not a Llama-style layer): start the "
+                        "head from its LM head only (--init-from-target lm_head)")
+    mine, attn = head.midlayer, source.self_attn
+    d = c.hidden_size
+    pairs = [(mine.self_attn.q_proj, attn.q_proj), (mine.self_attn.k_proj, attn.k_proj),
+             (mine.self_attn.v_proj, attn.v_proj)]
+    for ours, theirs in pairs:
+        if ours.weight.shape != (theirs.weight.shape[0], 2 * theirs.weight.shape[1]) or c.target_hidden_size != d:
+            raise UserError(f"the head's attention {tuple(ours.weight.shape)} is not shaped like the target's "
+                            f"{tuple(theirs.weight.shape)}: it cannot start from the target's last layer "
+                            "(--init-from-target lm_head)")
+        ours.weight[:, d:].copy_(theirs.weight.to(ours.weight))
+    mine.self_attn.o_proj.weight.copy_(attn.o_proj.weight.to(mine.self_attn.o_proj.weight))
+    units = min(c.intermediate_size, source.mlp.gate_proj.weight.shape[0])
+    for name in ("gate_proj", "up_proj"):
+        getattr(mine.mlp, name).weight[:units].copy_(getattr(source.mlp, name).weight[:units])
+    mine.mlp.down_proj.weight[:, :units].copy_(source.mlp.down_proj.weight[:, :units])
+    mine.hidden_norm.weight.copy_(source.input_layernorm.weight.to(mine.hidden_norm.weight))
+    mine.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+    width = c.target_hidden_size
+    head.fc.weight[:, -width:].copy_(torch.eye(d, width))  # [d, D], d = D
+
+
+def fresh_head(model: nn.Module, arch: str, seed: int, draft_vocab: Tensor | None, init: str = "lm_head",
+               **shape: Any) -> EagleHead:
+    """A new float32 head of `arch` for `model` (weights drawn from `seed`; `shape`: new_head's options), started
+    from the target as `init` (one of INITS) says: by default its norm and LM head (`init_from_target`)."""
+    if init not in INITS:
+        raise UserError(f"init must be one of {', '.join(INITS)}, got {init!r}")
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     head = new_head(model, arch, generator, draft_vocab=draft_vocab, **shape).float()
-    init_from_target(head, model)
+    if init != "none":
+        init_from_target(head, model, layer=init == "layer")
     return head
 
 

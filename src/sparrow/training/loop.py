@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from sparrow.errors import UserError
 from sparrow.heads.eagle import EagleHead
 
 
@@ -70,14 +71,58 @@ def mean_loss_step(head: EagleHead, optimiser: torch.optim.Optimizer, batch: Seq
     return StepResult(step_loss, step_agreement, tokens)
 
 
-def new_optimiser(head: EagleHead, lr: float, frozen: Sequence[str] = ()) -> torch.optim.AdamW:
-    """EAGLE-3's AdamW (betas 0.9, 0.95, no weight decay) over the head's trainable parameters: all but those of
-    the submodules named in `frozen` (e.g. "lm_head"), which are left without gradients."""
+OPTIMISERS = ("adamw", "muon")
+"""`new_optimiser`'s kinds: EAGLE-3's AdamW, or Muon on the 2-D weight matrices with AdamW on the rest."""
+
+
+class MuonAdamW:
+    """Muon (torch.optim.Muon: orthogonalised momentum, 2-D matrices only) over a head's weight matrices and AdamW
+    over the rest (norms, biases, the LM head: Muon is meant for hidden matrices, not the output layer), as one
+    optimiser: `param_groups` lists both (a schedule sets one learning rate on all), `step`, `zero_grad`,
+    `state_dict` / `load_state_dict`. Muon's updates are scaled to AdamW's RMS (`match_rms_adamw`), so one
+    learning rate fits both."""
+
+    def __init__(self, matrices: list[Tensor], others: list[Tensor], lr: float) -> None:
+        self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(others, lr=lr, betas=(0.9, 0.95), weight_decay=0.0) if others else None
+        self.parts = [self.muon] + ([self.adamw] if self.adamw is not None else [])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for part in self.parts for group in part.param_groups]
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"parts": [part.state_dict() for part in self.parts]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part, saved in zip(self.parts, state["parts"], strict=True):
+            part.load_state_dict(saved)
+
+
+def new_optimiser(head: nn.Module, lr: float, frozen: Sequence[str] = (), kind: str = "adamw"
+                  ) -> torch.optim.Optimizer:
+    """The optimiser over the head's trainable parameters: all but those of the submodules named in `frozen` (e.g.
+    "lm_head"), which are left without gradients. kind "adamw": EAGLE-3's AdamW (betas 0.9, 0.95, no weight
+    decay); "muon": `MuonAdamW` (Muon on the 2-D weights but the LM head's, AdamW on the rest; no weight decay)."""
+    if kind not in OPTIMISERS:
+        raise UserError(f"optimizer must be one of {', '.join(OPTIMISERS)}, got {kind!r}")
     head.requires_grad_(True)
     for name in frozen:
         head.get_submodule(name).requires_grad_(False)
-    return torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
-                             weight_decay=0.0)
+    named = [(name, p) for name, p in head.named_parameters() if p.requires_grad]
+    if kind == "muon":
+        matrices = [p for name, p in named if p.ndim == 2 and not name.startswith("lm_head.")]
+        others = [p for name, p in named if not (p.ndim == 2 and not name.startswith("lm_head."))]
+        return MuonAdamW(matrices, others, lr)  # type: ignore[return-value]  (an optimiser in all but its base)
+    return torch.optim.AdamW([p for _, p in named], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
 

@@ -17,7 +17,8 @@ latest results survive the process being killed.
 3. the head: started from `--init-head` (an export or head directory; `auto`, the default: the head shipped for
    the preset whose GGUF the target is, `sparrow/heads/shipped/<preset>/`, when there is one; `none`), its shape
    and draft vocabulary then the export's; else a fresh one with a draft vocabulary of the `--draft-vocab` most
-   frequent target tokens of the training sequences (EOS included) and its norm and LM head from the target's.
+   frequent target tokens of the training sequences (EOS included), its norm and LM head from the target's and (by
+   default, `--init-from-target layer`) its decoder layer from the target's last one.
    Unless `--train-lm-head`, the LM head stays those target rows (frozen), so the export leaves it out;
 4. training: each step draws `--batch-size` sequences, runs the target over them ONLINE (no_grad; its hidden
    states of the head's three layers and its top-k next-token log-probs, nothing cached on disk), then the head's
@@ -167,7 +168,8 @@ class _OnlineSteps:
                  progress: dict[str, Any]) -> None:
         self.head, self.model, self.train, self.held_out, self.settings = head, model, train, held_out, settings
         self.device, self.autocast, self.out, self.started, self.progress = device, autocast, out, started, progress
-        self.optimiser = new_optimiser(head, settings.lr, frozen=() if settings.train_lm_head else ("lm_head",))
+        self.optimiser = new_optimiser(head, settings.lr, frozen=() if settings.train_lm_head else ("lm_head",),
+                                       kind=settings.optimizer)
         self.order = torch.Generator().manual_seed(settings.seed)
         self.meter = _Meter()
         self.exported: dict[str, Any] = {}
@@ -275,7 +277,7 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
             vocab = model.get_output_embeddings().weight.shape[0]
             ids = frequent_tokens(train, min(settings.draft_vocab, vocab), vocab, always=[i for i in eos if i < vocab])
             shape = {} if settings.intermediate_size is None else {"intermediate_size": settings.intermediate_size}
-            head = fresh_head(model, "eagle3", settings.seed, ids, **shape)
+            head = fresh_head(model, "eagle3", settings.seed, ids, init=settings.init_from_target, **shape)
         progress = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0}
     # refused before any training, not at its end (a trained LM head is exported with the head)
     check_size(dict(head.state_dict()) if settings.train_lm_head else exported_tensors(head)[1], EXPORT_BITS)

@@ -266,6 +266,10 @@ class RecipeSettings:
     intermediate_size: int | None = 2816  # None: the target's
     train_lm_head: bool = False  # off: the LM head stays the target's rows of the draft vocabulary, not exported
     init_head: str = "auto"  # an export or head directory to start from; auto: the preset's shipped head; none
+    # a fresh head from the target's: lm_head (+ final norm), or also its last layer (+ fc); layer won on the CPU
+    # (docs/heads.md, "Convergence on the CPU")
+    init_from_target: str = "layer"
+    optimizer: str = "adamw"  # or muon (sparrow.training.loop.OPTIMISERS)
     answers: tuple[str, ...] = ()  # answers files of earlier runs (answers.npz): trained on, their prompts not asked
     ttt_steps: int = 6  # = the eagle drafter's default draft length
     batch_size: int = 32
@@ -283,6 +287,10 @@ class RecipeSettings:
     threads: int | None = None  # CPU threads for torch (default: torch's)
 
     def __post_init__(self) -> None:
+        if self.init_from_target not in ("lm_head", "layer"):  # "none" would leave a frozen random LM head
+            raise UserError(f"--init-from-target must be lm_head or layer, got {self.init_from_target!r}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise UserError(f"--optimizer must be adamw or muon, got {self.optimizer!r}")
         if (self.target is None) == (self.gguf_chunks is None):
             raise UserError("give exactly one of --target (a model directory or .gguf file) and --gguf-chunks DIR")
         for name in ("time_budget", "checkpoint_every", "lr", "distill_share"):
