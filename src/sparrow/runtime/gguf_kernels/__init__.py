@@ -36,6 +36,10 @@ from sparrow.runtime.cpu import cpu_info
 
 SOURCE = Path(__file__).with_name("gguf_kernels.cpp")
 OFF = {"0", "false", "no", "off"}
+# -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, so without it the threads never split the output
+# rows (the kernels ran on one thread whatever torch.set_num_threads said)
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 ENV = "SPARROW_GGUF_KERNELS"  # "0" / "off": never build or load the kernels
 
 # GGML type id -> (weights per block, bytes per block); the formats the kernels take
@@ -53,7 +57,7 @@ def build_key() -> str:
     flags = sorted(set(ISA_FLAGS) & set(cpu_info().flags))
     compiler = os.environ.get("CXX", "c++")
     parts = [SOURCE.read_bytes(), torch.__version__.encode(), platform.machine().encode(), compiler.encode(),
-             " ".join(flags).encode()]
+             " ".join(flags).encode(), " ".join(CFLAGS + LDFLAGS).encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -94,7 +98,7 @@ def _build() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cpp_extension.load(name="sparrow_gguf_kernels", sources=[str(SOURCE)], build_directory=str(directory),
-                           extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False, verbose=False)
+                           extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
 
 
 def available() -> bool:
