@@ -79,8 +79,10 @@ class Engine:
 
     # --- one at a time --------------------------------------------------------------------------------------
 
-    def generate(self, prompt: PromptInput, *, on_text: OnText | None = None, **options) -> GenerationResult:
-        """One request, whole, alone (the pipeline's `generate`): what the CLI and `sparrow.generate` run."""
+    def generate(self, prompt: PromptInput | Request, *, on_text: OnText | None = None,
+                 **options) -> GenerationResult:
+        """One request (a prompt with its options, or a `Request`), whole, alone: the pipeline's `generate`, which
+        the CLI and `sparrow.generate` run."""
         return self.pipeline.generate(prompt, on_text=on_text, **options)
 
     # --- batched --------------------------------------------------------------------------------------------
