@@ -124,6 +124,28 @@ def test_activation_quantization():
     assert q[0, :4].tolist() == [64, -127, 32, 0] and (q[1] == 0).all()  # 63.5 -> 64: half to even
 
 
+def test_activation_quantization_is_the_same_on_every_instruction_set():
+    """The AVX2 quantization of activations gives the scalar code's bytes and scales bit for bit: ties (half to even),
+    zero blocks, NaN (ignored by the max, then -127) and infinities included."""
+    if "avx2" not in ISAS:
+        pytest.skip("no AVX2 here")
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(5)) * 4
+    x[1] = torch.arange(512) % 9 - 4.0  # amax 4: 127 / 4 * odd values hit halves
+    x[2, :256] = 0.0
+    x[3, 7], x[3, 300] = float("nan"), float("inf")
+    x[4, 40] = -float("inf")
+    x[5] = 1e-39  # subnormal
+    for block in (32, 256):
+        out = {}
+        for name in ISAS:
+            gk.set_isa(name)
+            out[name] = gk.quantize_activations(x, block)
+        gk.set_isa("auto")
+        assert torch.equal(out["scalar"][0], out["avx2"][0]), block
+        scalar, avx2 = out["scalar"][1], out["avx2"][1]
+        assert torch.equal(scalar.isnan(), avx2.isnan()) and torch.equal(scalar.nan_to_num(), avx2.nan_to_num()), block
+
+
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_batch_invariant_bit_for_bit(qtype: int, int8: bool, isa: str):

@@ -187,7 +187,7 @@ struct QuantRow {
   const int16_t* bsums;  // [K / 16]: sums of 16 consecutive q (the K-quants' min / offset terms)
 };
 
-void quantize_row(const float* x, int64_t k, int64_t block, int8_t* q, float* d, int16_t* bsums) {
+void quantize_row_scalar(const float* x, int64_t k, int64_t block, int8_t* q, float* d, int16_t* bsums) {
   for (int64_t b = 0; b < k / block; ++b) {
     const float* xb = x + b * block;
     float amax = 0.0f;
@@ -353,6 +353,20 @@ SPARROW_AVX2 void int8_q5_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
   for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
+// Q4_K's 12 scale bytes s[0..11] -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), as q4k_scales computes them:
+// sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63 (j < 4); sc[j] = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4,
+// mn[j] = (s[j + 4] >> 4) | (s[j] >> 6) << 4 (j >= 4). Reads 16 bytes (the 4 after the scales are the block's own).
+SPARROW_AVX2 inline __m128i q4k_scales_mins(const uint8_t* s) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  // a: s0-3, s8-11, s4-7, s8-11 (the low parts); b: s0-3 at 4-7 and s4-7 at 12-15 (the two high bits), else 0
+  const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i low = _mm_or_si128(
+      _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+      _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+  return _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)));  // (x >> 6) << 4 = (x >> 2) & 0x30
+}
+
 // Q4_K x Q8_K: nibbles (u8 0..15) times x (s8), scaled by the sub-block's 6-bit scale in s32, summed over the
 // super-block exactly; the mins multiply the activation's 16-value sums.
 template <int R>
@@ -364,14 +378,7 @@ SPARROW_AVX2 void int8_q4_k_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 144;
     const float d = half_f16c(blk), dmin = half_f16c(blk + 2);
-    // the 12 scale bytes -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), four at a time in 32-bit words
-    uint32_t u[3];
-    std::memcpy(u, blk + 4, 12);
-    const uint32_t six = 0x3f3f3f3f, low4 = 0x0f0f0f0f, two = 0x03030303;
-    const __m128i sm = _mm_setr_epi32(static_cast<int>(u[0] & six),
-                                      static_cast<int>((u[2] & low4) | (((u[0] >> 6) & two) << 4)),
-                                      static_cast<int>(u[1] & six),
-                                      static_cast<int>(((u[2] >> 4) & low4) | (((u[1] >> 6) & two) << 4)));
+    const __m128i sm = q4k_scales_mins(blk + 4);
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, dup_mins));  // each min for both 16-halves
     const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  // s16 lanes 0..7: the scales
     const uint8_t* qs = blk + 16;
@@ -480,6 +487,41 @@ SPARROW_AVX2 void float_rows_avx2(int64_t type, const uint8_t* w, int64_t nb, co
     out[r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
 }
 
+// quantize_row_scalar's numbers, 32 values at a time: the same max (NaN ignored, as std::max does), the same
+// scale and product, round half to even, the same clamp (NaN -> -127, as the scalar code's max / min give).
+SPARROW_AVX2 void quantize_row_avx2(const float* x, int64_t k, int64_t block, int8_t* q, float* d, int16_t* bsums) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < k / block; ++b) {
+    const float* xb = x + b * block;
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < block; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)), m);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    float amax = 0.0f;
+    for (float v : lanes) amax = std::max(amax, v);
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = amax / 127.0f;
+    const __m256 vid = _mm256_set1_ps(id);
+    for (int64_t i = 0; i < block; i += 32) {
+      __m256i v[4];
+      for (int u = 0; u < 4; ++u) {
+        __m256 t = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * u), vid),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v[u] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, lo), hi));
+      }
+      // packs interleave the 128-bit lanes: 0-3 8-11 4-7 12-15 | ... ; the permutation restores the order
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * block + i), _mm256_permutevar8x32_epi32(p, order));
+    }
+  }
+  for (int64_t g = 0; g < k / 16; ++g) {
+    int s = 0;
+    for (int i = 0; i < 16; ++i) s += q[16 * g + i];
+    bsums[g] = static_cast<int16_t>(s);
+  }
+}
+
 SPARROW_AVX2 void dequant_rows_avx2(int64_t type, const uint8_t* w, int64_t nb, const Format& f, float* y) {
   for (int64_t b = 0; b < nb; ++b) dequant_block(type, w + b * f.bytes, y + b * f.values);
 }
@@ -506,6 +548,13 @@ Isa& current() {
 }
 
 std::string isa_name(Isa isa) { return isa == Isa::Avx2 ? "avx2" : "scalar"; }
+
+void quantize_row(const float* x, int64_t k, int64_t block, int8_t* q, float* d, int16_t* bsums) {
+#ifdef SPARROW_X86
+  if (current() == Isa::Avx2 && block % 32 == 0) return quantize_row_avx2(x, k, block, q, d, bsums);
+#endif
+  quantize_row_scalar(x, k, block, q, d, bsums);
+}
 
 template <int R>
 void int8_rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
