@@ -58,7 +58,8 @@ constexpr int64_t Q8_0 = 8;
 constexpr int64_t Q4_K = 12;
 constexpr int64_t Q6_K = 14;
 
-constexpr int MAX_TILE = 4;  // activation rows per kernel call
+constexpr int MAX_TILE = 8;  // activation rows per kernel call (8-bit activations; float ones: 4)
+constexpr int MAX_FLOAT_TILE = 4;
 
 struct Format {
   int64_t values;      // weights per block
@@ -578,7 +579,11 @@ void by_tile(int r, Fn&& fn) {  // fn(std::integral_constant<int, r>) for r in 1
     case 1: fn(std::integral_constant<int, 1>()); break;
     case 2: fn(std::integral_constant<int, 2>()); break;
     case 3: fn(std::integral_constant<int, 3>()); break;
-    default: fn(std::integral_constant<int, 4>()); break;
+    case 4: fn(std::integral_constant<int, 4>()); break;
+    case 5: fn(std::integral_constant<int, 5>()); break;
+    case 6: fn(std::integral_constant<int, 6>()); break;
+    case 7: fn(std::integral_constant<int, 7>()); break;
+    default: fn(std::integral_constant<int, 8>()); break;
   }
 }
 
@@ -646,19 +651,26 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
   std::vector<const float*> xs(m);
   for (int64_t i = 0; i < m; ++i) xs[i] = x.data_ptr<float>() + i * k;
 
-  // Threads split the output rows; each output element is one thread's, computed in one fixed order.
+  // Threads split the output rows; each output element is one thread's, computed in one fixed order. The
+  // activation rows go in as few tiles of at most MAX_TILE as can be, of sizes differing by one at most (each tile
+  // reads a weight row once).
+  const int64_t most = int8 ? MAX_TILE : MAX_FLOAT_TILE, tiles = (m + most - 1) / most;
   at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
     float tile[MAX_TILE];
     for (int64_t j = begin; j < end; ++j) {
       const uint8_t* wj = w + j * rb;
-      for (int64_t i = 0; i < m; i += MAX_TILE) {
-        const int r = static_cast<int>(std::min<int64_t>(MAX_TILE, m - i));
-        by_tile(r, [&](auto tag) {
-          constexpr int R = decltype(tag)::value;
-          if (int8) int8_rows<R>(type, wj, nb, rows.data() + i, tile);
-          else float_rows<R>(type, wj, nb, f, xs.data() + i, tile);
-        });
-        for (int t = 0; t < r; ++t) out[(i + t) * n + j] = tile[t];
+      for (int64_t i = 0, t = 0; i < m; ++t) {
+        const int r = static_cast<int>(m / tiles + (t < m % tiles ? 1 : 0));
+        if (int8) {
+          by_tile(r, [&](auto tag) { int8_rows<decltype(tag)::value>(type, wj, nb, rows.data() + i, tile); });
+        } else {
+          by_tile(std::min(r, MAX_FLOAT_TILE), [&](auto tag) {
+            constexpr int R = std::min(decltype(tag)::value, MAX_FLOAT_TILE);
+            float_rows<R>(type, wj, nb, f, xs.data() + i, tile);
+          });
+        }
+        for (int u = 0; u < r; ++u) out[(i + u) * n + j] = tile[u];
+        i += r;
       }
     }
   });
