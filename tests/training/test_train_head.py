@@ -280,6 +280,8 @@ def test_cli_trains_resumes_and_the_head_decodes_losslessly(target, corpus_dir, 
         "2",
         "--lr",
         "3e-3",
+        "--optimizer",
+        "muon",
         "--checkpoint-every",
         "20",
         "--eval-every",
@@ -297,6 +299,8 @@ def test_cli_trains_resumes_and_the_head_decodes_losslessly(target, corpus_dir, 
                  "eval.json", "corpus.json", "features/train/manifest.json"):
         assert (out / name).is_file(), name
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    settings = torch.load(out / "trainer_state.pt", weights_only=False)["settings"]
+    assert settings["optimizer"] == "muon" and settings["init_from_target"] == "layer"  # the default where it fits
     assert report["int8"]["dir"] == str(out / "int8") and (out / "int8" / "manifest.json").is_file()  # both exports
     int8_pipe = Pipeline(target, build_drafter("eagle", target, None, 4, head=str(out / "int8")))
     assert int8_pipe.generate("def add(a, b):", max_new_tokens=12).token_ids == Pipeline(target, None).generate_plain(
@@ -351,6 +355,12 @@ def test_cli_trains_resumes_and_the_head_decodes_losslessly(target, corpus_dir, 
     (["train", "head", "--out", "x", "--arch", "longspec", "--intermediate-size", "64"],
      "--intermediate-size applies to --arch eagle3"),
     (["train", "head", "--out", "x", "--fusion", "sum"], "--fusion must be one of concat, gated"),
+    (["train", "head", "--out", "x", "--optimizer", "sgd"], "--optimizer must be one of adamw, muon"),
+    (["train", "head", "--out", "x", "--init-from-target", "all"], "--init-from-target must be one of none, lm_head"),
+    (["train", "head", "--out", "x", "--arch", "eagle1", "--init-from-target", "layer"],
+     "--init-from-target layer needs an EAGLE-3 head"),
+    (["train", "head", "--out", "x", "--fusion", "gated", "--init-from-target", "layer"],
+     "--init-from-target layer needs an EAGLE-3 head"),
 ])
 def test_cli_head_flags_fail_before_loading_models(args, message, tmp_path, monkeypatch):
     from sparrow.cli import app

@@ -150,7 +150,14 @@ def head(
     batch_size: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 4,
     ttt_steps: Annotated[int, typer.Option(
         help="Training-time-test depth: draft steps trained on the head's own features (EAGLE-3).")] = 3,
-    lr: Annotated[float, typer.Option(help="AdamW learning rate (after a linear warmup).")] = 5e-4,
+    lr: Annotated[float, typer.Option(help="Learning rate (after a linear warmup).")] = 5e-4,
+    optimizer: Annotated[str, typer.Option(
+        help="adamw (EAGLE-3's) or muon (Muon on the 2-D weight matrices, AdamW on the rest; measured level with "
+        "AdamW only at ~10x its learning rate, docs/heads.md).")] = "adamw",
+    init_from_target: Annotated[Optional[str], typer.Option(
+        help="What a new head takes from its target: none; lm_head (its final norm and the LM-head rows of the draft "
+        "vocabulary); layer (those and its last decoder layer; EAGLE-3 heads with concatenation fusion). Default: "
+        "layer where the head can take it, else lm_head.")] = None,
     top_k: Annotated[
         Optional[int],
         typer.Option(help="Soft labels kept per position: the target's top-k log-probs (default 32; with --resume, "
@@ -178,6 +185,7 @@ def head(
     EAGLE-1, Dovetail's gated / deeper variants, a LongSpec head, or (Video-LLM targets) a Sparrow head trained on
     the target's answers about --videos; checkpoints, resume, held-out evaluation."""
     from sparrow.training.data import CorpusSpec, default_roots
+    from sparrow.training.heads import default_init
     from sparrow.training.orchestrator import check_out
     from sparrow.training.trainer import STATE, TrainSettings, read_state
 
@@ -212,9 +220,14 @@ def head(
         if value is not None})
     if not resume:
         check_out(out, resume, out / STATE if state is not None else None)
+    init = init_from_target or default_init(arch or stored_arch or "eagle3", fusion or "concat")
+    if init == "layer" and default_init(arch or stored_arch or "eagle3", fusion or "concat") != "layer":
+        raise UserError("--init-from-target layer needs an EAGLE-3 head with concatenation fusion (--arch eagle3, "
+                        "--fusion concat)")
     fresh = None if resume else TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,
                                               checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed,
-                                              anchor_offset=anchor_offset or 0)
+                                              anchor_offset=anchor_offset or 0, init_from_target=init,
+                                              optimizer=optimizer)
     stored = read_record(out) if resume else {}  # the run's target, dtype, top-k and feature cache
     target = target or stored.get("target")
     if dtype == DType.auto and stored.get("dtype"):

@@ -150,7 +150,7 @@ class HeadRun:
     def fresh(self, model: Any, ids: Any, **shape: Any) -> Any:
         from sparrow.training.heads import fresh_head
 
-        return fresh_head(model, self.arch, self.settings.seed, ids, **shape)
+        return fresh_head(model, self.arch, self.settings.seed, ids, init=self.settings.init_from_target, **shape)
 
     def resumed(self, model: Any) -> Any:
         from sparrow.training.trainer import resumed_head

@@ -32,9 +32,9 @@ from sparrow.heads.layout import WEIGHTS, save_head
 from sparrow.heads.longspec import LongSpecConfig, LongSpecHead
 from sparrow.heads.sparrow_head import SparrowSpec
 from sparrow.training import orchestrator
-from sparrow.training.heads import evaluate_head, train_step
+from sparrow.training.heads import INITS, evaluate_head, train_step
 from sparrow.training.longspec import evaluate_longspec, longspec_step
-from sparrow.training.loop import Evaluation, StepResult, draw_batch, new_optimiser
+from sparrow.training.loop import OPTIMISERS, Evaluation, StepResult, draw_batch, new_optimiser
 from sparrow.training.orchestrator import Outcome, Schedule, append_row
 from sparrow.training.sparrow_head import evaluate_sparrow, sparrow_step
 
@@ -58,6 +58,8 @@ class TrainSettings:
     eval_every: int = 50
     seed: int = 0  # of the data order
     anchor_offset: int = 0  # LongSpec heads: anchor-offset positions shifted by up to this (0: none)
+    init_from_target: str = "lm_head"  # what a fresh head takes from its target (sparrow.training.heads.INITS)
+    optimizer: str = "adamw"  # or muon (sparrow.training.loop.OPTIMISERS)
 
     def __post_init__(self) -> None:
         for name, value in (("--steps", self.steps), ("--batch-size", self.batch_size),
@@ -69,6 +71,10 @@ class TrainSettings:
             raise UserError(f"--lr must be > 0, got {self.lr}")
         if self.anchor_offset < 0:
             raise UserError(f"--anchor-offset must be an integer >= 0, got {self.anchor_offset}")
+        if self.init_from_target not in INITS:
+            raise UserError(f"--init-from-target must be one of {', '.join(INITS)}, got {self.init_from_target!r}")
+        if self.optimizer not in OPTIMISERS:
+            raise UserError(f"--optimizer must be one of {', '.join(OPTIMISERS)}, got {self.optimizer!r}")
 
 
 def save_checkpoint(directory: Path, head: EagleHead | LongSpecHead, optimiser: torch.optim.Optimizer,
@@ -168,7 +174,7 @@ class _CachedSteps:
         self.step_of, self.evaluate_on = _trainer_of(head, settings, model)
         directory.mkdir(parents=True, exist_ok=True)
         self.order = torch.Generator().manual_seed(settings.seed)
-        self.optimiser = new_optimiser(head, settings.lr)
+        self.optimiser = new_optimiser(head, settings.lr, kind=settings.optimizer)
         self.start = 0 if state is None else int(state["step"])
         _cut_log(directory / LOG, self.start)
         self.evaluated: tuple[int, Evaluation] | None = None
