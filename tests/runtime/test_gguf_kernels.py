@@ -167,6 +167,16 @@ def test_batch_invariant_bit_for_bit(qtype: int, int8: bool, isa: str):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("int8", [True, False])
+def test_the_bias_is_added_as_a_separate_add_would(int8: bool):
+    blocks = random_blocks(gk.Q4_K, 24, 512, seed=6)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(6))
+    bias = torch.randn(24, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(gk.matmul(x, blocks, gk.Q4_K, 24, int8, bias), gk.matmul(x, blocks, gk.Q4_K, 24, int8) + bias)
+    with pytest.raises(RuntimeError, match="bias must be a float32 \\[out_features\\]"):
+        gk.matmul(x, blocks, gk.Q4_K, 24, int8, bias[:5])
+
+
 def test_the_instruction_sets_agree():
     """Scalar and AVX2 compute the same integer dots and the same dequantized weights; float sums differ in order
     only (a few ulps)."""

@@ -41,9 +41,7 @@ class GGUFLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape  # [..., in_features]
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        y = torch.ops.sparrow_gguf.matmul(x2, self.blocks, self.qtype, self.out_features, self.int8)
-        if self.bias is not None:
-            y = y + self.bias
+        y = torch.ops.sparrow_gguf.matmul(x2, self.blocks, self.qtype, self.out_features, self.int8, self.bias)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

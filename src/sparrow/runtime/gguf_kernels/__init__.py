@@ -73,7 +73,7 @@ def _register_fakes() -> None:
     """Shapes for torch.compile / meta tensors."""
 
     @torch.library.register_fake("sparrow_gguf::matmul")
-    def _(x: Tensor, blocks: Tensor, type: int, out_features: int, int8: bool) -> Tensor:
+    def _(x: Tensor, blocks: Tensor, type: int, out_features: int, int8: bool, bias: Tensor | None = None) -> Tensor:
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("sparrow_gguf::dequantize")
@@ -158,9 +158,11 @@ def check_blocks(blocks: Tensor, qtype: int, out_features: int, in_features: int
     return blocks.reshape(out_features, nbytes).contiguous()
 
 
-def matmul(x: Tensor, blocks: Tensor, qtype: int, out_features: int, int8: bool = True) -> Tensor:
-    """x [M, K] float32 times the [out_features, K] weight held in `blocks` (transposed) -> [M, out_features]."""
-    return _ops().matmul(x, blocks, qtype, out_features, int8)
+def matmul(x: Tensor, blocks: Tensor, qtype: int, out_features: int, int8: bool = True,
+           bias: Tensor | None = None) -> Tensor:
+    """x [M, K] float32 times the [out_features, K] weight held in `blocks` (transposed), plus `bias` (float32
+    [out_features], added to each dot product as a separate add would) -> [M, out_features]."""
+    return _ops().matmul(x, blocks, qtype, out_features, int8, bias)
 
 
 def dequantize(blocks: Tensor, qtype: int, in_features: int) -> Tensor:

@@ -3,7 +3,8 @@
 // Built once on first use by sparrow/runtime/gguf_kernels/__init__.py (torch.utils.cpp_extension.load) and
 // registered as torch custom ops in the namespace `sparrow_gguf`:
 //
-//   matmul(x float32 [M, K], blocks uint8 [N, row bytes], type, N, int8) -> y float32 [M, N]   (y = x W^T)
+//   matmul(x float32 [M, K], blocks uint8 [N, row bytes], type, N, int8, bias float32 [N]?) -> y float32 [M, N]
+//     (y = x W^T + bias: each dot product, then its bias added, one rounding, as a separate add would give)
 //   dequantize(blocks uint8 [N, row bytes], type, K) -> W float32 [N, K]
 //   quantize_activations(x float32 [M, K], block) -> (q int8 [M, K], d float32 [M, K / block])
 //   isa() -> str;  set_isa(str)  (tests: run the portable path on an AVX2 machine)
@@ -35,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -618,12 +620,20 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_in, 
   return {q, d};
 }
 
-at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type, int64_t n, bool int8) {
+at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type, int64_t n, bool int8,
+                  const std::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "sparrow_gguf: x must be a float32 [rows, in_features] CPU tensor");
   const at::Tensor x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1);
   check_blocks(blocks, type, n, k);
+  at::Tensor bias_t;
+  if (bias_in.has_value()) {
+    bias_t = bias_in->contiguous();
+    TORCH_CHECK(bias_t.dim() == 1 && bias_t.size(0) == n && bias_t.scalar_type() == at::kFloat &&
+                bias_t.device().is_cpu(), "sparrow_gguf: bias must be a float32 [out_features] CPU tensor");
+  }
+  const float* bias = bias_t.defined() ? bias_t.data_ptr<float>() : nullptr;
   const Format f = format_of(type);
   const int64_t nb = k / f.values, rb = row_bytes(f, k);
   at::Tensor y = at::empty({m, n}, x.options());
@@ -669,7 +679,8 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
             float_rows<R>(type, wj, nb, f, xs.data() + i, tile);
           });
         }
-        for (int u = 0; u < r; ++u) out[(i + u) * n + j] = tile[u];
+        const float add = bias != nullptr ? bias[j] : 0.0f;
+        for (int u = 0; u < r; ++u) out[(i + u) * n + j] = bias != nullptr ? tile[u] + add : tile[u];
         i += r;
       }
     }
@@ -722,7 +733,7 @@ void set_isa(const std::string& name) {
 }  // namespace sparrow_gguf
 
 TORCH_LIBRARY(sparrow_gguf, m) {
-  m.def("matmul(Tensor x, Tensor blocks, int type, int out_features, bool int8) -> Tensor");
+  m.def("matmul(Tensor x, Tensor blocks, int type, int out_features, bool int8, Tensor? bias=None) -> Tensor");
   m.def("dequantize(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("quantize_activations(Tensor x, int block) -> (Tensor, Tensor)");
   m.def("isa() -> str", &sparrow_gguf::isa);
