@@ -277,11 +277,16 @@ def test_quant_auto_loads_the_files_blocks_where_they_measured_fastest(gguf_file
         hardware.clear_cache()
 
 
-def test_bench_takes_quant_gguf_and_auto_settles_to_it(gguf_file, monkeypatch, tmp_path):
+def test_generate_serve_and_bench_take_quant_gguf_and_auto_settles_to_it(gguf_file, monkeypatch, tmp_path):
+    """The three commands take the same --quant values; auto, where the GGUF kernels measured fastest, runs the
+    file's blocks (generate: end to end; serve and bench: the format their loaders are given)."""
+    import json
+
     from typer.testing import CliRunner
 
     import sparrow.bench.command
     from sparrow.cli import app
+    from sparrow.runtime import hardware
 
     seen = []
 
@@ -289,11 +294,34 @@ def test_bench_takes_quant_gguf_and_auto_settles_to_it(gguf_file, monkeypatch, t
         seen.append(config.quant)
         raise UserError("stop before loading")
 
+    def no_serving(plan):
+        seen.append(plan.quant)
+        raise UserError("stop before loading")
+
+    class LoadAtOnce:
+        def __init__(self, loader, **options):
+            loader()
+
     monkeypatch.setattr(sparrow.bench.command, "load_models", no_loading)
+    monkeypatch.setattr(sparrow, "load", no_serving)
+    monkeypatch.setattr("sparrow.serve.Scheduler", LoadAtOnce)
     measured(monkeypatch, tmp_path, gguf_ms=0.5)
-    for value in ("gguf", "auto"):
-        result = CliRunner().invoke(app, ["bench", "--quick", "--methods", "plain,prompt-lookup", "--target",
-                                          str(gguf_file), "--quant", value, "--out", str(tmp_path / "out"),
-                                          "--no-progress", "--device", "cpu"])
-        assert result.exit_code == 2 and "stop before loading" in result.output, result.output
-    assert seen == ["gguf", "gguf"]
+    try:
+        for value in ("gguf", "auto"):
+            result = CliRunner().invoke(app, ["bench", "--quick", "--methods", "plain,prompt-lookup", "--target",
+                                              str(gguf_file), "--quant", value, "--out", str(tmp_path / "out"),
+                                              "--no-progress", "--device", "cpu"])
+            assert result.exit_code == 2 and "stop before loading" in result.output, result.output
+            result = CliRunner().invoke(app, ["serve", "--target", str(gguf_file), "--drafter", "prompt-lookup",
+                                              "--quant", value])
+            assert result.exit_code == 2 and "stop before loading" in result.output, result.output
+        assert seen == ["gguf"] * 4
+        monkeypatch.undo()  # sparrow.load back; the measurement again:
+        measured(monkeypatch, tmp_path, gguf_ms=0.5)
+        result = CliRunner().invoke(app, ["generate", "The quick brown fox", "--target", str(gguf_file), "--drafter",
+                                          "prompt-lookup", "--quant", "auto", "--max-new-tokens", "6", "--json"])
+        assert result.exit_code == 0, result.output
+        record = json.loads(result.stdout)
+        assert record["quant"] == "gguf" and record["lossless_relative_to"] == "the gguf-quantized target"
+    finally:
+        hardware.clear_cache()
