@@ -18,27 +18,15 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from sparrow.bench.runner import write_rows
 from sparrow.runtime import gguf_kernels as gk
 from sparrow.runtime.cpu import cpu_info
-from sparrow.runtime.microbench import BENCH_ROWS, BENCH_SHAPE, _copies, _time_ms, cache_bytes, measure
+from sparrow.runtime.microbench import BENCH_ROWS, BENCH_SHAPE, _copies, _time_ms, cache_bytes, gguf_blocks, measure
 
-FP16_OFFSETS = {gk.Q5_0: (0,), gk.Q8_0: (0,), gk.Q4_K: (0, 2), gk.Q6_K: (208,)}
 KERNELS = (("Q4_K", gk.Q4_K, True), ("Q6_K", gk.Q6_K, True), ("Q5_0", gk.Q5_0, True), ("Q8_0", gk.Q8_0, True),
            ("Q4_K-float", gk.Q4_K, False))
-
-
-def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """Valid blocks (random bytes, finite fp16 scales): the kernels' speed does not depend on the values."""
-    rng = np.random.default_rng(seed)
-    values, nbytes = gk.BLOCKS[qtype]
-    blocks = rng.integers(0, 256, size=(rows * cols // values, nbytes), dtype=np.uint8)
-    for offset in FP16_OFFSETS[qtype]:
-        blocks[:, offset:offset + 2] = np.full(len(blocks), 1e-3, np.float16).view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(blocks.reshape(rows, -1))
 
 
 def measure_gguf(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_SHAPE) -> dict[str, dict]:
@@ -47,7 +35,7 @@ def measure_gguf(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BE
     working_set = min(max(2 * cache_bytes(), 64 << 20), 512 << 20)
     kernels = {}
     for name, qtype, int8 in KERNELS:
-        blocks = random_blocks(qtype, out_features, in_features)
+        blocks = gguf_blocks(qtype, out_features, in_features)
         weights = _copies(lambda b=blocks: (b.clone(),), blocks.numel(), working_set)
         kernels[name] = functools.partial(
             lambda x, w, q, a: gk.matmul(x, next(w)[0], q, out_features, a), w=weights, q=qtype, a=int8)

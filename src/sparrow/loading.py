@@ -54,9 +54,11 @@ def load(target: str | LoadedModel | SpecPlan = "qwen2.5-coder-1.5b", *, progres
     draft: preset, path or hub id, a LoadedModel, None (no draft), or "default" (qwen2.5-coder-0.5b for
     draft-model / cross-vocab / auto; none for visual-prune, which then drafts with the pruned target).
 
-    quant: int8 | int4 weight-only or w8a8 (CPU) target (lossless only relative to the quantized target); "auto":
-    the format this machine measured fastest for a verification step (sparrow.runtime.hardware.choose_target_quant;
-    dense where none pays; lossless then relative to the target in the format chosen); "none": dense.
+    quant: int8 | int4 weight-only or w8a8 (CPU) target (lossless only relative to the quantized target); "gguf"
+    (CPU): a preset or .gguf target on its file's own blocks; "auto": the format this machine measured fastest for a
+    verification step (sparrow.runtime.hardware.choose_target_quant; the file's blocks among them for a target that
+    runs on them, sparrow.models.gguf_source; dense where none pays; lossless then relative to the target in the
+    format chosen); "none": dense.
     draft_quant: int8 | int4 | w8a8 draft model, or the format of the "quantized-self" copy (default int4);
     "auto": the format this machine measured fastest for one draft row (sparrow.runtime.hardware.choose_draft_quant;
     a dense draft where none pays, and for drafters without a draft model).

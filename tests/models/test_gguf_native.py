@@ -191,3 +191,137 @@ def test_real_preset_decodes_identically_with_drafters():
         plain = result.token_ids if plain is None else plain
         assert result.token_ids == plain, drafter
         assert drafter != "draft-model" or result.stats.num_accepted_tokens > 0
+
+
+# --- --quant auto: the file's own blocks where this machine measured them fastest --------------------------------
+
+
+def measured(monkeypatch, tmp_path, gguf_ms: float) -> None:
+    """A stable fake measurement (float32 activations) whose gguf row costs `gguf_ms` at 1 row; w8a8 runs 8 rows in
+    2.0 ms, float32 in 3.3."""
+    from sparrow.runtime import hardware
+
+    monkeypatch.setenv("SPARROW_DTYPE_BENCHMARK", "1")
+    monkeypatch.setenv("SPARROW_HARDWARE_CACHE", str(tmp_path / "hardware"))
+    costs = {"float32": {"1": 3.0, "8": 3.3}, "bfloat16": {"1": 3.1, "8": 9.9}, "int8": {"1": 1.0, "8": 2.5},
+             "w8a8": {"1": 1.5, "8": 2.0}, "gguf": {"1": gguf_ms, "8": 1.5 * gguf_ms}}
+    monkeypatch.setattr(hardware, "measure", lambda *a, **k: {
+        "costs": costs, "quant_activations": "float32", "unit": "ms per matmul",
+        "shape": list(hardware.BENCH_SHAPE), "seconds": 0.01})
+    hardware.clear_cache()
+
+
+def one_tensor_file(path, arch: str, qtype) -> str:
+    """A GGUF file of architecture `arch` holding one [4, 256] layer weight of GGML type `qtype`."""
+    import gguf
+    import numpy as np
+    from gguf_helpers import quantize
+
+    values = np.random.default_rng(0).normal(size=(4, 256)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(path), arch)
+    if qtype == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor("blk.0.ffn_up.weight", values)
+    else:
+        writer.add_tensor("blk.0.ffn_up.weight", quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_which_files_run_on_their_blocks(gguf_file, tmp_path):
+    """`--quant auto` considers the file's blocks only where `--quant gguf` runs most of its layers on them."""
+    from gguf import GGMLQuantizationType as T
+
+    from sparrow.models.gguf_source import gguf_file as is_gguf_source
+    from sparrow.models.gguf_source import runs_on_blocks
+
+    assert runs_on_blocks(str(gguf_file)) and is_gguf_source("qwen2.5-coder-1.5b")
+    assert not is_gguf_source("tiny") and not is_gguf_source(None) and not runs_on_blocks("tiny")
+    assert not runs_on_blocks(str(tmp_path / "missing.gguf"))
+    assert runs_on_blocks(one_tensor_file(tmp_path / "q4k.gguf", "qwen2", T.Q4_K))
+    assert not runs_on_blocks(one_tensor_file(tmp_path / "f32.gguf", "qwen2", T.F32))  # no blocks the kernels take
+    assert not runs_on_blocks(one_tensor_file(tmp_path / "gemma.gguf", "gemma3", T.Q4_K))  # not built natively
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_file.read_bytes()[:100])
+    assert not runs_on_blocks(str(cut))
+
+
+def test_quant_auto_loads_the_files_blocks_where_they_measured_fastest(gguf_file, monkeypatch, tmp_path):
+    """--quant auto on a GGUF source: where the GGUF kernels ran a verification step fastest, the target is built
+    from the file's blocks (never a dense copy), and speculative decoding equals its own plain decoding; where they
+    did not, auto is left to the loaded dense target; with compile, never gguf."""
+    from sparrow.drafters.plan import resolve_plan
+    from sparrow.loading import PipelineCache
+    from sparrow.models.gguf_source import settle_gguf
+    from sparrow.runtime import hardware
+
+    spec = str(gguf_file)
+    measured(monkeypatch, tmp_path, gguf_ms=0.5)
+    try:
+        assert resolve_plan(spec, drafter="prompt-lookup", quant="auto").quant == "gguf"
+        assert resolve_plan(spec, drafter="quantized-self", quant="auto").quant is None  # needs a dense target
+        assert settle_gguf("auto", spec, "cpu", "auto", compile=True) == "auto"
+        assert settle_gguf("int8", spec, "cpu", "auto") == "int8"
+        pipe = sparrow.load(spec, quant="auto", drafter="prompt-lookup", num_draft_tokens=3, progress=False)
+        assert pipe.target.model.sparrow_quantization.format == "gguf"
+        for prompt in PROMPTS[1:]:
+            result = pipe.generate(prompt, max_new_tokens=24)
+            assert result.token_ids == pipe.generate_plain(prompt, max_new_tokens=24).token_ids
+        cached = PipelineCache().get(spec, drafter="none", quant="auto")
+        assert cached.target.model.sparrow_quantization.format == "gguf"
+        measured(monkeypatch, tmp_path / "slow", gguf_ms=3.0)  # w8a8 now the fastest at 8 rows
+        assert resolve_plan(spec, drafter="prompt-lookup", quant="auto").quant == "auto"
+    finally:
+        hardware.clear_cache()
+
+
+def test_generate_serve_and_bench_take_quant_gguf_and_auto_settles_to_it(gguf_file, monkeypatch, tmp_path):
+    """The three commands take the same --quant values; auto, where the GGUF kernels measured fastest, runs the
+    file's blocks (generate: end to end; serve and bench: the format their loaders are given)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import sparrow.bench.command
+    from sparrow.cli import app
+    from sparrow.runtime import hardware
+
+    seen = []
+
+    def no_loading(config, progress=True):
+        seen.append(config.quant)
+        raise UserError("stop before loading")
+
+    def no_serving(plan):
+        seen.append(plan.quant)
+        raise UserError("stop before loading")
+
+    class LoadAtOnce:
+        def __init__(self, loader, **options):
+            loader()
+
+    monkeypatch.setattr(sparrow.bench.command, "load_models", no_loading)
+    monkeypatch.setattr(sparrow, "load", no_serving)
+    monkeypatch.setattr("sparrow.serve.Scheduler", LoadAtOnce)
+    measured(monkeypatch, tmp_path, gguf_ms=0.5)
+    try:
+        for value in ("gguf", "auto"):
+            result = CliRunner().invoke(app, ["bench", "--quick", "--methods", "plain,prompt-lookup", "--target",
+                                              str(gguf_file), "--quant", value, "--out", str(tmp_path / "out"),
+                                              "--no-progress", "--device", "cpu"])
+            assert result.exit_code == 2 and "stop before loading" in result.output, result.output
+            result = CliRunner().invoke(app, ["serve", "--target", str(gguf_file), "--drafter", "prompt-lookup",
+                                              "--quant", value])
+            assert result.exit_code == 2 and "stop before loading" in result.output, result.output
+        assert seen == ["gguf"] * 4
+        monkeypatch.undo()  # sparrow.load back; the measurement again:
+        measured(monkeypatch, tmp_path, gguf_ms=0.5)
+        result = CliRunner().invoke(app, ["generate", "The quick brown fox", "--target", str(gguf_file), "--drafter",
+                                          "prompt-lookup", "--quant", "auto", "--max-new-tokens", "6", "--json"])
+        assert result.exit_code == 0, result.output
+        record = json.loads(result.stdout)
+        assert record["quant"] == "gguf" and record["lossless_relative_to"] == "the gguf-quantized target"
+    finally:
+        hardware.clear_cache()

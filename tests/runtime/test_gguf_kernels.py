@@ -206,3 +206,17 @@ def test_malformed_blocks_are_refused():
         gk.matmul(torch.randn(1, 512), blocks.reshape(-1)[:-144], gk.Q4_K, 8)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
         gk.matmul(torch.randn(1, 512), blocks, 2, 8)
+
+
+def test_the_micro_benchmark_times_the_gguf_kernel_beside_the_other_formats(monkeypatch):
+    """`sparrow doctor`'s measurement has a gguf row (Q4_K blocks, 8-bit activations) where the kernels are built and
+    the shape is whole Q4_K blocks; none without the kernels, or for a shape they cannot take."""
+    from sparrow.runtime import microbench
+
+    blocks = microbench.gguf_blocks(gk.Q4_K, 64, 256)
+    assert blocks.shape == (64, 144) and torch.isfinite(gk.dequantize(blocks, gk.Q4_K, 256)).all()
+    record = microbench.measure(rows=(1, 8), shape=(64, 256), working_set=1 << 20)
+    assert set(record["costs"]["gguf"]) == {"1", "8"} and all(v > 0 for v in record["costs"]["gguf"].values())
+    assert "gguf" not in microbench.measure(rows=(1,), shape=(64, 128), working_set=1 << 20)["costs"]
+    monkeypatch.setattr(gk, "available", lambda: False)
+    assert "gguf" not in microbench.measure(rows=(1,), shape=(64, 256), working_set=1 << 20)["costs"]

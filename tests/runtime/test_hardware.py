@@ -392,6 +392,91 @@ def test_resolve_draft_quant_before_loading(monkeypatch, drafter, expected):
     assert resolve_draft_quant("auto", entry.quantized_copy, entry.takes_draft_model, "cpu") == expected
 
 
+# --- --quant auto and the GGUF kernels -----------------------------------------------------------------------
+
+# timed with float32 activations (bf16 no faster); at 8 rows: gguf 3.3x float32, w8a8 1.65x, int8 1.3x
+GGUF_FAST = {"float32": {"1": 3.0, "8": 3.3}, "bfloat16": {"1": 3.1, "8": 9.9}, "int8": {"1": 1.0, "8": 2.5},
+             "w8a8": {"1": 1.5, "8": 2.0}, "gguf": {"1": 0.5, "8": 1.0}}
+# gguf the fastest at 8 rows, but only 3.3 / 3.1 = 1.06x float32 (MIN_TARGET_QUANT_SPEEDUP: 1.1)
+GGUF_SLIGHT = {**GGUF_FAST, "int8": {"1": 3.1, "8": 3.2}, "w8a8": {"1": 3.1, "8": 3.2}, "gguf": {"1": 3.0, "8": 3.1}}
+
+
+@pytest.fixture
+def gguf_built(monkeypatch):
+    """The GGUF kernels count as loadable (this test's private cache would otherwise build them afresh)."""
+    from sparrow.runtime import gguf_kernels
+
+    monkeypatch.setattr(gguf_kernels, "available", lambda: True)
+
+
+def test_choose_target_quant_picks_the_gguf_blocks_for_a_gguf_source_only(monkeypatch, gguf_built):
+    from sparrow.runtime import gguf_kernels
+
+    machine(monkeypatch, VNNI_CPU, GGUF_FAST)
+    fmt, reason = hardware.choose_target_quant("cpu", gguf=True)
+    assert fmt == "gguf" and "3.3x faster than float32 at 8 rows" in reason, reason
+    assert "lossless relative to the GGUF-quantized target" in reason
+    assert hardware.choose_target_quant("cpu")[0] == "w8a8"  # no GGUF source: the fastest of the rest
+    assert hardware.choose_target_quant("cpu", gguf=True, exclude=("gguf",))[0] == "w8a8"
+    assert hardware.choose_target_quant("cpu", gguf=True, dtype=torch.bfloat16)[0] == "gguf"  # int8 activations
+    assert hardware.choose_target_quant("cpu", dtype=torch.bfloat16)[0] == "w8a8"  # int8 is float32's only
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fmt, reason = hardware.choose_target_quant("cuda", gguf=True)
+    assert fmt is None and "cuda" in reason
+    monkeypatch.setattr(gguf_kernels, "available", lambda: False)  # measured once, not loadable now
+    assert hardware.choose_target_quant("cpu", gguf=True)[0] == "w8a8"
+
+
+def test_choose_target_quant_keeps_the_dense_target_below_the_threshold(monkeypatch, gguf_built):
+    machine(monkeypatch, VNNI_CPU, GGUF_SLIGHT)
+    fmt, reason = hardware.choose_target_quant("cpu", gguf=True)
+    assert fmt is None and "the fastest quantized format (gguf (Q4_K blocks" in reason and "1.06x" in reason
+
+
+def test_a_measurement_without_the_gguf_row_chooses_among_the_rest(monkeypatch, tmp_path):
+    """A record measured where the GGUF kernels were not built (cached, then read back) has no gguf row: gguf is
+    unmeasured, never chosen, and doctor says why; nothing crashes."""
+    without = {k: v for k, v in GGUF_FAST.items() if k != "gguf"}
+    machine(monkeypatch, VNNI_CPU, without)
+    assert hardware.choose_target_quant("cpu", gguf=True)[0] == "w8a8"
+    hardware.clear_cache()
+    assert hardware.cpu_costs(benchmark=False)["cached"] is True
+    assert hardware.choose_target_quant("cpu", gguf=True)[0] == "w8a8"
+    record = json.loads(cli("doctor", "--json", "--device", "cpu", "--no-benchmark").stdout)
+    assert "gguf" not in record["benchmark"]["costs"] and "--refresh" in record["benchmark"]["gguf_missing"]
+    assert record["auto"]["quant"] == "w8a8"
+
+
+def test_an_older_cache_format_is_measured_again(monkeypatch):
+    """Records of format 5 (before the gguf row) are keyed apart: read by no one, measured again."""
+    bench = machine(monkeypatch, VNNI_CPU, GGUF_FAST)
+    key = hardware.cache_key(cpu.cpu_info())
+    old = {**key, "format": 5}
+    path = hardware.cache_path(old)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": old, "costs": {k: v for k, v in GGUF_FAST.items() if k != "gguf"},
+                                "quant_activations": "float32", "stability": {"stable": True}}))
+    assert hardware.FORMAT >= 6 and hardware.cache_path(key) != path
+    record = hardware.cpu_costs()
+    assert record["cached"] is False and "gguf" in record["costs"] and bench.calls == M
+
+
+def test_doctor_names_the_faster_target_format_in_one_line(monkeypatch, gguf_built):
+    monkeypatch.setenv("COLUMNS", "400")
+    machine(monkeypatch, VNNI_CPU, GGUF_FAST)
+    record = json.loads(cli("doctor", "--json", "--device", "cpu").stdout)
+    assert record["auto"]["quant"] == "gguf" and "GGUF-quantized target" in record["auto"]["quant_reason"]
+    assert record["benchmark"]["costs"]["gguf"] == GGUF_FAST["gguf"] and "gguf_missing" not in record["benchmark"]
+    output = cli("doctor", "--device", "cpu").output
+    assert "gguf (Q4_K blocks, int8 activations)" in output and "--quant auto" in output
+    [line] = [line for line in output.splitlines() if line.startswith("faster here")]
+    assert line.startswith("faster here: --quant gguf (Q4_K blocks 3.3x float32 at 8 rows"), line
+    hardware.clear_cache()
+    monkeypatch.setattr(hardware, "measure", FakeBench(GGUF_SLIGHT))
+    output = cli("doctor", "--device", "cpu", "--refresh").output
+    assert "faster here" not in output and "dense for a preset target" in output
+
+
 # --- a measurement a busy machine cannot poison ---------------------------------------------------------
 
 # issue 30: measured while a model install was loading the machine, bfloat16 "ran" 8 rows 4x faster than 1 row

@@ -75,10 +75,12 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
     for name in sparrow_methods:  # each sparrow method's plan, checked as sparrow.load checks it
         options = {**(drafter_options or {}).get(name, {}), **({"head": head} if name in headed else {})}
         drafting = cross_draft if needs_cross_draft(name) else draft if needs_draft(name) else None
-        resolve_plan(target, drafter=name, draft=drafting, num_draft_tokens=k, adaptive=adaptive, dtype=dtype,
-                     device=device, quant=quant, draft_quant=draft_quant if drafting is not None else None,
-                     **options)
-    quant = parse_quant(quant, "quant", auto=True)
+        plan = resolve_plan(target, drafter=name, draft=drafting, num_draft_tokens=k, adaptive=adaptive,
+                            dtype=dtype, device=device, quant=quant,
+                            draft_quant=draft_quant if drafting is not None else None, **options)
+        if name == NONE:  # the target's format as the plan settles it ("gguf" where auto picks the file's blocks)
+            settled = plan.quant
+    quant = settled
     config = BenchConfig(target=target, draft=draft if any(map(needs_draft, method_list)) else None,
                          cross_draft=cross_draft if any(map(needs_cross_draft, method_list)) else None, dtype=dtype,
                          k=k, adaptive=adaptive, max_new_tokens=max_new_tokens, turns=2 if all_turns else 1,

@@ -83,9 +83,9 @@ def check_float(flag: str, value: float | None, expected: str, ok: Callable[[flo
 QUANT_HELP = ("int8|int4 weight-only or w8a8 (CPU: int8 weights and per-token int8 activations, fbgemm) target: "
               "faster; lossless only relative to the quantized target. gguf (CPU): the target runs on its GGUF "
               "file's own 4/6/8-bit blocks (a preset or a .gguf file; no float copy). auto: the format this machine "
-              "runs a "
-              "verification step fastest (measured, see `sparrow doctor`; dense where none pays), again lossless "
-              "only relative to the target in that format; none: dense.")
+              "runs a verification step fastest (measured, see `sparrow doctor`; the GGUF file's blocks among them "
+              "for a preset or .gguf target; dense where none pays), again lossless only relative to the target in "
+              "that format; none: dense.")
 SPECULATIVE_CONFIG_HELP = ("vLLM's speculative config as JSON, e.g. '{\"method\": \"suffix\", "
                            "\"num_speculative_tokens\": 16}': method ngram|draft_model|eagle|eagle3|suffix, model, "
                            "num_speculative_tokens, prompt_lookup_max/min, suffix_decoding_*; a flag given beside it "

@@ -1,5 +1,6 @@
-"""`sparrow doctor`: what sparrow detected on this machine, the measured per-token costs, and what `--dtype auto`
-and `--draft-quant auto` pick and why (the work: sparrow.runtime.hardware)."""
+"""`sparrow doctor`: what sparrow detected on this machine, the measured per-token costs, and what `--dtype auto`,
+`--draft-quant auto` and `--quant auto` pick and why (the work: sparrow.runtime.hardware), with one line naming the
+target format that runs faster here than `generate`'s default, where one does (`make run` shows it)."""
 
 from __future__ import annotations
 
@@ -35,11 +36,17 @@ def doctor(
     hardware.clear_cache(measurements=False)  # choose from the measurement just read or taken
     choice = hardware.choose(dev, benchmark=benchmark)
     draft_quant = hardware.choose_draft_quant(dev, benchmark=benchmark)
-    record = report(dev, info, measured, choice, draft_quant, hardware.choose_onednn(dev, benchmark=benchmark))
+    target_quant = hardware.choose_target_quant(dev, benchmark=benchmark, gguf=True)  # a preset: a GGUF source
+    record = report(dev, info, measured, choice, draft_quant, hardware.choose_onednn(dev, benchmark=benchmark),
+                    target_quant)
     if as_json:
         sys.stdout.write(json.dumps(record, allow_nan=False) + "\n")
         return
-    Console().print(table(record))
+    console = Console()
+    console.print(table(record))
+    line = faster_line(record)
+    if line is not None:
+        console.print(line, soft_wrap=True, highlight=False)
 
 
 def _version(package: str) -> str | None:
@@ -50,11 +57,13 @@ def _version(package: str) -> str | None:
 
 
 def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any,
-           draft_quant: tuple[str | None, str], onednn: tuple[bool, str] = (False, "")) -> dict[str, Any]:
-    """The JSON record of `sparrow doctor`."""
+           draft_quant: tuple[str | None, str], onednn: tuple[bool, str] = (False, ""),
+           target_quant: tuple[str | None, str] = (None, "")) -> dict[str, Any]:
+    """The JSON record of `sparrow doctor`. `target_quant`: what `--quant auto` picks for a preset target (a GGUF
+    source, so the GGUF file's own blocks are a candidate)."""
     import torch
 
-    from sparrow.runtime import hardware
+    from sparrow.runtime import gguf_kernels, hardware
 
     cuda = hardware.cuda_info(dev) if dev.type == "cuda" else None
     benchmark = None
@@ -63,6 +72,11 @@ def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any,
                                                          "measured_at", "cached", "path", "stability",
                                                          "bandwidth_gbs", "check")}
         benchmark["rows"] = list(hardware.BENCH_ROWS)
+        if measured.get("costs") is not None and hardware.GGUF not in measured["costs"]:
+            why = gguf_kernels.why_unavailable()  # set where this process could not build them
+            benchmark["gguf_missing"] = (f"the GGUF kernels are unavailable ({why})" if why else
+                                         "not in this measurement (taken where the GGUF kernels were not built; "
+                                         "`sparrow doctor --refresh` measures again)")
     return {
         "device": str(dev),
         "cpu": {"model": info.model, "arch": info.arch, "logical_cpus": info.logical_cpus,
@@ -75,7 +89,8 @@ def report(dev: Any, info: Any, measured: dict[str, Any] | None, choice: Any,
         "benchmark": benchmark,
         "auto": {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
                  "draft_quant": draft_quant[0], "draft_quant_reason": draft_quant[1],
-                 "float32_onednn": onednn[0], "float32_onednn_reason": onednn[1]},
+                 "float32_onednn": onednn[0], "float32_onednn_reason": onednn[1],
+                 "quant": target_quant[0], "quant_reason": target_quant[1]},
     }
 
 
@@ -110,17 +125,40 @@ def table(record: dict[str, Any]) -> Table:
         out.add_row("CPU costs", f"ms per {shape} matmul at {' / '.join(rows)} rows ({source})")
         fastest = min(sum(row.values()) for row in bench["costs"].values())
         for name, row in bench["costs"].items():
-            label = {"float32": name, "bfloat16": name, hardware.ONEDNN: "float32 (oneDNN)"}.get(
+            label = {"float32": name, "bfloat16": name, hardware.ONEDNN: "float32 (oneDNN)",
+                     hardware.GGUF: "gguf (Q4_K blocks, int8 activations)"}.get(
                 name, f"{name} weights ({bench['quant_activations']})")
             ratio = sum(row.values()) / fastest
             cost = " / ".join(f"{row[n]:.2f}" for n in rows)
             out.add_row(f"  {label}", f"{cost} ms  ({rows[-1]} rows = {row[rows[-1]] / row[rows[0]]:.1f}x "
                                       f"{rows[0]} row; {ratio:.2f}x the fastest)")
+        if bench.get("gguf_missing"):
+            out.add_row("  gguf", bench["gguf_missing"])
     out.add_row("--dtype auto", f"{record['auto']['dtype']}: {record['auto']['reason']}")
     out.add_row("--draft-quant auto", f"{record['auto']['draft_quant'] or 'dense'}: "
                 f"{record['auto']['draft_quant_reason']}")
     out.add_row("float32 linears", record["auto"]["float32_onednn_reason"])
+    out.add_row("--quant auto", f"{record['auto']['quant'] or 'dense'} for a preset target: "
+                f"{record['auto']['quant_reason']}")
     return out
+
+
+def faster_line(record: dict[str, Any]) -> str | None:
+    """One line naming the target format that ran a verification step faster here than the dense default, with the
+    flag that asks for it (None where none does): `generate` keeps its dense default (docs/models.md says why)."""
+    from sparrow.runtime import hardware
+
+    fmt, bench = record["auto"].get("quant"), record["benchmark"]
+    if fmt is None or bench is None or not bench.get("costs") or fmt not in bench["costs"]:
+        return None
+    rows = str(hardware.BENCH_ROWS[-1])
+    costs = bench["costs"]
+    dense = hardware.dense_costs(costs, record["auto"]["dtype"]) if record["auto"]["dtype"] in costs else None
+    what = "Q4_K blocks" if fmt == hardware.GGUF else f"{fmt} weights"
+    versus = (f" {dense[rows] / costs[fmt][rows]:.1f}x {record['auto']['dtype']}" if dense is not None else "")
+    lossless = "the GGUF-quantized target" if fmt == hardware.GGUF else f"the {fmt}-quantized target"
+    return (f"faster here: --quant {fmt} ({what}{versus} at {rows} rows; lossless relative to {lossless}; "
+            "--quant auto picks it)")
 
 
 def stability_line(bench: dict[str, Any]) -> str:

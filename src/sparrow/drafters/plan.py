@@ -9,7 +9,8 @@ API use), `sparrow generate` / `serve` / `bench` (their flags, `flags=True`) and
 registry's facts (`sparrow.drafters.registry`) or the models' config.json (`sparrow.drafters.requirements`) rule
 out: an unknown drafter, k, an option the drafter does not take, a weight format the drafter or the device cannot
 run, compile for a drafter that cannot run on a compiled target. What needs a loaded model (the format "auto"
-picks, whether a compiled target stays exact) is settled by `sparrow.loading` from the plan.
+picks, whether a compiled target stays exact) is settled by `sparrow.loading` from the plan; "auto" choosing the
+target's GGUF file's own blocks, which replace the dense model, is settled here (`sparrow.models.gguf_source`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from sparrow.drafters.registry import (
 from sparrow.drafters.requirements import check_models
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel, resolve_dtype
+from sparrow.models.gguf_source import settle_gguf
 from sparrow.models.quantization import AUTO, GGUF, W8A8, parse_quant, resolve_draft_quant
 from sparrow.runtime.compiled import row_invariant
 from sparrow.runtime.prefix_cache import PrefixCache
@@ -59,7 +61,7 @@ class SpecPlan:
     options: tuple[tuple[str, Any], ...]  # the drafter builder's keyword options, by name
     dtype: str
     device: str | None
-    quant: str | None  # the target's format: None (dense), int8 | int4 | w8a8, or "auto" (settled once loaded)
+    quant: str | None  # the target's format: None (dense), int8 | int4 | w8a8 | gguf, or "auto" (settled once loaded)
     draft_quant: str | None  # the draft model's (or quantized-self copy's): as quant; "auto" for a draft model
     compile: bool
     exact: bool | None  # None: on for a quantized target that keeps its rows (settled once loaded)
@@ -100,7 +102,7 @@ def resolve_plan(target: ModelSpec = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     check_compile(drafter, compile)
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
                                      device, dtype)
-    quant = _target_quant(quant, drafter)
+    quant = _target_quant(quant, drafter, target, device, dtype, compile)
     check_draft_only_compile(drafter, draft, compile and not target_compiles(compile, exact, quant), exact)
     check_models(drafter, options, target, draft, device=device, compile=compile, quant=quant,
                  draft_quant=draft_quant)  # what the models' configs say they cannot run, before loading them
@@ -150,12 +152,16 @@ def _draft_spec(drafter: str, draft: ModelSpec | None, num_draft_tokens: int | N
     return (draft if needs_draft else None), draft_quant
 
 
-def _target_quant(quant: str | None, drafter: str) -> str | None:
+def _target_quant(quant: str | None, drafter: str, target: ModelSpec, device: str | None, dtype: str | torch.dtype,
+                  compile: bool) -> str | None:
     """--quant parsed ('none' -> None); 'auto' stays until the loaded target settles it, except for a drafter
-    drafting with a quantized copy of a dense target (quantized-self)."""
+    drafting with a quantized copy of a dense target (quantized-self: dense), and where the measurement picks the
+    target's GGUF file's own blocks, which are loaded instead of the dense model (`settle_gguf`: "gguf")."""
     quant = parse_quant(quant, "quant", auto=True)
     entry = REGISTRY.get(drafter)
-    return None if quant == AUTO and entry is not None and entry.quantized_copy else quant
+    if quant == AUTO and entry is not None and entry.quantized_copy:
+        return None
+    return settle_gguf(quant, target, device, dtype, compile)
 
 
 def target_compiles(compile: bool, exact: bool | None, quant: str | None, model: nn.Module | None = None) -> bool:

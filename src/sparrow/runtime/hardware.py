@@ -4,7 +4,8 @@
   and a short micro-benchmark: one decoder MLP projection (a 1536 x 8960 weight, Qwen2.5-1.5B's) applied to
   1 row (a plain decoding step) and to 8 rows (verifying a draft), in float32 (torch's linear and oneDNN's,
   ``sparrow.runtime.onednn``) and bfloat16, then with int8 and int4 weight-only weights and w8a8
-  (``sparrow.runtime.quant``'s kernels) in the dtype picked, each kernel cycling through copies of its weight
+  (``sparrow.runtime.quant``'s kernels) in the dtype picked, and the GGUF kernels on Q4_K blocks with 8-bit
+  activations (``sparrow.runtime.gguf_kernels``, where they are built), each kernel cycling through copies of its weight
   worth twice the L3, so they stream from memory as a model's weights do. One round takes about 0.6 s (3 s on
   an AVX2-only CPU) on 2 cores. A busy machine (a model install, dequantization, another job) cannot poison it:
   rounds repeat until ``MIN_ROUNDS`` consistent rounds agree within ``STABLE_TOLERANCE`` (at most ``MAX_ROUNDS``)
@@ -35,6 +36,10 @@ default): the quantized format that ran one row fastest, when it beat the dense 
 among the formats measured in the draft's own compute dtype (weight-only kernels with float32 activations ran
 4-10x slower than with bfloat16 ones on an AVX2-only CPU).
 
+``choose_target_quant(device, gguf=...)`` picks the target's (``--quant auto``): the format fastest at 8 rows (a
+verification step) when it beats the dense dtype by ``MIN_TARGET_QUANT_SPEEDUP``, among int8, int4, w8a8 and, for a
+target with a GGUF source, the GGUF file's own blocks.
+
 ``choose_onednn(device)`` says whether a float32 model runs its linears through oneDNN (where that measured
 faster than torch's linear); float32's cost above is that of the path it runs.
 
@@ -57,11 +62,13 @@ from pathlib import Path
 import torch
 
 from sparrow.paths import atomic_file, default_cache_dir
+from sparrow.runtime import gguf_kernels
 from sparrow.runtime.cpu import BF16_FLAGS, CpuInfo, cpu_info
 from sparrow.runtime.devices import resolve_device
 from sparrow.runtime.microbench import (
     BENCH_ROWS,
     BENCH_SHAPE,
+    GGUF,
     MIN_BF16_SPEEDUP,
     MIN_ONEDNN_SPEEDUP,
     OFF,
@@ -77,7 +84,10 @@ from sparrow.runtime.microbench import (
     recheck,
 )
 
-FORMAT = 5  # bump when the cached record's layout or the benchmark changes (5: stable rounds; older caches remeasure)
+# bump when the cached record's layout or the benchmark changes (older caches remeasure); 5: stable rounds; 6: the
+# GGUF kernel's row (a record of this format without it was measured where the kernels were not built: gguf is then
+# unmeasured, never chosen, until `sparrow doctor --refresh`)
+FORMAT = 6
 MIN_DRAFT_QUANT_SPEEDUP = 1.1  # --draft-quant auto quantizes a draft only when one row runs at least this much faster
 MIN_TARGET_QUANT_SPEEDUP = 1.1  # --quant auto quantizes the target only when 8 rows run at least this much faster
 # the weight formats --draft-quant auto chooses among (sparrow.models.quantization)
@@ -345,13 +355,19 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
 
 
 def choose_target_quant(device: str | torch.device | None = None, *, benchmark: bool | None = None,
-                        dtype: torch.dtype | None = None, exclude: tuple[str, ...] = ()) -> tuple[str | None, str]:
+                        dtype: torch.dtype | None = None, exclude: tuple[str, ...] = (),
+                        gguf: bool = False) -> tuple[str | None, str]:
     """``(format, reason)``: the weight format ``--quant auto`` gives the target on ``device``: the quantized format
-    (int8 / int4 weight-only, w8a8; not those in ``exclude``) whose 8-row matmul this machine measured fastest (a
-    target verifies a draft of several tokens a step), when it ran at least ``MIN_TARGET_QUANT_SPEEDUP`` times
-    faster than the dense dtype; None (dense) otherwise, without a stable measurement, and on CUDA. Unlike a
-    draft's, the target's format changes the output: decoding is then lossless relative to the quantized target,
-    not to the dense one. ``dtype``: the target's compute dtype (see ``choose_draft_quant``)."""
+    (int8 / int4 weight-only, w8a8, and with ``gguf`` the GGUF file's own blocks; not those in ``exclude``) whose
+    8-row matmul this machine measured fastest (a target verifies a draft of several tokens a step), when it ran at
+    least ``MIN_TARGET_QUANT_SPEEDUP`` times faster than the dense dtype; None (dense) otherwise, without a stable
+    measurement, and on CUDA. Unlike a draft's, the target's format changes the output: decoding is then lossless
+    relative to the quantized target, not to the dense one. ``dtype``: the target's compute dtype (see
+    ``choose_draft_quant``; w8a8 and gguf quantize their activations whatever it is).
+
+    gguf: the target has a GGUF source whose blocks ``--quant gguf`` runs (a preset or a .gguf file; the caller
+    knows, ``sparrow.models.gguf_source``); gguf is then a candidate where the measurement has its row (the GGUF
+    kernels were built when it was taken) and the kernels load now."""
     dev = resolve_device(device)
     if dev.type != "cpu":
         return None, f"{dev.type}: the target stays dense (the quantized kernels are measured on CPUs only)"
@@ -359,9 +375,12 @@ def choose_target_quant(device: str | torch.device | None = None, *, benchmark: 
     if not usable(record):
         return None, f"no CPU measurement to go by ({unusable_reason(record)}): the target stays dense"
     costs, dense = record["costs"], str(record["quant_activations"])
-    quants = [name for name in DRAFT_QUANTS if name in costs and name not in exclude]
-    if dtype is not None and dtype_name(dtype) != dense:
-        quants, dense = [name for name in quants if name == "w8a8"], dtype_name(dtype)
+    candidates = (*DRAFT_QUANTS, GGUF) if gguf else DRAFT_QUANTS
+    quants = [name for name in candidates if name in costs and name not in exclude]
+    if dtype is not None and dtype_name(dtype) != dense:  # only the formats that quantize their activations carry over
+        quants, dense = [name for name in quants if name in ("w8a8", GGUF)], dtype_name(dtype)
+    if GGUF in quants and not gguf_kernels.available():  # measured once, but not loadable now (SPARROW_GGUF_KERNELS)
+        quants.remove(GGUF)
     if not quants or dense not in costs:
         return None, "the measurement has no quantized kernels for this dtype: the target stays dense"
     rows = str(BENCH_ROWS[-1])
@@ -369,9 +388,14 @@ def choose_target_quant(device: str | torch.device | None = None, *, benchmark: 
     base = dense_costs(costs, dense)[rows]
     speedup = base / costs[best][rows]
     detail = f"{costs[best][rows]:.2f} vs {base:.2f} ms"
+    label = "gguf (Q4_K blocks, 8-bit activations)" if best == GGUF else best
     if speedup < MIN_TARGET_QUANT_SPEEDUP:
-        return None, (f"the fastest quantized format ({best}) ran only {speedup:.2f}x {dense}'s speed at {rows} rows "
+        return None, (f"the fastest quantized format ({label}) ran only {speedup:.2f}x {dense}'s speed at {rows} rows "
                       f"({detail}; needs {MIN_TARGET_QUANT_SPEEDUP}x): the target stays dense")
+    if best == GGUF:
+        return best, (f"the GGUF kernels (Q4_K blocks, 8-bit activations) ran {speedup:.1f}x faster than {dense} at "
+                      f"{rows} rows ({detail}): the target on its GGUF file's own blocks (lossless relative to the "
+                      "GGUF-quantized target, as llama.cpp runs it, not to the dense one)")
     return best, (f"{best} weights ran {speedup:.1f}x faster than {dense} at {rows} rows ({detail}): a {best} target "
                   f"(lossless relative to the {best}-quantized target, not to the dense one)")
 

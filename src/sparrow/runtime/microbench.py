@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from sparrow.runtime import onednn
+from sparrow.runtime import gguf_kernels, onednn
 from sparrow.runtime.quant import DynamicInt8Linear, kernel_takes, pack_int4, quantize_int4, quantize_int8
 
 OFF = {"0", "false", "no", "off"}  # environment values that switch a measurement off
@@ -35,6 +35,14 @@ ONEDNN = "float32_onednn"  # the float32 matmul through oneDNN (sparrow.runtime.
 
 
 INT4_GROUP_SIZE = 128
+
+
+
+GGUF = "gguf"  # the GGUF kernels' row (--quant gguf): Q4_K blocks, as the presets' big linears are, 8-bit activations
+
+
+
+GGUF_TYPE = gguf_kernels.Q4_K
 
 
 
@@ -62,7 +70,8 @@ RECHECK_FASTER = 0.35  # a quick load-time round this much faster than the cache
 
 
 
-WEIGHT_BYTES = {"float32": 4.0, "float32_onednn": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5}
+WEIGHT_BYTES = {"float32": 4.0, "float32_onednn": 4.0, "bfloat16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5,
+                GGUF: 144 / 256}  # Q4_K: 144 bytes a block of 256 weights
 
 
 
@@ -127,13 +136,37 @@ def _copies(make: Callable[[], tuple], nbytes: int, working_set: int) -> Iterato
 
 
 
+def gguf_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Valid GGUF blocks of type ``qtype`` for a [rows, cols] weight, as uint8 [rows, row bytes]: random bytes with
+    finite fp16 scales (1e-3). The kernels' speed does not depend on the values."""
+    values, nbytes = gguf_kernels.BLOCKS[qtype]
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows * cols // values, nbytes), dtype=torch.uint8, generator=generator)
+    scale = torch.full((len(blocks), 1), 1e-3, dtype=torch.float16).view(torch.uint8)
+    for offset in {gguf_kernels.Q5_0: (0,), gguf_kernels.Q8_0: (0,), gguf_kernels.Q4_K: (0, 2),
+                   gguf_kernels.Q6_K: (208,)}[qtype]:
+        blocks[:, offset:offset + 2] = scale
+    return blocks.reshape(rows, -1)
+
+
+
+def gguf_measurable(shape: tuple[int, int]) -> bool:
+    """Whether ``measure`` times the GGUF kernel (``GGUF``) at ``shape``: the in_features are whole Q4_K blocks and
+    the kernels are built (``gguf_kernels.available()``; the shape is checked first, so a shape they cannot take
+    never builds them)."""
+    return shape[1] % gguf_kernels.BLOCKS[GGUF_TYPE][0] == 0 and gguf_kernels.available()
+
+
+
 def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_SHAPE, *, quant: bool = True,
             working_set: int | None = None) -> dict[str, object]:
     """Milliseconds per ``x @ W.T`` with W of ``shape``, x of ``rows`` rows, on the CPU with torch's threads:
     ``{"float32": {"1": ms, "8": ms}, "bfloat16": {...}, "float32_onednn": {...}, "int8": {...}, "int4": {...},
-    "w8a8": {...}}`` (float32_onednn where this torch has oneDNN's linear). The
-    weight-only kernels compute in the dtype picked from the first two (as a quantized draft would), named by
-    ``quant_activations``; w8a8 (int8 weights and per-token int8 activations, fbgemm) takes that dtype too."""
+    "w8a8": {...}, "gguf": {...}}`` (float32_onednn where this torch has oneDNN's linear; gguf where the GGUF
+    kernels are built, see ``gguf_measurable``). The weight-only kernels compute in the dtype picked from the first
+    two (as a quantized draft would), named by ``quant_activations``; w8a8 (int8 weights and per-token int8
+    activations, fbgemm) takes that dtype too. gguf: ``sparrow.runtime.gguf_kernels``' matmul on Q4_K blocks with
+    8-bit activations (what ``--quant gguf`` runs the presets' big linears with), float32 activations in."""
 
     start = time.perf_counter()
     out_features, in_features = shape
@@ -188,6 +221,11 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
             linears = _copies(lambda: (DynamicInt8Linear(in_features, out_features, q8, scales, None, True),),
                               size, working_set)
             quantized["w8a8"] = (lambda x: next(linears)[0](x), act)
+        if quant and gguf_measurable(shape):
+            blocks = gguf_blocks(GGUF_TYPE, out_features, in_features)
+            wq = _copies(lambda: (blocks.clone(),), blocks.numel(), working_set)
+            quantized[GGUF] = (lambda x: gguf_kernels.matmul(x, next(wq)[0], GGUF_TYPE, out_features, True),
+                               torch.float32)
         if quantized:
             timed(quantized)
     return {"costs": costs, "quant_activations": dtype_name(act), "unit": "ms per matmul", "shape": list(shape),
