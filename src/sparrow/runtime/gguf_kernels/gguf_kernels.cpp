@@ -338,7 +338,10 @@ template <int R>
 SPARROW_AVX2 void int8_q8_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) q8_block<R>(load(w + b * 34 + 2), half_f16c(w + b * 34), b, a, acc0, acc1);
+  for (int64_t b = 0; b < nb; ++b) {
+    if ((b & 1) == 0) prefetch_ahead<68>(w + b * 34);  // two blocks' bytes every other block
+    q8_block<R>(load(w + b * 34 + 2), half_f16c(w + b * 34), b, a, acc0, acc1);
+  }
   for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
@@ -354,6 +357,7 @@ SPARROW_AVX2 void int8_q5_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
   const __m256i all_but_bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL);  // byte k: every bit set but k % 8
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 22;
+    if (b % 3 == 0) prefetch_ahead<66>(blk);  // three blocks' bytes every third block
     const float dw = half_f16c(blk);
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
     const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
