@@ -37,10 +37,17 @@ MESSAGES = [{"role": "system", "content": "You write Python."},
             {"role": "user", "content": "def fib(n):  # 東京\n    ..."}]
 
 
-def meta_file(path: Path, arch: str, *, tied: bool, bos: bool, chat_template: str | None) -> Path:
+SPM_PIECES = ["\u2581", *"abcdefghijklmnopqrstuvwxyz", "\u2581t", "he", "\u2581the", "\u2581a", "in", "\u2581in",
+              "er", "re", "on", "\u2581d", "ef", "\u2581def", "\u2581f", "ox", "\u2581fox"]
+
+
+def meta_file(path: Path, arch: str, *, tied: bool, bos: bool, chat_template: str | None, spm: bool = False) -> Path:
     """A GGUF whose metadata is a model's config and a byte-level BPE tokenizer (conftest.tiny_tokenizer, as
-    llama.cpp's converter writes one: tokens, types with the special token CONTROL, merges); its tensors: the
+    llama.cpp's converter writes one: tokens, types with the special token CONTROL, merges), or with `spm` a
+    sentencepiece one (tokenizer model "llama": pieces with scores, no merges, <unk> <s> </s>); its tensors: the
     embedding, and an output matrix unless `tied`."""
+    if spm:
+        return spm_file(path, tied=tied, chat_template=chat_template)
     tok = tiny_tokenizer()
     bpe = json.loads(tok.backend_tokenizer.to_str())["model"]
     vocab = [token for token, _ in sorted(bpe["vocab"].items(), key=lambda item: item[1])]
@@ -70,6 +77,35 @@ def meta_file(path: Path, arch: str, *, tied: bool, bos: bool, chat_template: st
         writer.add_add_bos_token(True)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    rows = np.random.default_rng(0).standard_normal((len(vocab), 64)).astype(np.float32)
+    writer.add_tensor("token_embd.weight", rows)
+    if not tied:
+        writer.add_tensor("output.weight", rows * 2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def spm_file(path: Path, *, tied: bool, chat_template: str | None) -> Path:
+    vocab = ["<unk>", "<s>", "</s>", *SPM_PIECES]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_context_length, 1024), (writer.add_embedding_length, 64),
+                       (writer.add_feed_forward_length, 128), (writer.add_block_count, 2), (writer.add_head_count, 4),
+                       (writer.add_head_count_kv, 2), (writer.add_rope_dimension_count, 16)):
+        add(value)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")  # no add_bos flag: llama.cpp's default (BOS added) applies
+    writer.add_token_list(vocab)
+    writer.add_token_scores([0.0, 0.0, 0.0, *[-float(i) for i in range(len(SPM_PIECES))]])
+    writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL,
+                            *[gguf.TokenType.NORMAL] * len(SPM_PIECES)])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template.replace("<eos>", "</s>"))
     rows = np.random.default_rng(0).standard_normal((len(vocab), 64)).astype(np.float32)
     writer.add_tensor("token_embd.weight", rows)
     if not tied:
@@ -121,19 +157,24 @@ def assert_same(config, tokenizer, ref_config, ref_tokenizer, tmp_path: Path, ex
         {k: v for k, v in ref_conf.items() if k not in bookkeeping}
 
 
-@pytest.mark.parametrize(("arch", "tied", "bos", "template"), [
-    ("qwen2", False, False, None), ("qwen2", True, True, CHAT_TEMPLATE),
-    ("llama", False, True, CHAT_TEMPLATE), ("llama", True, False, None),
+@pytest.mark.parametrize(("arch", "tied", "bos", "template", "spm"), [
+    ("qwen2", False, False, None, False), ("qwen2", True, True, CHAT_TEMPLATE, False),
+    ("llama", False, True, CHAT_TEMPLATE, False), ("llama", True, False, None, False),
+    ("llama", False, True, CHAT_TEMPLATE, True),
 ])
-def test_config_and_tokenizer_from_the_fields_are_transformers(tmp_path, arch, tied, bos, template):
-    path = meta_file(tmp_path / f"tiny-{arch}.gguf", arch, tied=tied, bos=bos, chat_template=template)
+def test_config_and_tokenizer_from_the_fields_are_transformers(tmp_path, arch, tied, bos, template, spm):
+    path = meta_file(tmp_path / f"tiny-{arch}.gguf", arch, tied=tied, bos=bos, chat_template=template, spm=spm)
     fields, tensors = read_gguf(path)
     config = _config_from_fields(fields, tensors)
     tokenizer = _tokenizer_from_fields(fields, config)
     assert config.model_type == arch and config.tie_word_embeddings is tied
     assert config.vocab_size == len(fields["tokenizer.ggml.tokens"])
-    assert tokenizer("<eos>x")["input_ids"][-2] == tokenizer.convert_tokens_to_ids("<eos>")
-    assert_same(config, tokenizer, *transformers_reads(path), tmp_path, ["<eos>def add(a, b):<eos>"])
+    special = "</s>" if spm else "<eos>"
+    assert tokenizer(f"{special}x")["input_ids"][-2] == tokenizer.convert_tokens_to_ids(special)
+    if bos:
+        assert tokenizer("the fox")["input_ids"][0] == tokenizer.bos_token_id
+    assert_same(config, tokenizer, *transformers_reads(path), tmp_path,
+                [f"{special}def add(a, b):{special}", "the fox in the den", " the  fox"])
 
 
 def test_the_cache_entry_holds_them_and_transformers_reads_where_the_fast_path_fails(tmp_path, monkeypatch):
