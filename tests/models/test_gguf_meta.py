@@ -223,3 +223,15 @@ def test_real_preset_config_and_tokenizer_are_transformers(tmp_path, name):
         assert (tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True)
                 == ref_tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True))
     assert tokenizer("<|im_start|>")["input_ids"] == [tokenizer.convert_tokens_to_ids("<|im_start|>")]
+
+
+def test_a_vocabulary_read_gguf_could_not_decode_goes_to_transformers(tmp_path):
+    path = meta_file(tmp_path / "tiny-qwen2.gguf", "qwen2", tied=True, bos=False, chat_template=None)
+    fields, tensors = read_gguf(path)
+    config = _config_from_fields(fields, tensors)
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    tokens[7] = "a\ufffd"  # what read_gguf makes of bytes that are not UTF-8 (transformers' reader raises)
+    with pytest.raises(ValueError, match="not UTF-8"):
+        _tokenizer_from_fields({**fields, "tokenizer.ggml.tokens": tokens}, config)
+    with pytest.raises(ValueError, match="architecture"):
+        _config_from_fields({**fields, "general.architecture": "gemma3"}, tensors)

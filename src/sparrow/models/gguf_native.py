@@ -235,11 +235,13 @@ def _tokenizer_from_fields(fields: dict[str, object], config: object) -> object:
     from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-    grouped = {group: {name: fields[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in fields}
-               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    grouped = {group: {name: fields[f"tokenizer.{key}"] for key, name in renames.items()
+                       if f"tokenizer.{key}" in fields} for group, renames in GGUF_TOKENIZER_MAPPING.items()}
     tokenizer_dict, kwargs = grouped["tokenizer"], grouped["tokenizer_config"]
     if not isinstance(tokenizer_dict.get("tokens"), list):
         raise ValueError("no vocabulary in the metadata")
+    if any("\ufffd" in text for key in ("tokens", "merges") for text in tokenizer_dict.get(key, ())):
+        raise ValueError("a token or merge that is not UTF-8 (read_gguf replaced its bytes)")
     if tokenizer_dict.get("tokenizer_type") == "llama":  # transformers' get_gguf_tokenizer: llama.cpp's default
         kwargs.setdefault("add_bos_token", True)
     for name, key in _SPECIAL_TOKENS.items():
@@ -254,11 +256,11 @@ def _tokenizer_from_fields(fields: dict[str, object], config: object) -> object:
 
 def _config_and_tokenizer(path: Path, say: Callable[[str], None] | None,
                           fields: dict[str, object] | None = None,
-                          tensor_names: Iterable[str] = ()) -> tuple[object, object]:
-    """The file's transformers config and tokenizer: built once from the metadata `read_gguf` read (`fields`,
-    read here if not given; `_config_from_fields`, `_tokenizer_from_fields`: what transformers builds from the file,
-    some 40 s faster on a 150k vocabulary), by transformers itself from the file if that fails (slow: its reader
-    parses the whole vocabulary item by item), then from a small cache entry beside sparrow's other caches
+                          tensor_names: Iterable[str] | None = None) -> tuple[object, object]:
+    """The file's transformers config and tokenizer: built once from the metadata `read_gguf` read (`fields` and
+    `tensor_names`, read here if not given) by `_config_from_fields` / `_tokenizer_from_fields` (what transformers
+    builds from the file, without its reader's 40 s on a 150k vocabulary), by transformers itself from the file if
+    that fails (one line says why), then read from a small cache entry beside sparrow's other caches
     (`<cache>/gguf-meta/<file>-<size>`), written and verified by sparrow.models.cache."""
     from transformers import AutoConfig, AutoTokenizer  # lazily: heavy, only for this path
 
@@ -270,9 +272,8 @@ def _config_and_tokenizer(path: Path, say: Callable[[str], None] | None,
         if not slot.ready:
             report(f"reading the config and tokenizer of {path.name} (first time only) …")
             try:
-                if fields is None:
-                    fields, tensors = read_gguf(path)
-                    tensor_names = tensors
+                if fields is None or tensor_names is None:
+                    fields, tensor_names = read_gguf(path)
                 config = _config_from_fields(fields, tensor_names)
                 tokenizer = _tokenizer_from_fields(fields, config)
             except Exception as exc:  # noqa: BLE001 - any failure: transformers' own (slow) reading instead
