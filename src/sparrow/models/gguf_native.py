@@ -3,8 +3,9 @@
 The file is memory-mapped (`read_gguf`); every linear layer whose GGML type the kernels take (Q5_0, Q8_0, Q4_K,
 Q6_K; see `sparrow.runtime.gguf_kernels`) becomes a `GGUFLinear` over a view of the mapped bytes, the token
 embedding a `GGUFEmbedding` that dequantizes the rows it looks up; the small float tensors (norms, biases) and any
-tensor of another type are dequantized into memory. The config and tokenizer come from the file's metadata, read
-by transformers once and then cached (`_config_and_tokenizer`).
+tensor of another type are dequantized into memory. The config and tokenizer come from the file's metadata as
+`read_gguf` read it, built with transformers' own GGUF conversion tables once and then cached
+(`_config_and_tokenizer`).
 
 Architectures: qwen2 (the presets qwen2.5-coder-*) and llama (whose q / k rows the GGUF converter permuted: the
 rows are put back, a copy of those two tensors only; not yet tested on a llama file). Others are refused with one
@@ -19,7 +20,7 @@ import struct
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,9 +192,75 @@ def _save_meta(config: object, tokenizer: object, directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def _config_and_tokenizer(path: Path, say: Callable[[str], None] | None) -> tuple[object, object]:
-    """The file's transformers config and tokenizer: read by transformers from the GGUF metadata once (slow: its
-    reader parses the whole vocabulary item by item), then from a small cache entry beside sparrow's other caches
+def _config_from_fields(fields: dict[str, object], tensor_names: Iterable[str]) -> object:
+    """The transformers config of a qwen2 / llama file from the metadata `read_gguf` read: what transformers'
+    `load_gguf_checkpoint` builds (its own GGUF_TO_TRANSFORMERS_MAPPING renames, defaults, tied embeddings),
+    without its reader, which parses the vocabulary item by item. Raises ValueError where transformers would
+    read the file otherwise (another architecture; a llama file it renames mistral)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
+
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r}")
+    if arch == "llama" and fields.get("general.name") == "mistral":
+        raise ValueError("transformers reads this llama file as mistral")
+    config: dict[str, object] = {"tie_word_embeddings": "output.weight" not in set(tensor_names)}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}).items():
+        config.setdefault(key, value)
+    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    for key, value in fields.items():
+        prefix, _, rest = key.partition(".")
+        if rest not in renames.get(prefix, {}) or renames[prefix][rest] in (None, -1):
+            continue
+        if isinstance(value, list) and len(value) == 1:  # as transformers parses a field: one item is the item
+            value = value[0]
+        config[renames[prefix][rest]] = value
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in fields:
+        config["vocab_size"] = len(fields["tokenizer.ggml.tokens"])
+    return CONFIG_MAPPING[config["model_type"]].from_dict(config)  # as AutoConfig.from_pretrained builds it
+
+
+_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                   "pad_token": "padding_token_id"}
+
+
+def _tokenizer_from_fields(fields: dict[str, object], config: object) -> object:
+    """The tokenizer transformers builds for the file (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`: the
+    class AutoTokenizer picks for `config`, its backend from transformers' `convert_gguf_tokenizer`, the special
+    tokens, add_bos / add_eos and the chat template as its `get_gguf_tokenizer` reads them), from the metadata
+    `read_gguf` read."""
+    from transformers import TokenizersBackend
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    grouped = {group: {name: fields[f"tokenizer.{key}"] for key, name in renames.items()
+                       if f"tokenizer.{key}" in fields} for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer_dict, kwargs = grouped["tokenizer"], grouped["tokenizer_config"]
+    if not isinstance(tokenizer_dict.get("tokens"), list):
+        raise ValueError("no vocabulary in the metadata")
+    if any("\ufffd" in text for key in ("tokens", "merges") for text in tokenizer_dict.get(key, ())):
+        raise ValueError("a token or merge that is not UTF-8 (read_gguf replaced its bytes)")
+    if tokenizer_dict.get("tokenizer_type") == "llama":  # transformers' get_gguf_tokenizer: llama.cpp's default
+        kwargs.setdefault("add_bos_token", True)
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = fields.get(f"tokenizer.ggml.{key}")
+        kwargs[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    cls = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    if getattr(cls, "__name__", None) == "MistralCommonBackend" or getattr(config, "tokenizer_class", None):
+        raise ValueError(f"transformers picks the tokenizer class otherwise ({getattr(cls, '__name__', cls)})")
+    backend, extra = convert_gguf_tokenizer(fields["general.architecture"], tokenizer_dict)
+    return cls(tokenizer_object=backend, **kwargs, **extra)
+
+
+def _config_and_tokenizer(path: Path, say: Callable[[str], None] | None,
+                          fields: dict[str, object] | None = None,
+                          tensor_names: Iterable[str] | None = None) -> tuple[object, object]:
+    """The file's transformers config and tokenizer: built once from the metadata `read_gguf` read (`fields` and
+    `tensor_names`, read here if not given) by `_config_from_fields` / `_tokenizer_from_fields` (what transformers
+    builds from the file, without its reader's 40 s on a 150k vocabulary), by transformers itself from the file if
+    that fails (one line says why), then read from a small cache entry beside sparrow's other caches
     (`<cache>/gguf-meta/<file>-<size>`), written and verified by sparrow.models.cache."""
     from transformers import AutoConfig, AutoTokenizer  # lazily: heavy, only for this path
 
@@ -204,8 +271,16 @@ def _config_and_tokenizer(path: Path, say: Callable[[str], None] | None) -> tupl
     with cache.open_entry(entry, meta, report) as slot:
         if not slot.ready:
             report(f"reading the config and tokenizer of {path.name} (first time only) …")
-            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            try:
+                if fields is None or tensor_names is None:
+                    fields, tensor_names = read_gguf(path)
+                config = _config_from_fields(fields, tensor_names)
+                tokenizer = _tokenizer_from_fields(fields, config)
+            except Exception as exc:  # noqa: BLE001 - any failure: transformers' own (slow) reading instead
+                report(f"{path.name}: the metadata's config / tokenizer via transformers' reader instead "
+                       f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})")
+                config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+                tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             if not slot.commit(functools.partial(_save_meta, config, tokenizer)):
                 return config, tokenizer
     return AutoConfig.from_pretrained(str(entry)), AutoTokenizer.from_pretrained(str(entry))
@@ -234,7 +309,7 @@ def build_model(path: Path, int8: bool = True, say: Callable[[str], None] | None
     if arch not in ARCHITECTURES:
         raise UserError(f"{path.name}: --quant gguf runs the architectures {', '.join(ARCHITECTURES)}, not {arch!r}")
     if config is None or tokenizer is None:
-        config, tokenizer = _config_and_tokenizer(path, say)
+        config, tokenizer = _config_and_tokenizer(path, say, fields, tensors)
     if say is not None:
         say(f"building {path.name} on its GGUF blocks …")
     with torch.device("meta"):
