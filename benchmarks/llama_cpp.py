@@ -119,6 +119,7 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     # the GGUF file's own blocks (--quant gguf: integer-dot kernels, 8-bit activations, float32 between them)
     "sparrow-plain-gguf": ({"drafter": "prompt-lookup", "quant": "gguf"}, True),
     "sparrow-gguf+prompt-lookup": ({"drafter": "prompt-lookup", "quant": "gguf"}, False),
+    "sparrow-gguf+suffix": ({"drafter": "suffix", "quant": "gguf"}, False),
 }
 BASELINE = "llama.cpp-plain"
 OPENVINO_CACHE = Path(os.environ.get("SPARROW_OPENVINO_CACHE", Path.home() / ".cache" / "sparrow" / "openvino"))
@@ -896,7 +897,8 @@ def reference_config(config: str) -> str | None:
             "sparrow-w8a8-auto+auto": "sparrow-plain-w8a8-auto",
             "sparrow-w8a8-auto+draft-int4-compiled": "sparrow-plain-w8a8-auto",
             "sparrow-w8a8-auto+auto-compiled": "sparrow-plain-w8a8-auto",
-            "sparrow-gguf+prompt-lookup": "sparrow-plain-gguf"}.get(config)
+            "sparrow-gguf+prompt-lookup": "sparrow-plain-gguf",
+            "sparrow-gguf+suffix": "sparrow-plain-gguf"}.get(config)
 
 
 def identical_count(group: list[dict], rows: list[dict]) -> str:

@@ -157,6 +157,25 @@ def test_verify_rows_equal_one_token_steps(target):
     assert torch.equal(batch, steps)
 
 
+def test_compile_takes_a_gguf_target_only_without_exactness(gguf_file):
+    """compile=True compiles a GGUF target (static cache, inductor; the GGUF matmuls opaque custom ops) only with
+    exact=False: its compiled verify rows were not bit-identical to its one-row steps (2e-6 apart in a logit on this
+    tiny model), so by default it stays eager and exact, and a drafter without a draft model has nothing to compile
+    (refused, one line)."""
+    from sparrow.runtime.compiled import StaticCachedModel
+
+    target = load_gguf_model(str(gguf_file), progress=False)  # not the module's: an exact pipeline switched that one
+    target.model.generation_config.eos_token_id = None
+    with pytest.raises(UserError, match="GGUF target stays eager and exact unless exact=False"):
+        sparrow.load(target, quant="gguf", drafter="prompt-lookup", draft=None, compile=True, progress=False)
+    pipe = sparrow.load(target, quant="gguf", drafter="prompt-lookup", draft=None, num_draft_tokens=3,
+                        adaptive=False, compile=True, exact=False, progress=False)
+    assert pipe.compiled and not pipe.exact
+    assert isinstance(pipe.runner, StaticCachedModel) and pipe.runner.compiled
+    result = pipe.generate(PROMPTS[2], max_new_tokens=24)
+    assert len(result.token_ids) == 24 and result.stats.num_accepted_tokens > 0
+
+
 def test_bad_files_and_uses_are_refused(tmp_path, gguf_file, source):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(gguf_file.read_bytes()[: gguf_file.stat().st_size // 2])

@@ -19,7 +19,7 @@
 //
 // Batch invariance by construction: an output y[m, n] is computed by one thread, from weight row n and activation
 // row m only, by the same instruction sequence whatever M is: activation rows are quantized on their own, the
-// kernels take activation rows in tiles of 1..4 whose every row has its own accumulators and the same operations,
+// kernels take activation rows in tiles of 1..8 whose every row has its own accumulators and the same operations,
 // and the threads split the output rows (N), never the reduction (K). So a forward over k rows gives bit for bit
 // what k one-row forwards give.
 //

@@ -1,0 +1,120 @@
+"""One decoding step of a GGUF target (--quant gguf): milliseconds per step, variants interleaved in one process.
+
+After a prefix of `--context` random tokens, times one forward of a single token (a plain decoding step) and
+rewinds the cache, for each variant:
+
+* `eager`: the model in sparrow's CachedModel (transformers' DynamicCache), what `--quant gguf` runs;
+* `compiled` (with --compile): the model in sparrow.runtime.compiled.StaticCachedModel (static cache, the one-row
+  step through torch.compile / inductor, the GGUF matmul an opaque custom op), what `--compile --no-exact` runs; its
+  compile time is reported;
+* `static` (with --compile): the same runner without compiling (static cache, eager forwards).
+
+(Rows of 2026-11-28 in benchmarks/results/gguf_step.jsonl.gz also have `unfused` / `fused` variants: q / k / v and
+gate / up grouped into one kernel call each, tried and not kept, see docs/results/gguf-kernels.md.)
+
+Each round runs the variants in order and then in reverse (ABBA), `--steps` steps each (1: the finest
+interleaving), so that load on a shared machine hits them alike; the summary gives the median, min, 10th and 25th
+percentiles and max of every step timed (on a busy machine the low percentiles are the quiet moments), and the
+load average before and after. The resident memory (VmRSS) is printed at the end beside the file's size (run one
+variant alone to read a variant's own).
+
+    python benchmarks/gguf_step.py --target qwen2.5-coder-1.5b --rounds 5 --steps 10
+    python benchmarks/gguf_step.py --variants eager,compiled --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from sparrow.models.gguf_native import load_gguf_model
+from sparrow.paths import default_cache_dir
+from sparrow.runtime.cached_model import CachedModel
+from sparrow.runtime.compiled import StaticCachedModel
+from sparrow.runtime.cpu import cpu_info
+from sparrow.types import Prompt
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--variants", default="eager,static")
+    parser.add_argument("--compile", action="store_true", help="allow the compiled / static variants")
+    parser.add_argument("--context", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None, help="append a JSON row per variant")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    load0 = os.getloadavg()
+    runners, extra = {}, {}
+    model = load_gguf_model(args.target).model
+    for variant in variants:
+        if variant == "eager":
+            runners[variant] = CachedModel(model)
+        elif variant in ("compiled", "static") and (args.compile or variant == "static"):
+            runners[variant] = StaticCachedModel(model, compile=variant == "compiled")
+        else:
+            parser.error(f"unknown variant {variant!r} (eager, static, compiled; compiled needs --compile)")
+    prompt = Prompt(torch.randint(100, 20000, (args.context,), generator=torch.Generator().manual_seed(0)))
+    token = torch.tensor([1234])
+    logits = {}
+    for variant, runner in runners.items():
+        start = time.perf_counter()
+        if isinstance(runner, StaticCachedModel):
+            runner.warm_up(prompt, largest=1)
+        runner.prefill(prompt)
+        logits[variant] = runner.forward(token).logits
+        runner.rewind(args.context)
+        extra[variant] = {"first_step_seconds": round(time.perf_counter() - start, 2)}
+        print(f"{variant}: ready in {extra[variant]['first_step_seconds']} s (compile included)", flush=True)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for variant in [*variants, *reversed(variants)]:
+            runner = runners[variant]
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                runner.forward(token)
+                times[variant].append((time.perf_counter() - t) * 1e3)
+                runner.rewind(args.context)
+    load1 = os.getloadavg()
+    info = cpu_info()
+    print(f"\n{info.model} ({' '.join(f for f in info.flags if f in ('avx2', 'fma', 'f16c', 'avx512f'))}), "
+          f"{torch.get_num_threads()} threads; load average {load0[0]:.2f} before, {load1[0]:.2f} after")
+    reference = logits[variants[0]]
+    for variant in variants:
+        ms = times[variant]
+        same = torch.equal(logits[variant], reference)
+        deciles = statistics.quantiles(ms, n=10)
+        row = {"bench": "gguf_step", "target": args.target, "variant": variant, "context": args.context,
+               "median_ms": round(statistics.median(ms), 2), "min_ms": round(min(ms), 2), "max_ms": round(max(ms), 2),
+               "p10_ms": round(deciles[0], 2), "p25_ms": round(statistics.quantiles(ms, n=4)[0], 2),
+               "steps": len(ms), "same_logits_as_" + variants[0]: same, "cpu": info.model,
+               "threads": torch.get_num_threads(), "load": [round(load0[0], 2), round(load1[0], 2)],
+               "date": time.strftime("%Y-%m-%d"), **extra[variant]}
+        print(f"{variant}: median {row['median_ms']:.1f} ms (min {row['min_ms']:.1f}, p10 {row['p10_ms']:.1f}, "
+              f"p25 {row['p25_ms']:.1f}, max {row['max_ms']:.1f}, {len(ms)} steps), logits equal {variants[0]}'s: "
+              f"{same}")
+        if args.out is not None:
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    path = Path(args.target) if args.target.endswith(".gguf") else default_cache_dir() / "gguf" / f"{args.target}.gguf"
+    size = path.stat().st_size if path.is_file() else None
+    print(f"resident memory {rss_mb():.0f} MB{'' if size is None else f' (file {size / 2**20:.0f} MB)'}")
+
+
+if __name__ == "__main__":
+    main()
