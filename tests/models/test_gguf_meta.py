@@ -41,6 +41,26 @@ SPM_PIECES = ["\u2581", *"abcdefghijklmnopqrstuvwxyz", "\u2581t", "he", "\u2581t
               "er", "re", "on", "\u2581d", "ef", "\u2581def", "\u2581f", "ox", "\u2581fox"]
 
 
+def _shape(writer: gguf.GGUFWriter) -> None:
+    """The tiny model's hyper-parameters, as both writers give them."""
+    for add, value in ((writer.add_context_length, 1024), (writer.add_embedding_length, 64),
+                       (writer.add_feed_forward_length, 128), (writer.add_block_count, 2), (writer.add_head_count, 4),
+                       (writer.add_head_count_kv, 2)):
+        add(value)
+
+
+def _finish(writer: gguf.GGUFWriter, vocab: int, tied: bool) -> None:
+    """The embedding (and an output matrix unless `tied`), then the file written and closed."""
+    rows = np.random.default_rng(0).standard_normal((vocab, 64)).astype(np.float32)
+    writer.add_tensor("token_embd.weight", rows)
+    if not tied:
+        writer.add_tensor("output.weight", rows * 2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def meta_file(path: Path, arch: str, *, tied: bool, bos: bool, chat_template: str | None, spm: bool = False) -> Path:
     """A GGUF whose metadata is a model's config and a byte-level BPE tokenizer (conftest.tiny_tokenizer, as
     llama.cpp's converter writes one: tokens, types with the special token CONTROL, merges), or with `spm` a
@@ -53,12 +73,7 @@ def meta_file(path: Path, arch: str, *, tied: bool, bos: bool, chat_template: st
     vocab = [token for token, _ in sorted(bpe["vocab"].items(), key=lambda item: item[1])]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
-    writer.add_context_length(1024)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_block_count(2)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
+    _shape(writer)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     if arch == "llama":
@@ -77,24 +92,15 @@ def meta_file(path: Path, arch: str, *, tied: bool, bos: bool, chat_template: st
         writer.add_add_bos_token(True)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
-    rows = np.random.default_rng(0).standard_normal((len(vocab), 64)).astype(np.float32)
-    writer.add_tensor("token_embd.weight", rows)
-    if not tied:
-        writer.add_tensor("output.weight", rows * 2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, len(vocab), tied)
     return path
 
 
 def spm_file(path: Path, *, tied: bool, chat_template: str | None) -> Path:
     vocab = ["<unk>", "<s>", "</s>", *SPM_PIECES]
     writer = gguf.GGUFWriter(str(path), "llama")
-    for add, value in ((writer.add_context_length, 1024), (writer.add_embedding_length, 64),
-                       (writer.add_feed_forward_length, 128), (writer.add_block_count, 2), (writer.add_head_count, 4),
-                       (writer.add_head_count_kv, 2), (writer.add_rope_dimension_count, 16)):
-        add(value)
+    _shape(writer)
+    writer.add_rope_dimension_count(16)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("llama")  # no add_bos flag: llama.cpp's default (BOS added) applies
     writer.add_token_list(vocab)
@@ -106,14 +112,7 @@ def spm_file(path: Path, *, tied: bool, chat_template: str | None) -> Path:
     writer.add_eos_token_id(2)
     if chat_template is not None:
         writer.add_chat_template(chat_template.replace("<eos>", "</s>"))
-    rows = np.random.default_rng(0).standard_normal((len(vocab), 64)).astype(np.float32)
-    writer.add_tensor("token_embd.weight", rows)
-    if not tied:
-        writer.add_tensor("output.weight", rows * 2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, len(vocab), tied)
     return path
 
 

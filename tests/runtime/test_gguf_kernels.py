@@ -19,7 +19,6 @@ pytestmark = pytest.mark.skipif(not gk.available(), reason="the GGUF kernels cou
 
 TYPES = (gk.Q5_0, gk.Q8_0, gk.Q4_K, gk.Q6_K)
 ISAS = ("scalar", "avx2") if gk.available() and gk.isa() == "avx2" else ("scalar",)
-FP16_OFFSETS = {gk.Q5_0: (0,), gk.Q8_0: (0,), gk.Q4_K: (0, 2), gk.Q6_K: (208,)}  # where each block's fp16 scales lie
 
 
 @pytest.fixture(params=ISAS)
@@ -34,7 +33,7 @@ def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> torch.Tens
     rng = np.random.default_rng(seed)
     values, nbytes = gk.BLOCKS[qtype]
     blocks = rng.integers(0, 256, size=(rows * cols // values, nbytes), dtype=np.uint8)
-    for offset in FP16_OFFSETS[qtype]:
+    for offset in gk.SCALE_OFFSETS[qtype]:
         scale = (rng.uniform(0.2, 1.0, size=blocks.shape[0]) * 10.0 ** rng.integers(-4, -1, blocks.shape[0]))
         blocks[:, offset:offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return torch.from_numpy(blocks.reshape(rows, -1))

@@ -220,8 +220,9 @@ def head(
         if value is not None})
     if not resume:
         check_out(out, resume, out / STATE if state is not None else None)
-    init = init_from_target or default_init(arch or stored_arch or "eagle3", fusion or "concat")
-    if init == "layer" and default_init(arch or stored_arch or "eagle3", fusion or "concat") != "layer":
+    fitting = default_init(arch or stored_arch or "eagle3", fusion or "concat")
+    init = init_from_target or fitting
+    if init == "layer" and fitting != "layer":
         raise UserError("--init-from-target layer needs an EAGLE-3 head with concatenation fusion (--arch eagle3, "
                         "--fusion concat)")
     fresh = None if resume else TrainSettings(steps=steps or 1, lr=lr, batch_size=batch_size, ttt_steps=ttt_steps,

@@ -143,8 +143,7 @@ def gguf_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor
     generator = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (rows * cols // values, nbytes), dtype=torch.uint8, generator=generator)
     scale = torch.full((len(blocks), 1), 1e-3, dtype=torch.float16).view(torch.uint8)
-    for offset in {gguf_kernels.Q5_0: (0,), gguf_kernels.Q8_0: (0,), gguf_kernels.Q4_K: (0, 2),
-                   gguf_kernels.Q6_K: (208,)}[qtype]:
+    for offset in gguf_kernels.SCALE_OFFSETS[qtype]:
         blocks[:, offset:offset + 2] = scale
     return blocks.reshape(rows, -1)
 

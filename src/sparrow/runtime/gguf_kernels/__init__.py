@@ -46,6 +46,7 @@ ENV = "SPARROW_GGUF_KERNELS"  # "0" / "off": never build or load the kernels
 Q5_0, Q8_0, Q4_K, Q6_K = 6, 8, 12, 14
 BLOCKS: dict[int, tuple[int, int]] = {Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
 TYPE_NAMES = {Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
+SCALE_OFFSETS = {Q5_0: (0,), Q8_0: (0,), Q4_K: (0, 2), Q6_K: (208,)}  # where each block's fp16 scales lie
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
              "amx_tile", "amx_int8", "asimd", "asimddp", "i8mm")  # flags a kernel may be built or chosen for
 

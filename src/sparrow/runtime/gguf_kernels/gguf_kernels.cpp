@@ -191,6 +191,15 @@ struct QuantRow {
   const int16_t* bsums;  // [K / 16]: sums of 16 consecutive q (the K-quants' min / offset terms)
 };
 
+// The sums of 16 consecutive 8-bit activations (the K-quants' min / offset terms).
+SPARROW_INLINE void block_sums(const int8_t* q, int64_t k, int16_t* bsums) {
+  for (int64_t g = 0; g < k / 16; ++g) {
+    int s = 0;
+    for (int i = 0; i < 16; ++i) s += q[16 * g + i];
+    bsums[g] = static_cast<int16_t>(s);
+  }
+}
+
 void quantize_row_scalar(const float* x, int64_t k, int64_t block, int8_t* q, float* d, int16_t* bsums) {
   for (int64_t b = 0; b < k / block; ++b) {
     const float* xb = x + b * block;
@@ -203,11 +212,7 @@ void quantize_row_scalar(const float* x, int64_t k, int64_t block, int8_t* q, fl
       q[b * block + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
     }
   }
-  for (int64_t g = 0; g < k / 16; ++g) {
-    int s = 0;
-    for (int i = 0; i < 16; ++i) s += q[16 * g + i];
-    bsums[g] = static_cast<int16_t>(s);
-  }
+  block_sums(q, k, bsums);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -534,11 +539,7 @@ SPARROW_AVX2 void quantize_row_avx2(const float* x, int64_t k, int64_t block, in
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * block + i), _mm256_permutevar8x32_epi32(p, order));
     }
   }
-  for (int64_t g = 0; g < k / 16; ++g) {
-    int s = 0;
-    for (int i = 0; i < 16; ++i) s += q[16 * g + i];
-    bsums[g] = static_cast<int16_t>(s);
-  }
+  block_sums(q, k, bsums);
 }
 
 SPARROW_AVX2 void dequant_rows_avx2(int64_t type, const uint8_t* w, int64_t nb, const Format& f, float* y) {
