@@ -1,7 +1,8 @@
 """The GGUF block kernels (sparrow.runtime.gguf_kernels) against references: dequantization bit for bit the `gguf`
 package's, on random blocks and on the real blocks of any installed preset; the matmul within stated bounds of a
-float64 reference, in both activation modes and on both instruction sets; batch-invariant bit for bit (k rows at
-once equal k one-row calls, at any thread count); malformed blocks refused."""
+float64 reference, in both activation modes and on every instruction set this CPU has (AVX-512 VNNI bit for bit
+AVX2's); batch-invariant bit for bit (k rows at once equal k one-row calls, at any thread count); malformed blocks
+refused."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from sparrow.runtime import gguf_kernels as gk
 pytestmark = pytest.mark.skipif(not gk.available(), reason="the GGUF kernels could not be built here")
 
 TYPES = (gk.Q5_0, gk.Q8_0, gk.Q4_K, gk.Q6_K)
-ISAS = ("scalar", "avx2") if gk.available() and gk.isa() == "avx2" else ("scalar",)
+ISAS = gk.ISAS[:gk.ISAS.index(gk.isa()) + 1] if gk.available() else ("scalar",)  # this CPU's, narrowest first
 
 
 @pytest.fixture(params=ISAS)
@@ -191,6 +192,43 @@ def test_the_instruction_sets_agree():
         gk.set_isa("auto")
         for a, b in zip(out["scalar"], out["avx2"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_avx512_vnni_gives_the_avx2_bits(qtype: int):
+    """The AVX-512 VNNI kernels are the AVX2 kernels' integers and float steps in fewer instructions: every output
+    bit for bit the same, for every tile size (1..8 rows and two tiles), with a bias, on real-sized rows, so a model
+    decodes identically on both. A planted change (one weight byte) must show."""
+    if "avx512_vnni" not in ISAS:
+        pytest.skip("no AVX-512 VNNI here")
+    cols, rows = 1536, 24
+    blocks = random_blocks(qtype, rows, cols, seed=8)
+    x = torch.randn(19, cols, generator=torch.Generator().manual_seed(8)) * 3
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(9))
+    out = {}
+    for name in ("avx2", "avx512_vnni"):
+        gk.set_isa(name)
+        out[name] = [gk.matmul(x[:k], blocks, qtype, rows, True, bias) for k in (1, 2, 3, 4, 5, 6, 7, 8, 9, 19)]
+    gk.set_isa("auto")
+    for k, (a, b) in enumerate(zip(out["avx2"], out["avx512_vnni"])):
+        assert torch.equal(a, b), k
+    planted = blocks.clone()
+    planted[3, 100] ^= 0x11  # a weight byte, not a scale
+    gk.set_isa("avx512_vnni")
+    try:
+        assert not torch.equal(gk.matmul(x[:1], planted, qtype, rows, True, bias), out["avx2"][0])
+    finally:
+        gk.set_isa("auto")
+
+
+def test_an_instruction_set_this_cpu_lacks_is_refused():
+    with pytest.raises(RuntimeError, match="unknown isa"):
+        gk.set_isa("avx1024")
+    missing = [name for name in gk.ISAS if name not in ISAS]
+    for name in missing:
+        with pytest.raises(RuntimeError, match="this CPU has no"):
+            gk.set_isa(name)
+    assert gk.isa() == ISAS[-1]
 
 
 def test_malformed_blocks_are_refused():

@@ -9,7 +9,8 @@ existing (dequantized) paths.
 The ops (``torch.ops.sparrow_gguf``; see the C++ file's header for the numerics):
 
 * ``matmul(x, blocks, type, out_features, int8)``: ``x [M, K] @ W^T`` with ``W`` given by its blocks; ``int8``:
-  activations quantized to 8 bits per row (llama.cpp's numerics, integer dot products), else float activations
+  activations quantized to 8 bits per row (llama.cpp's numerics, integer dot products: AVX2, or AVX-512 VNNI with
+  the same bits where the CPU has it), else float activations
   times the dequantized weight. Batch-invariant by construction: row ``m`` of the output is the same bits
   whatever the other rows are.
 * ``dequantize(blocks, type, in_features)``: the float32 weight, bit for bit the ``gguf`` package's
@@ -176,11 +177,16 @@ def quantize_activations(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     return _ops().quantize_activations(x, block)
 
 
+ISAS = ("scalar", "avx2", "avx512_vnni")  # narrowest first
+
+
 def isa() -> str:
-    """The instruction set the kernels run with: 'avx2' or 'scalar'."""
+    """The instruction set the 8-bit-activation kernels run with: 'avx512_vnni' (AVX-512 F / BW / VL + VNNI: the
+    AVX2 kernels' bits in fewer instructions), 'avx2' or 'scalar'."""
     return _ops().isa()
 
 
 def set_isa(name: str) -> None:
-    """'scalar' (the portable kernels), 'avx2' or 'auto' (the best this CPU has): for tests and measurements."""
+    """'scalar' (the portable kernels), 'avx2', 'avx512_vnni' or 'auto' (the widest this CPU has): for tests and
+    measurements; RuntimeError for a set this CPU lacks."""
     _ops().set_isa(name)

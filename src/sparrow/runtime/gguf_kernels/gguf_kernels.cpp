@@ -7,13 +7,13 @@
 //     (y = x W^T + bias: each dot product, then its bias added, one rounding, as a separate add would give)
 //   dequantize(blocks uint8 [N, row bytes], type, K) -> W float32 [N, K]
 //   quantize_activations(x float32 [M, K], block) -> (q int8 [M, K], d float32 [M, K / block])
-//   isa() -> str;  set_isa(str)  (tests: run the portable path on an AVX2 machine)
+//   isa() -> str;  set_isa(str)  (tests: run the portable or AVX2 path on a machine with more)
 //
 // Two activation modes:
 //   int8 = true:  each activation row is quantized to 8 bits in blocks (one float scale per 32 values for Q8_0
 //                 and Q5_0 weights, per 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K), and each weight block is
-//                 multiplied in integers (AVX2: vpmaddubsw + vpmaddwd), exact; the float scales are applied
-//                 once per block.
+//                 multiplied in integers (AVX2: vpmaddubsw + vpmaddwd; AVX-512 VNNI: vpdpbusd, or vpmaddubsw +
+//                 vpdpwssd), exact; the float scales are applied once per block.
 //   int8 = false: float activations times the weight dequantized block by block (bit for bit what the `gguf`
 //                 package's dequantization gives), accumulated in float32 with FMA.
 //
@@ -24,8 +24,8 @@
 // what k one-row forwards give.
 //
 // The file is compiled for the baseline x86-64 (or whatever the host is) with -ffp-contract=off (no fused
-// multiply-add unless written); the AVX2 kernels carry __attribute__((target)) and are chosen at run time from
-// the CPU's features. Room is left for AVX-512 VNNI (vpdpbusd) and AMX kernels beside them (see Isa).
+// multiply-add unless written); the AVX2 and AVX-512 VNNI kernels carry __attribute__((target)) and are chosen at
+// run time from the CPU's features (see Isa). The AVX-512 VNNI kernels give the AVX2 kernels' bits.
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -297,16 +297,16 @@ void float_rows_scalar(int64_t type, const uint8_t* w, int64_t nb, const Format&
 
 #ifdef SPARROW_X86
 
-SPARROW_AVX2 inline float hsum(__m256 v) {
+SPARROW_AVX2 SPARROW_INLINE float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
-SPARROW_AVX2 inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+SPARROW_AVX2 SPARROW_INLINE __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-SPARROW_AVX2 inline float half_f16c(const uint8_t* p) {  // the same value as half_at, in one instruction
+SPARROW_AVX2 SPARROW_INLINE float half_f16c(const uint8_t* p) {  // the same value as half_at, in one instruction
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
@@ -316,18 +316,18 @@ SPARROW_AVX2 inline float half_f16c(const uint8_t* p) {  // the same value as ha
 // start (the rows lie one after the other, so this runs on into the next rows), across the 4 KiB page boundaries
 // where the hardware's prefetchers stop (a memory-mapped file lies in 4 KiB pages). Prefetches never fault.
 template <int BYTES>
-SPARROW_AVX2 inline void prefetch_ahead(const uint8_t* blk) {
+SPARROW_AVX2 SPARROW_INLINE void prefetch_ahead(const uint8_t* blk) {
   for (int off = 0; off < BYTES; off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES + off), _MM_HINT_T0);
 }
 
 // Every 16-bit lane = lane `t` of a vector whose two 128-bit halves are equal (a vpshufb control).
-SPARROW_AVX2 inline __m256i lane16(int t) { return _mm256_set1_epi16(static_cast<int16_t>(((2 * t + 1) << 8) | (2 * t))); }
+SPARROW_AVX2 SPARROW_INLINE __m256i lane16(int t) { return _mm256_set1_epi16(static_cast<int16_t>(((2 * t + 1) << 8) | (2 * t))); }
 
 // Block b of 32 signed weights `v` (scale dw) times each row's Q8_0 block: |v| (u8) times x with v's sign (s8),
 // into the row's accumulator of even or odd blocks (two per row: the adds of one do not wait on the other's).
 template <int R>
-SPARROW_AVX2 inline void q8_block(__m256i v, float dw, int64_t b, const QuantRow* a, __m256* acc0, __m256* acc1) {
+SPARROW_AVX2 SPARROW_INLINE void q8_block(__m256i v, float dw, int64_t b, const QuantRow* a, __m256* acc0, __m256* acc1) {
   const __m256i av = _mm256_sign_epi8(v, v);
   for (int r = 0; r < R; ++r) {
     const __m256i sx = _mm256_sign_epi8(load(a[r].q + b * 32), v);
@@ -352,25 +352,26 @@ SPARROW_AVX2 void int8_q8_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
 
 // Q5_0 x Q8_0: the 5-bit values spread to bytes (the fifth bits through a byte shuffle and compare), less 16,
 // then as Q8_0.
-template <int R>
-SPARROW_AVX2 void int8_q5_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+SPARROW_AVX2 SPARROW_INLINE __m256i q5_0_vector(const uint8_t* blk) {  // the 32 values q - 16 as s8
   const __m128i m4 = _mm_set1_epi8(0xF);
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
   const __m256i all_but_bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL);  // byte k: every bit set but k % 8
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
+  const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+  __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(q5_0_high_bits(blk))), spread);
+  bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, all_but_bit), _mm256_set1_epi64x(-1));
+  return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(bits, _mm256_set1_epi8(0x10))), _mm256_set1_epi8(16));
+}
+
+template <int R>
+SPARROW_AVX2 void int8_q5_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 22;
     if (b % 3 == 0) prefetch_ahead<66>(blk);  // three blocks' bytes every third block
-    const float dw = half_f16c(blk);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
-    const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-    __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(q5_0_high_bits(blk))), spread);
-    bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, all_but_bit), _mm256_set1_epi64x(-1));
-    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(bits, _mm256_set1_epi8(0x10))),
-                                      _mm256_set1_epi8(16));
-    q8_block<R>(v, dw, b, a, acc0, acc1);
+    q8_block<R>(q5_0_vector(blk), half_f16c(blk), b, a, acc0, acc1);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
@@ -378,7 +379,7 @@ SPARROW_AVX2 void int8_q5_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
 // Q4_K's 12 scale bytes s[0..11] -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), as q4k_scales computes them:
 // sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63 (j < 4); sc[j] = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4,
 // mn[j] = (s[j + 4] >> 4) | (s[j] >> 6) << 4 (j >= 4). Reads 16 bytes (the 4 after the scales are the block's own).
-SPARROW_AVX2 inline __m128i q4k_scales_mins(const uint8_t* s) {
+SPARROW_AVX2 SPARROW_INLINE __m128i q4k_scales_mins(const uint8_t* s) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
   // a: s0-3, s8-11, s4-7, s8-11 (the low parts); b: s0-3 at 4-7 and s4-7 at 12-15 (the two high bits), else 0
   const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
@@ -542,6 +543,157 @@ SPARROW_AVX2 void quantize_row_avx2(const float* x, int64_t k, int64_t block, in
   block_sums(q, k, bsums);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// AVX-512 VNNI kernels (AVX-512 F / BW / VL + VNNI: Ice Lake, Sapphire Rapids and later Xeons, Zen 4 / Zen 5).
+// The same integers as the AVX2 kernels, in fewer instructions: vpdpbusd (u8 x s8, four products summed into s32)
+// for the Q8_0 / Q5_0 blocks; for the K-quants 64 weights a vpmaddubsw then a vpdpwssd (s16 x s16 pairs times the
+// sub-block scales, summed into s32). Each 512-bit s32 accumulator holds in its two 256-bit halves the partial
+// sums the AVX2 kernel keeps in one; the halves are added (integers: exact) before the same float steps, so every
+// output is bit for bit the AVX2 kernel's (tested), and a model decodes identically on both.
+
+#define SPARROW_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+SPARROW_AVX512 SPARROW_INLINE __m256i fold(__m512i v) {  // the two 256-bit halves added
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+// q8_block with vpdpbusd: its four-product sums are vpmaddubsw + vpmaddwd's (no saturation: |v| <= 128, |x| <= 127).
+template <int R>
+SPARROW_AVX512 SPARROW_INLINE void q8_block_vnni(__m256i v, float dw, int64_t b, const QuantRow* a, __m256* acc0,
+                                                 __m256* acc1) {
+  const __m256i av = _mm256_sign_epi8(v, v);
+  for (int r = 0; r < R; ++r) {
+    const __m256i sx = _mm256_sign_epi8(load(a[r].q + b * 32), v);
+    const __m256 p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), av, sx));
+    const __m256 s = _mm256_set1_ps(dw * a[r].d[b]);
+    if (b & 1) acc1[r] = _mm256_fmadd_ps(s, p, acc1[r]);
+    else acc0[r] = _mm256_fmadd_ps(s, p, acc0[r]);
+  }
+}
+
+template <int R>
+SPARROW_AVX512 void int8_q8_0_avx512(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if ((b & 1) == 0) prefetch_ahead<68>(w + b * 34);
+    q8_block_vnni<R>(load(w + b * 34 + 2), half_f16c(w + b * 34), b, a, acc0, acc1);
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+template <int R>
+SPARROW_AVX512 void int8_q5_0_avx512(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 22;
+    if (b % 3 == 0) prefetch_ahead<66>(blk);
+    q8_block_vnni<R>(q5_0_vector(blk), half_f16c(blk), b, a, acc0, acc1);
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+// s16 lanes 0-15 = lane `lo` of a vector, lanes 16-31 = lane `hi` (a vpermw control).
+SPARROW_AVX512 SPARROW_INLINE __m512i pick16(int lo, int hi) {
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(lo)), _mm256_set1_epi16(static_cast<int16_t>(hi)),
+                            1);
+}
+
+// Q4_K x Q8_K: the 32 bytes of sub-blocks 2j / 2j + 1 spread to 64 nibbles (low nibbles, then high ones: the order
+// of the 64 activations they multiply), one vpmaddubsw and one vpdpwssd with the two sub-blocks' scales per row.
+template <int R>
+SPARROW_AVX512 void int8_q4_k_avx512(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  const __m512i nibble = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);  // the high half takes the high nibbles
+  const __m128i dup_mins = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+  const __m512i pick[4] = {pick16(0, 1), pick16(2, 3), pick16(4, 5), pick16(6, 7)};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 144;
+    prefetch_ahead<144>(blk);
+    const float d = half_f16c(blk), dmin = half_f16c(blk + 2);
+    const __m128i sm = q4k_scales_mins(blk + 4);
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, dup_mins));
+    const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));  // s16 lanes 0..7: the scales
+    const uint8_t* qs = blk + 16;
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i q = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(load(qs + 32 * j)), nibble), m4);
+      const __m512i s = _mm512_permutexvar_epi16(pick[j], scales);
+      for (int r = 0; r < R; ++r) {
+        const __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(a[r].q + b * 256 + 64 * j));
+        sumi[r] = _mm512_dpwssd_epi32(sumi[r], p, s);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float dx = a[r].d[b];
+      const __m256i summ = _mm256_madd_epi16(load(a[r].bsums + b * 16), mins);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(fold(sumi[r])), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(summ), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+// Q6_K x Q8_K: 64 six-bit values a time (ql's 64 bytes with qh's 32 shifted per half), one vpmaddubsw and one
+// vpdpwssd with their four 16-value groups' scales per row; the offset 32 as in the AVX2 kernel.
+template <int R>
+SPARROW_AVX512 void int8_q6_k_avx512(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+  const __m512i up = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2);    // qh's bits 0-1 / 2-3 to bits 4-5
+  const __m512i down = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);  // qh's bits 4-5 / 6-7 to bits 4-5
+  __m512i pick[4];  // groups 4t .. 4t + 3, eight s16 lanes each
+  for (int t = 0; t < 4; ++t)
+    pick[t] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_set1_epi16(static_cast<int16_t>(4 * t))), _mm_set1_epi16(4 * t + 1), 1)),
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(static_cast<int16_t>(4 * t + 2))),
+                                _mm_set1_epi16(4 * t + 3), 1), 1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 210;
+    prefetch_ahead<210>(blk);
+    const uint8_t* ql = blk;
+    const uint8_t* qh = blk + 128;
+    const float d = half_f16c(blk + 208);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    const __m512i scales = _mm512_castsi256_si512(sc16);
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int n = 0; n < 2; ++n) {
+      const __m512i l = _mm512_loadu_si512(ql + 64 * n), h = _mm512_broadcast_i64x4(load(qh + 32 * n));
+      const __m512i q[2] = {
+          _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi64(h, up), m30)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                          _mm512_and_si512(_mm512_srlv_epi64(h, down), m30))};
+      for (int c = 0; c < 2; ++c) {
+        const __m512i s = _mm512_permutexvar_epi16(pick[2 * n + c], scales);
+        for (int r = 0; r < R; ++r) {
+          const __m512i p = _mm512_maddubs_epi16(q[c], _mm512_loadu_si512(a[r].q + b * 256 + 128 * n + 64 * c));
+          sumi[r] = _mm512_dpwssd_epi32(sumi[r], p, s);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(load(a[r].bsums + b * 16), sc16), 5);
+      const __m256 s = _mm256_cvtepi32_ps(_mm256_sub_epi32(fold(sumi[r]), offset));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[r].d[b]), s, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+template <int R>
+SPARROW_AVX512 void int8_rows_avx512(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  if (type == Q8_0) int8_q8_0_avx512<R>(w, nb, a, out);
+  else if (type == Q5_0) int8_q5_0_avx512<R>(w, nb, a, out);
+  else if (type == Q4_K) int8_q4_k_avx512<R>(w, nb, a, out);
+  else int8_q6_k_avx512<R>(w, nb, a, out);
+}
+
 SPARROW_AVX2 void dequant_rows_avx2(int64_t type, const uint8_t* w, int64_t nb, const Format& f, float* y) {
   for (int64_t b = 0; b < nb; ++b) dequant_block(type, w + b * f.bytes, y + b * f.values);
 }
@@ -551,43 +703,130 @@ SPARROW_AVX2 void dequant_rows_avx2(int64_t type, const uint8_t* w, int64_t nb, 
 // ---------------------------------------------------------------------------------------------------------------
 // Run-time dispatch on the CPU's features.
 
-enum class Isa { Scalar, Avx2 };  // next: Avx512Vnni (vpdpbusd), Amx (tile dot products)
+// Avx512: the AVX-512 VNNI integer kernels; activation quantization, float activations and dequantization stay
+// AVX2 there (elementwise or memory-bound: no gain measured from wider registers). Next: Amx (tile dot products).
+enum class Isa { Scalar, Avx2, Avx512 };
 
-Isa detect() {
+bool has_avx2() {
 #ifdef SPARROW_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return Isa::Avx2;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
 #endif
-  return Isa::Scalar;
 }
+
+bool has_avx512_vnni() {
+#ifdef SPARROW_X86
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+Isa detect() { return has_avx512_vnni() ? Isa::Avx512 : has_avx2() ? Isa::Avx2 : Isa::Scalar; }
 
 Isa& current() {
   static Isa isa = detect();
   return isa;
 }
 
-std::string isa_name(Isa isa) { return isa == Isa::Avx2 ? "avx2" : "scalar"; }
+std::string isa_name(Isa isa) { return isa == Isa::Avx512 ? "avx512_vnni" : isa == Isa::Avx2 ? "avx2" : "scalar"; }
+
+bool avx2_or_wider() { return current() != Isa::Scalar; }
 
 void quantize_row(const float* x, int64_t k, int64_t block, int8_t* q, float* d, int16_t* bsums) {
 #ifdef SPARROW_X86
-  if (current() == Isa::Avx2 && block % 32 == 0) return quantize_row_avx2(x, k, block, q, d, bsums);
+  if (avx2_or_wider() && block % 32 == 0) return quantize_row_avx2(x, k, block, q, d, bsums);
 #endif
   quantize_row_scalar(x, k, block, q, d, bsums);
 }
 
-template <int R>
-void int8_rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+// Each instruction set's kernels, one weight row against R activation rows.
+struct ScalarRows {
+  template <int R>
+  static void rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+    int8_rows_scalar<R>(type, w, nb, a, out);
+  }
+};
+
+template <class Kernel>
+SPARROW_INLINE void tile_rows(int r, int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  switch (r) {  // R = r in 1..MAX_TILE
+    case 1: Kernel::template rows<1>(type, w, nb, a, out); break;
+    case 2: Kernel::template rows<2>(type, w, nb, a, out); break;
+    case 3: Kernel::template rows<3>(type, w, nb, a, out); break;
+    case 4: Kernel::template rows<4>(type, w, nb, a, out); break;
+    case 5: Kernel::template rows<5>(type, w, nb, a, out); break;
+    case 6: Kernel::template rows<6>(type, w, nb, a, out); break;
+    case 7: Kernel::template rows<7>(type, w, nb, a, out); break;
+    default: Kernel::template rows<8>(type, w, nb, a, out); break;
+  }
+}
+
+// The outputs y[:, j0:j1] with 8-bit activations: what one thread computes.
+struct Int8Range {
+  int64_t type;
+  const uint8_t* w;     // all weight rows, rb bytes each
+  int64_t rb, nb;       // bytes and blocks per weight row
+  int64_t j0, j1;       // the weight rows (output columns) of this range
+  const QuantRow* a;    // [m] the quantized activation rows
+  int64_t m, n;         // activation rows, output columns
+  const float* bias;    // [n] or nullptr
+  float* out;           // [m, n]
+};
+
+// Weight row by weight row, the m activation rows in as few tiles of at most MAX_TILE as can be, of sizes differing
+// by one at most (each tile reads the weight row once), bias added. Inlined into one function per instruction set,
+// so the whole loop runs in that set's encoding: an AVX-512 kernel leaves zmm16-31 dirty (vzeroupper does not
+// clear them), and the SSE code between weight rows had made one-row products ~3x slower (measured).
+template <class Kernel>
+SPARROW_INLINE void int8_range(const Int8Range& g) {
+  const int64_t tiles = (g.m + MAX_TILE - 1) / MAX_TILE;
+  float tile[MAX_TILE];
+  for (int64_t j = g.j0; j < g.j1; ++j) {
+    for (int64_t i = 0, t = 0; i < g.m; ++t) {
+      const int r = static_cast<int>(g.m / tiles + (t < g.m % tiles ? 1 : 0));
+      tile_rows<Kernel>(r, g.type, g.w + j * g.rb, g.nb, g.a + i, tile);
+      const float add = g.bias != nullptr ? g.bias[j] : 0.0f;
+      for (int u = 0; u < r; ++u) g.out[(i + u) * g.n + j] = g.bias != nullptr ? tile[u] + add : tile[u];
+      i += r;
+    }
+  }
+}
+
+void int8_range_scalar(const Int8Range& g) { int8_range<ScalarRows>(g); }
+
 #ifdef SPARROW_X86
-  if (current() == Isa::Avx2) return int8_rows_avx2<R>(type, w, nb, a, out);
+struct Avx2Rows {
+  template <int R>
+  SPARROW_AVX2 static void rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+    int8_rows_avx2<R>(type, w, nb, a, out);
+  }
+};
+struct Avx512Rows {
+  template <int R>
+  SPARROW_AVX512 static void rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+    int8_rows_avx512<R>(type, w, nb, a, out);
+  }
+};
+SPARROW_AVX2 void int8_range_avx2(const Int8Range& g) { int8_range<Avx2Rows>(g); }
+SPARROW_AVX512 void int8_range_avx512(const Int8Range& g) { int8_range<Avx512Rows>(g); }
 #endif
-  int8_rows_scalar<R>(type, w, nb, a, out);
+
+void int8_range_any(const Int8Range& g) {
+#ifdef SPARROW_X86
+  if (current() == Isa::Avx512) return int8_range_avx512(g);
+  if (current() == Isa::Avx2) return int8_range_avx2(g);
+#endif
+  int8_range_scalar(g);
 }
 
 template <int R>
 void float_rows(int64_t type, const uint8_t* w, int64_t nb, const Format& f, const float* const* x, float* out) {
 #ifdef SPARROW_X86
-  if (current() == Isa::Avx2) return float_rows_avx2<R>(type, w, nb, f, x, out);
+  if (avx2_or_wider()) return float_rows_avx2<R>(type, w, nb, f, x, out);
 #endif
   float_rows_scalar<R>(type, w, nb, f, x, out);
 }
@@ -681,21 +920,23 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
   // Threads split the output rows; each output element is one thread's, computed in one fixed order. The
   // activation rows go in as few tiles of at most MAX_TILE as can be, of sizes differing by one at most (each tile
   // reads a weight row once).
-  const int64_t most = int8 ? MAX_TILE : MAX_FLOAT_TILE, tiles = (m + most - 1) / most;
+  if (int8) {
+    at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+      int8_range_any({type, w, rb, nb, begin, end, rows.data(), m, n, bias, out});
+    });
+    return y;
+  }
+  const int64_t tiles = (m + MAX_FLOAT_TILE - 1) / MAX_FLOAT_TILE;
   at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
-    float tile[MAX_TILE];
+    float tile[MAX_FLOAT_TILE];
     for (int64_t j = begin; j < end; ++j) {
       const uint8_t* wj = w + j * rb;
       for (int64_t i = 0, t = 0; i < m; ++t) {
         const int r = static_cast<int>(m / tiles + (t < m % tiles ? 1 : 0));
-        if (int8) {
-          by_tile(r, [&](auto tag) { int8_rows<decltype(tag)::value>(type, wj, nb, rows.data() + i, tile); });
-        } else {
-          by_tile(std::min(r, MAX_FLOAT_TILE), [&](auto tag) {
-            constexpr int R = std::min(decltype(tag)::value, MAX_FLOAT_TILE);
-            float_rows<R>(type, wj, nb, f, xs.data() + i, tile);
-          });
-        }
+        by_tile(r, [&](auto tag) {
+          constexpr int R = std::min(decltype(tag)::value, MAX_FLOAT_TILE);
+          float_rows<R>(type, wj, nb, f, xs.data() + i, tile);
+        });
         const float add = bias != nullptr ? bias[j] : 0.0f;
         for (int u = 0; u < r; ++u) out[(i + u) * n + j] = bias != nullptr ? tile[u] + add : tile[u];
         i += r;
@@ -721,7 +962,7 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t type, int64_t k) {
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
 #ifdef SPARROW_X86
-      if (current() == Isa::Avx2) {
+      if (avx2_or_wider()) {
         dequant_rows_avx2(type, w + j * rb, nb, f, out + j * k);
         continue;
       }
@@ -737,12 +978,16 @@ std::string isa() { return isa_name(current()); }
 void set_isa(const std::string& name) {
   if (name == "scalar") {
     current() = Isa::Scalar;
-  } else if (name == "avx2" || name == "auto") {
-    const Isa best = detect();
-    TORCH_CHECK(name == "auto" || best == Isa::Avx2, "sparrow_gguf: this CPU has no AVX2 + FMA + F16C");
-    current() = best;
+  } else if (name == "avx2") {
+    TORCH_CHECK(has_avx2(), "sparrow_gguf: this CPU has no AVX2 + FMA + F16C");
+    current() = Isa::Avx2;
+  } else if (name == "avx512_vnni") {
+    TORCH_CHECK(has_avx512_vnni(), "sparrow_gguf: this CPU has no AVX-512 F / BW / VL + VNNI");
+    current() = Isa::Avx512;
+  } else if (name == "auto") {
+    current() = detect();
   } else {
-    TORCH_CHECK(false, "sparrow_gguf: unknown isa '", name, "' (scalar, avx2, auto)");
+    TORCH_CHECK(false, "sparrow_gguf: unknown isa '", name, "' (scalar, avx2, avx512_vnni, auto)");
   }
 }
 
