@@ -6,7 +6,11 @@ activations for Q4_K / Q5_0 / Q6_K / Q8_0, float activations for Q4_K) with the 
 copies worth 2x the L3, so they stream from memory; the fastest of the turns. Rounds alternate the two groups, so a
 passing load on the (shared) machine hits both; the figures are the medians of the rounds, with min-max.
 
+With `--isas avx2,avx512_vnni` each GGUF kernel is timed on each of those instruction sets in turn (rows
+`Q4_K@avx2`, `Q4_K@avx512_vnni`, ...; the order flips every round), to compare them on one machine.
+
     python benchmarks/gguf_kernels.py --rounds 5 --out benchmarks/results/gguf_kernels.jsonl
+    python benchmarks/gguf_kernels.py --rounds 5 --isas avx2,avx512_vnni
 """
 
 from __future__ import annotations
@@ -52,14 +56,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="JSONL file to append one row per kernel to")
+    parser.add_argument("--isas", default="", help="comma-separated GGUF kernel instruction sets to compare "
+                        f"({', '.join(gk.ISAS)}); default: the widest this CPU has, alone")
     args = parser.parse_args()
     assert gk.available(), gk.why_unavailable()
+    isas = [name for name in args.isas.split(",") if name]
     rounds: list[dict[str, dict[str, float]]] = []
     bandwidth = []
     for i in range(args.rounds):
         existing = measure()
         bandwidth.append(existing["bandwidth_gbs"])
-        rounds.append({**existing["costs"], **measure_gguf()})
+        gguf = {}
+        for name in isas[::-1] if i % 2 else isas:
+            gk.set_isa(name)
+            gguf.update({f"{kernel}@{name}": ms for kernel, ms in measure_gguf().items()})
+        gk.set_isa("auto")
+        rounds.append({**existing["costs"], **(gguf or measure_gguf())})
         print(f"round {i + 1}: " + ", ".join(f"{k} {v['1']:.2f}/{v['8']:.2f}" for k, v in rounds[-1].items()),
               flush=True)
     info = cpu_info()
@@ -71,7 +83,7 @@ def main() -> None:
     print(f"\n{info.model} ({' '.join(info.flags)}), {meta['threads']} threads, kernels: {meta['isa']}")
     print("| kernel | 1 row ms (min-max) | 8 rows ms (min-max) |\n|---|---:|---:|")
     for name in rounds[0]:
-        row = {"kernel": name, **meta}
+        row = {"kernel": name, **meta, **({"isa": name.split("@")[1]} if "@" in name else {})}
         cells = []
         for n in ("1", "8"):
             values = [r[name][n] for r in rounds]

@@ -120,6 +120,10 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-plain-gguf": ({"drafter": "prompt-lookup", "quant": "gguf"}, True),
     "sparrow-gguf+prompt-lookup": ({"drafter": "prompt-lookup", "quant": "gguf"}, False),
     "sparrow-gguf+suffix": ({"drafter": "suffix", "quant": "gguf"}, False),
+    # the same compiled (--compile: static cache, inductor; exact, the GGUF kernels and attention keep their rows)
+    "sparrow-plain-gguf-compiled": ({"drafter": "suffix", "quant": "gguf", "compile": True}, True),
+    "sparrow-gguf-compiled+suffix": ({"drafter": "suffix", "quant": "gguf", "compile": True}, False),
+    "sparrow-gguf-compiled+prompt-lookup": ({"drafter": "prompt-lookup", "quant": "gguf", "compile": True}, False),
 }
 BASELINE = "llama.cpp-plain"
 OPENVINO_CACHE = Path(os.environ.get("SPARROW_OPENVINO_CACHE", Path.home() / ".cache" / "sparrow" / "openvino"))

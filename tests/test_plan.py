@@ -83,7 +83,6 @@ def test_a_plan_is_frozen_and_resolved():
     (dict(drafter="layer-skip", quant="int8"), "needs an unquantized target"),
     (dict(drafter="prompt-lookup", draft_quant="int8"), "draft_quant needs a draft model"),
     (dict(drafter="prompt-lookup", quant="w8a8", compile=True), "compiles only a draft model"),
-    (dict(drafter="prompt-lookup", quant="gguf", compile=True), "GGUF target stays eager and exact unless"),
     (dict(drafter="prompt-lookup", verifier="typical"), "unknown verifier 'typical'"),
     (dict(drafter="prompt-lookup", exact="yes"), "exact must be True, False or None"),
     (dict(drafter="prompt-lookup", prefix_cache=-1), "prefix_cache must be a positive number"),

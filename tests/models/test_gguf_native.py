@@ -22,6 +22,7 @@ from sparrow.models.quantization import describe, parse_quant
 from sparrow.pipeline import Pipeline
 from sparrow.runtime import gguf_kernels
 from sparrow.runtime.gguf_linear import GGUFEmbedding, GGUFLinear
+from sparrow.types import Prompt
 
 pytestmark = pytest.mark.skipif(not gguf_kernels.available(), reason="the GGUF kernels could not be built here")
 
@@ -157,23 +158,37 @@ def test_verify_rows_equal_one_token_steps(target):
     assert torch.equal(batch, steps)
 
 
-def test_compile_takes_a_gguf_target_only_without_exactness(gguf_file):
-    """compile=True compiles a GGUF target (static cache, inductor; the GGUF matmuls opaque custom ops) only with
-    exact=False: its compiled verify rows were not bit-identical to its one-row steps (2e-6 apart in a logit on this
-    tiny model), so by default it stays eager and exact, and a drafter without a draft model has nothing to compile
-    (refused, one line)."""
-    from sparrow.runtime.compiled import StaticCachedModel
+def test_a_compiled_gguf_target_verifies_exactly(gguf_file):
+    """compile=True compiles a GGUF target (static cache, inductor; the GGUF matmuls opaque custom ops) and it stays
+    exact: the kernels keep their rows, and attention pads its packed query rows past torch's short blocks
+    (`decode.padding`), so a k-row compiled verify gives its k one-row compiled steps' logits bit for bit, and
+    speculative output == the compiled target's own plain output, drafts accepted. (This tiny model's one-row step,
+    2 packed rows of dim 64, is a short block: unpadded, its verify rows were 2e-6 away from its steps.)"""
+    from sparrow.runtime import compiled
+    from sparrow.runtime.attention import decode
 
     target = load_gguf_model(str(gguf_file), progress=False)  # not the module's: an exact pipeline switched that one
     target.model.generation_config.eos_token_id = None
-    with pytest.raises(UserError, match="GGUF target stays eager and exact unless exact=False"):
-        sparrow.load(target, quant="gguf", drafter="prompt-lookup", draft=None, compile=True, progress=False)
+    assert compiled.row_invariant(target.model)
     pipe = sparrow.load(target, quant="gguf", drafter="prompt-lookup", draft=None, num_draft_tokens=3,
-                        adaptive=False, compile=True, exact=False, progress=False)
-    assert pipe.compiled and not pipe.exact
-    assert isinstance(pipe.runner, StaticCachedModel) and pipe.runner.compiled
-    result = pipe.generate(PROMPTS[2], max_new_tokens=24)
-    assert len(result.token_ids) == 24 and result.stats.num_accepted_tokens > 0
+                        adaptive=False, compile=True, progress=False)
+    assert pipe.compiled and pipe.exact
+    assert isinstance(pipe.runner, compiled.StaticCachedModel) and pipe.runner.compiled
+    assert decode.padding(2, 64, torch.float32) > 0 or not decode.short_blocks(64, torch.float32)
+    runner = pipe.runner
+    ids = torch.tensor(pipe.tokenizer(PROMPTS[2])["input_ids"])
+    with torch.inference_mode():
+        runner.prefill(Prompt(ids[:6]))
+        block = runner.forward(ids[6:10]).logits
+        runner.rewind(6)
+        steps = torch.cat([runner.forward(ids[i:i + 1]).logits for i in range(6, 10)])
+    assert torch.equal(block, steps)
+    accepted = 0
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=24)
+        assert result.token_ids == pipe.generate_plain(prompt, max_new_tokens=24).token_ids, prompt
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0, "no draft was accepted: nothing was tested"
 
 
 def test_bad_files_and_uses_are_refused(tmp_path, gguf_file, source):

@@ -92,6 +92,56 @@ def test_masked_rows_packed_by_kv_head_equal_sdpa(dtype, kind, rows, sdpa_calls)
     torch.testing.assert_close(got, want, **tolerance)
 
 
+@pytest.mark.parametrize(("heads", "dim"), [(4, 64), (4, 128), (12, 128), (8, 256)])
+def test_packed_rows_are_batch_invariant_by_construction(heads, dim, monkeypatch):
+    """Every row of a k-row masked forward (a verify on the static cache: one mask over every slot) equals that row
+    attended alone, bit for bit, for k = 1..12: the packed query rows are padded past torch's short query blocks
+    (`decode.padding`), whose BLAS kernel rounds otherwise. Without the padding some of these differ (planted)."""
+    module = Attention(groups=heads // 2)
+
+    def rows_vs_singles() -> bool:
+        for k in range(1, 13):
+            query, key, value = qkv(k, 40, torch.float32, heads=heads, dim=dim)
+            mask = masks(k, 40)["causal"]
+            block, _ = decode_attention.attend(module, query, key, value, mask, scaling=0.1)
+            for i in range(k):
+                one, _ = decode_attention.attend(module, query[:, :, i:i + 1], key, value, mask[:, :, i:i + 1],
+                                                 scaling=0.1)
+                if not torch.equal(block[:, i:i + 1], one):
+                    return False
+        return True
+
+    assert rows_vs_singles()
+    if decode_attention.short_blocks(dim, torch.float32) and heads // 2 < 12:
+        monkeypatch.setattr(decode_attention, "padding", lambda rows, dim, dtype: 0)
+        assert not rows_vs_singles(), "the unpadded rows agreed: the test cannot tell"
+
+
+def test_padding_skips_short_blocks():
+    short = decode_attention.short_blocks(128, torch.float32)
+    block = decode_attention.QUERY_BLOCK
+    for rows in range(1, 3 * block):
+        extra = decode_attention.padding(rows, 128, torch.float32)
+        assert (rows + extra) % block not in short and extra < block
+        assert extra == 0 or rows % block in short
+    assert decode_attention.short_blocks(128, torch.float32) is short  # measured once
+
+
+def test_rowwise_prefill_on_a_static_cache_attends_its_first_slots(tokenizer):
+    """A static cache hands attention all its slots and transformers no mask for an unmasked prefill (sdpa's
+    is_causal: row i sees keys 0..i); row-wise attention read that as the last rows of the cache and attended
+    empty slots (a compiled exact Qwen2 decoded nonsense)."""
+    from sparrow.runtime.compiled import StaticCachedModel
+
+    model = tiny_model("qwen2", seed=0)
+    ids = torch.tensor([5, 9, 33, 2, 71, 8, 15, 4, 60])
+    with torch.inference_mode():
+        want = CachedModel(model).prefill(Prompt(ids)).logits
+        use_rowwise(model)
+        got = StaticCachedModel(model).prefill(Prompt(ids)).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_everything_else_goes_to_sdpa(sdpa_calls):
     query, key, value = qkv(1, 9, torch.float32)
     cases = [(Attention(6), qkv(3, 3, torch.float32), None, {"is_causal": True}),  # a prefill: causal, no mask

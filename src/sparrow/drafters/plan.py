@@ -35,7 +35,7 @@ from sparrow.drafters.requirements import check_models
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel, resolve_dtype
 from sparrow.models.gguf_source import settle_gguf
-from sparrow.models.quantization import AUTO, GGUF, W8A8, parse_quant, resolve_draft_quant
+from sparrow.models.quantization import AUTO, W8A8, parse_quant, resolve_draft_quant
 from sparrow.runtime.compiled import row_invariant
 from sparrow.runtime.prefix_cache import PrefixCache
 from sparrow.speculative_config import given_arguments, merged, parse
@@ -103,7 +103,7 @@ def resolve_plan(target: ModelSpec = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
                                      device, dtype)
     quant = _target_quant(quant, drafter, target, device, dtype, compile)
-    check_draft_only_compile(drafter, draft, compile and not target_compiles(compile, exact, quant), exact, quant)
+    check_draft_only_compile(drafter, draft, compile and not target_compiles(compile, exact, quant), exact)
     check_models(drafter, options, target, draft, device=device, compile=compile, quant=quant,
                  draft_quant=draft_quant)  # what the models' configs say they cannot run, before loading them
     return SpecPlan(target, drafter, draft, num_draft_tokens, adaptive, tuple(sorted(options.items())), dtype,
@@ -167,13 +167,10 @@ def _target_quant(quant: str | None, drafter: str, target: ModelSpec, device: st
 def target_compiles(compile: bool, exact: bool | None, quant: str | None, model: nn.Module | None = None) -> bool:
     """Whether compile=True compiles the target itself: not a w8a8 one (torch.compile cannot trace fbgemm's packed
     weights), nor one that must stay exact (exact=True) unless its compiled rows are invariant (the loaded `model`;
-    before loading, a quantized `quant` is taken to be); then only the draft model compiles. A GGUF target compiles
-    only with exact=False (--no-exact): its matmuls stay opaque custom ops, but its compiled verify rows were not
-    bit-identical to its one-row steps (docs/results/gguf-kernels.md), so by default it stays eager and exact."""
+    before loading, a quantized `quant` is taken to be: int8 / int4, and GGUF blocks, whose kernels are
+    batch-invariant by construction); then only the draft model compiles."""
     if not compile or quant == W8A8:
         return False
-    if quant == GGUF:
-        return exact is False
     return exact is not True or (row_invariant(model) if model is not None else quant is not None)
 
 
@@ -182,7 +179,7 @@ def settle(plan: SpecPlan, quant: str | None, model: nn.Module) -> tuple[bool, b
     again where only a draft model would compile and the drafter has none ("auto" may have chosen a dense target)."""
     compiled = target_compiles(plan.compile, plan.exact, quant, model)
     exact = resolve_exact(plan.exact, compiled, quant, model)
-    check_draft_only_compile(plan.drafter, plan.draft, plan.compile and not compiled, exact, quant)
+    check_draft_only_compile(plan.drafter, plan.draft, plan.compile and not compiled, exact)
     return compiled, exact
 
 
@@ -199,8 +196,7 @@ def resolve_exact(exact: bool | None, compiled: bool = False, quant: str | None 
     return invariant if exact is None else exact
 
 
-def check_draft_only_compile(drafter: str, draft: object, draft_only: bool, exact: bool | None,
-                             quant: str | None = None) -> None:
+def check_draft_only_compile(drafter: str, draft: object, draft_only: bool, exact: bool | None) -> None:
     """Refuse compile=True where only a draft model would compile (`draft_only`) and the drafter compiles none: the
     registry says which drafters compile their own model (`compiles_draft`), a draft model or a quantized copy."""
     entry = REGISTRY.get(drafter) if drafter != NONE else None
@@ -208,8 +204,6 @@ def check_draft_only_compile(drafter: str, draft: object, draft_only: bool, exac
     if draft_only and not compiles:
         why = "exact=True (--exact) keeps a dense target eager" if exact else \
             "a w8a8 target runs eagerly (torch.compile cannot trace fbgemm's packed int8 weights)"
-        if quant == GGUF:
-            why = "a GGUF target stays eager and exact unless exact=False (--no-exact)"
         raise UserError(f"compile=True (--compile) with {why}, so it compiles only a draft model, and drafter "
                         f"{drafter!r} drafts without one: drop --compile")
 

@@ -32,9 +32,12 @@ kernel rounds each op's result to the model's dtype where eager does) and no gen
 (`cpp.min_chunk_size`). Without them inductor fused and split each bucket its own way: on the int4 1.5B (Zen 5)
 the 2-, 4- and 8-row graphs' logits were up to 0.125 away from the one-row graph's, and with either option alone
 the 8-row graph still was on some prompts; with both they are bit-identical (`benchmarks/compiled_rows.py`; the
-one-row step 28-29 ms either way). A model whose every linear layer runs a row-invariant quantized kernel (int8 /
-int4 weight-only) then verifies exactly as its one-row steps decode (`row_invariant`;
-tests/runtime/test_compiled.py); a dense layer's compiled matmul is not row-invariant.
+one-row step 28-29 ms either way). Attention stays a library call whose packed query rows are padded past torch's
+short query blocks (`sparrow.runtime.attention.decode.padding`: a block of a few rows went through another BLAS
+kernel). A model whose every linear layer runs a row-invariant quantized kernel (int8 / int4 weight-only, or GGUF
+blocks: `GGUFLinear`) then verifies exactly as its one-row steps decode (`row_invariant`;
+tests/runtime/test_compiled.py, tests/models/test_gguf_native.py); a dense layer's compiled matmul is not
+row-invariant.
 
 Not supported: VLMs (their prefill and positions go through `sparrow.runtime.vision`) and models with
 sliding-window layers (Gemma-3): a static sliding layer is a ring buffer, which cannot be rewound.
@@ -52,6 +55,7 @@ from transformers.cache_utils import StaticLayer
 
 from sparrow.errors import UserError
 from sparrow.runtime.cached_model import CachedModel, additive_mask, prefill_module
+from sparrow.runtime.gguf_linear import GGUFLinear
 from sparrow.runtime.quant import DynamicInt8Linear, QuantizedLinear
 from sparrow.types import Prompt, TargetOutput
 
@@ -82,10 +86,11 @@ def traceable(model: PreTrainedModel) -> bool:
 def row_invariant(model: nn.Module) -> bool:
     """Whether the compiled steps of `model` compute each row of a verify forward as its one-row step does (see
     the module doc): on the CPU, every linear layer a weight-only quantized one (torch's int8 / int4 kernels keep
-    their rows; a dense or w8a8 layer, or one that runs long forwards densely, does not qualify)."""
-    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantizedLinear, DynamicInt8Linear))]
-    return bool(layers) and all(type(m) is QuantizedLinear and m.dense is None for m in layers) and \
-        next(model.parameters()).device.type == "cpu"
+    their rows) or a GGUF block one (`GGUFLinear`: its kernels are batch-invariant by construction); a dense or
+    w8a8 layer, or one that runs long forwards densely, does not qualify."""
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantizedLinear, DynamicInt8Linear, GGUFLinear))]
+    invariant = all(type(m) is GGUFLinear or (type(m) is QuantizedLinear and m.dense is None) for m in layers)
+    return bool(layers) and invariant and next(model.parameters()).device.type == "cpu"
 
 
 def check_compilable(model: PreTrainedModel) -> None:

@@ -16,7 +16,12 @@ calling sdpa. ``attend`` packs those rows too, [b, heads, q, d] -> [b, kv_heads,
 keeping its query row's mask, and reads the cache as it is (measured in the README's CPU section).
 
 Outputs equal sdpa's up to rounding: bit for bit at the 1.5B's shapes above, but at other shapes (a tiny test
-model's) the last bits can differ (the same sums, blocked differently). The static cache's steps
+model's) the last bits can differ (the same sums, blocked differently). Batch-invariant by construction: torch's
+CPU kernel takes the query rows in blocks of 32, and a block of a few rows (1-2 at head dim 64, 1-5 at 128,
+measured on this machine by `short_blocks`) goes through another BLAS kernel that rounds otherwise; the packed
+rows are padded (`padding`: copies of the last row, dropped after) so that no block is a short one, and every
+row is then computed as inside a full block, whatever the number of rows (a compiled verify attends as its
+one-row steps; the 1.5B's 6 packed rows of dim 128 need no padding). The static cache's steps
 (`sparrow.runtime.compiled`, compiled or not) pass a mask over every slot even for a single row; those rows are
 packed the same way (under torch.compile transformers would copy the keys once per query head: a 1.5B's one-row
 step over 512 slots took 0.55 ms a layer, packed 0.08 ms). Anything else (a prefill, a mask per head, no grouped
@@ -30,6 +35,9 @@ model had.
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
@@ -39,6 +47,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from sparrow.runtime.attention.layers import attention_configs
 
 NAME = "sparrow_sdpa"
+QUERY_BLOCK = 32  # query rows torch's CPU flash attention takes at a time (below 192 rows)
 SDPA = ("sdpa", NAME)  # implementations that compute transformers' sdpa attention
 
 
@@ -72,8 +81,53 @@ def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attenti
     mask = None
     if attention_mask is not None:  # each packed row keeps its query row's mask
         mask = attention_mask.expand(-1, 1, rows, -1).repeat(1, 1, groups, 1)  # [b | 1, 1, groups * q, n]
+    extra = padding(groups * rows, dim, query.dtype)
+    if extra:  # copies of the last packed row (and its mask row), dropped after
+        packed = torch.cat([packed, packed[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
+        if mask is not None:
+            mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=kwargs.get("scaling"))
+    if extra:
+        out = out[:, :, : groups * rows]
     return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def short_blocks(dim: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The query block sizes (1 .. QUERY_BLOCK - 1) at which torch's CPU attention computes a row otherwise than it
+    does inside a full block of QUERY_BLOCK rows (measured here, on random data, with and without a mask).
+
+    torch's CPU flash attention takes query rows in blocks of QUERY_BLOCK (32 below 192 rows) and multiplies each
+    block by the keys with a BLAS call whose kernel changes for a block of few rows: on an Intel Xeon (AVX-512,
+    torch 2.14.1, float32) rows of blocks of 1-2 rows (head dim 64), 1-5 (128), 1-10 (256) differed in the last
+    bits from the same rows in a full block, and a block of 33 rows is 32 + 1."""
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 1, n, dim, generator=generator).to(dtype) for n in (QUERY_BLOCK, 48, 48))
+    mask = torch.rand(1, 1, QUERY_BLOCK, 48, generator=generator) > 0.2
+    short = []
+    with torch.inference_mode():
+        full = [F.scaled_dot_product_attention(query, key, value, attn_mask=m) for m in (None, mask)]
+        for size in range(1, QUERY_BLOCK):
+            for whole, m in zip(full, (None, mask)):
+                part = F.scaled_dot_product_attention(query[:, :, :size], key, value,
+                                                      attn_mask=None if m is None else m[:, :, :size])
+                if not torch.equal(part, whole[:, :, :size]):
+                    short.append(size)
+                    break
+    return tuple(short)
+
+
+@torch._dynamo.assume_constant_result  # a compiled step calls it while tracing and keeps the number
+def padding(rows: int, dim: int, dtype: torch.dtype) -> int:
+    """Rows to add to `rows` packed query rows so that no query block is a short one (`short_blocks`): then every
+    row is computed as inside a full block, the same bits whatever the number of rows, so a k-row verify attends as
+    k one-row steps do (batch-invariant by construction; the 1.5B's one-row step, 6 packed rows of dim 128, needs
+    none)."""
+    tail = rows % QUERY_BLOCK
+    short = short_blocks(dim, dtype)
+    if tail not in short:
+        return 0
+    return next((size for size in range(tail, QUERY_BLOCK) if size not in short), QUERY_BLOCK) - tail
 
 
 def use(model: nn.Module) -> int:

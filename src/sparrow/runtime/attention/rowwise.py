@@ -47,8 +47,9 @@ def rowwise_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     kwargs.pop("is_causal", None)
     rows = []
     for row in range(q):
-        if attention_mask is None:  # causal: the queries are the last q positions
-            keys, values = key[:, :, : kv - q + row + 1], value[:, :, : kv - q + row + 1]
+        if attention_mask is None:  # sdpa's is_causal (q > 1): row i sees keys 0..i; one row sees them all
+            seen = row + 1 if q > 1 else kv  # (a dynamic cache's causal rows are its only ones; a static cache's
+            keys, values = key[:, :, :seen], value[:, :, :seen]  # unmasked prefill is its first slots)
         else:
             seen = _visible(attention_mask, row)
             prefix = seen.numel() > 0 and int(seen[-1]) == seen.numel() - 1  # keys 0..n-1: a view, as a step
