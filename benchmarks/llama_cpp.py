@@ -329,9 +329,10 @@ def llama_configs(draft_max: Iterable[int]) -> dict[str, int | None]:
 def llama_command(config: str, draft_max: int | None, args: argparse.Namespace, prompt: str,
                   max_new_tokens: int) -> list[str]:
     bins, target, draft = args.bins, args.target_gguf, args.draft_gguf
+    extra = args.llama_args.split()  # e.g. --no-repack: its repacked multi-row kernels crash on some CPUs
     if draft_max is None:
-        return plain_command(bins, target, prompt, max_new_tokens, args.threads, args.ctx)
-    return speculative_command(bins, target, draft, prompt, max_new_tokens, args.threads, args.ctx, draft_max)
+        return plain_command(bins, target, prompt, max_new_tokens, args.threads, args.ctx) + extra
+    return speculative_command(bins, target, draft, prompt, max_new_tokens, args.threads, args.ctx, draft_max) + extra
 
 
 def llama_row(config: str, draft_max: int | None, args: argparse.Namespace, prompt: dict) -> dict:
@@ -829,6 +830,7 @@ def run(args: argparse.Namespace) -> None:
         "draft_gguf": args.draft_gguf.name,
         "max_new_tokens": args.max_new_tokens,
         "ctx": args.ctx,
+        **({"llama_args": args.llama_args} if args.llama_args else {}),
         "prompts_file": args.set or (str(args.prompts.relative_to(REPO)) if args.prompts.is_relative_to(REPO)
                                      else str(args.prompts)),
     }
@@ -902,7 +904,9 @@ def reference_config(config: str) -> str | None:
             "sparrow-w8a8-auto+draft-int4-compiled": "sparrow-plain-w8a8-auto",
             "sparrow-w8a8-auto+auto-compiled": "sparrow-plain-w8a8-auto",
             "sparrow-gguf+prompt-lookup": "sparrow-plain-gguf",
-            "sparrow-gguf+suffix": "sparrow-plain-gguf"}.get(config)
+            "sparrow-gguf+suffix": "sparrow-plain-gguf",
+            "sparrow-gguf-compiled+suffix": "sparrow-plain-gguf-compiled",
+            "sparrow-gguf-compiled+prompt-lookup": "sparrow-plain-gguf-compiled"}.get(config)
 
 
 def identical_count(group: list[dict], rows: list[dict]) -> str:
@@ -1019,6 +1023,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--max-new-tokens", type=int, default=128)
     r.add_argument("--ctx", type=int, default=4096, help="llama.cpp context size")
+    r.add_argument("--llama-args", default="", help="extra arguments for every llama.cpp command, kept in the rows "
+                   "(e.g. --no-repack where llama.cpp's repacked multi-row kernels crash: an Intel Xeon with AMX)")
     r.add_argument("--draft-max", type=lambda s: [int(k) for k in s.split(",")], default=list(DRAFT_MAX),
                    help="llama.cpp draft lengths (--spec-draft-n-max), comma-separated")
     r.add_argument("--configs", default=None, help="comma-separated subset of the configurations (default: all)")
