@@ -167,6 +167,18 @@ def test_batch_invariant_bit_for_bit(qtype: int, int8: bool, isa: str):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_long_forward_in_row_blocks_keeps_its_rows(qtype: int, isa: str):
+    """A prefill-sized forward whose 8-bit activations exceed a row block (256 KiB: 70 rows of 8960 go as 3 blocks of
+    tiles, every weight row passing each block) gives each row's one-row product bit for bit, with a bias."""
+    cols, rows = 8960, 6
+    blocks = random_blocks(qtype, rows, cols, seed=10)
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(10))
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(11))
+    singles = torch.cat([gk.matmul(x[i:i + 1], blocks, qtype, rows, True, bias) for i in range(len(x))])
+    assert torch.equal(gk.matmul(x, blocks, qtype, rows, True, bias), singles)
+
+
 @pytest.mark.parametrize("int8", [True, False])
 def test_the_bias_is_added_as_a_separate_add_would(int8: bool):
     blocks = random_blocks(gk.Q4_K, 24, 512, seed=6)

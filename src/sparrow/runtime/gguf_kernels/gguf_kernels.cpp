@@ -772,26 +772,36 @@ struct Int8Range {
   int64_t rb, nb;       // bytes and blocks per weight row
   int64_t j0, j1;       // the weight rows (output columns) of this range
   const QuantRow* a;    // [m] the quantized activation rows
-  int64_t m, n;         // activation rows, output columns
+  int64_t m, n, k;      // activation rows, output columns, in_features
   const float* bias;    // [n] or nullptr
   float* out;           // [m, n]
 };
 
-// Weight row by weight row, the m activation rows in as few tiles of at most MAX_TILE as can be, of sizes differing
-// by one at most (each tile reads the weight row once), bias added. Inlined into one function per instruction set,
-// so the whole loop runs in that set's encoding: an AVX-512 kernel leaves zmm16-31 dirty (vzeroupper does not
-// clear them), and the SSE code between weight rows had made one-row products ~3x slower (measured).
+// The m activation rows go in as few tiles of at most MAX_TILE as can be, of sizes differing by one at most (each
+// tile reads a weight row once), and the tiles in blocks of at most ROW_BLOCK_BYTES of 8-bit activations: block by
+// block, every weight row of the range passes the block's tiles, so a long prefill's activations stay in the L2
+// cache (a 264-row prefill's K = 8960 down projection ran at 0.57x the speed of its K = 1536 projections, its
+// 2.4 MB of activations streaming from L3 once per weight row). Bias added. Any tiling gives the same bits: a row's
+// arithmetic does not depend on its tile. Inlined into one function per instruction set, so the whole loop runs in
+// that set's encoding: an AVX-512 kernel leaves zmm16-31 dirty (vzeroupper does not clear them), and the SSE code
+// between weight rows had made one-row products ~3x slower (measured).
+constexpr int64_t ROW_BLOCK_BYTES = 256 << 10;  // within a 512 KiB L2 (Zen 3) beside the weight rows
+
 template <class Kernel>
 SPARROW_INLINE void int8_range(const Int8Range& g) {
-  const int64_t tiles = (g.m + MAX_TILE - 1) / MAX_TILE;
+  const int64_t tiles = (g.m + MAX_TILE - 1) / MAX_TILE, base = g.m / tiles, longer = g.m % tiles;
+  const int64_t per_block = std::max<int64_t>(1, ROW_BLOCK_BYTES / (MAX_TILE * g.k));
   float tile[MAX_TILE];
-  for (int64_t j = g.j0; j < g.j1; ++j) {
-    for (int64_t i = 0, t = 0; i < g.m; ++t) {
-      const int r = static_cast<int>(g.m / tiles + (t < g.m % tiles ? 1 : 0));
-      tile_rows<Kernel>(r, g.type, g.w + j * g.rb, g.nb, g.a + i, tile);
+  for (int64_t t0 = 0; t0 < tiles; t0 += per_block) {
+    const int64_t t1 = std::min(tiles, t0 + per_block);
+    for (int64_t j = g.j0; j < g.j1; ++j) {
       const float add = g.bias != nullptr ? g.bias[j] : 0.0f;
-      for (int u = 0; u < r; ++u) g.out[(i + u) * g.n + j] = g.bias != nullptr ? tile[u] + add : tile[u];
-      i += r;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t i = t * base + std::min(t, longer);  // the tile's first row
+        const int r = static_cast<int>(base + (t < longer ? 1 : 0));
+        tile_rows<Kernel>(r, g.type, g.w + j * g.rb, g.nb, g.a + i, tile);
+        for (int u = 0; u < r; ++u) g.out[(i + u) * g.n + j] = g.bias != nullptr ? tile[u] + add : tile[u];
+      }
     }
   }
 }
@@ -922,7 +932,7 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
   // reads a weight row once).
   if (int8) {
     at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
-      int8_range_any({type, w, rb, nb, begin, end, rows.data(), m, n, bias, out});
+      int8_range_any({type, w, rb, nb, begin, end, rows.data(), m, n, k, bias, out});
     });
     return y;
   }
