@@ -390,6 +390,16 @@ SPARROW_AVX2 SPARROW_INLINE __m128i q4k_scales_mins(const uint8_t* s) {
   return _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)));  // (x >> 6) << 4 = (x >> 2) & 0x30
 }
 
+// One Q4_K super-block into a row's float accumulator: its exact integer sum (8 s32 lanes) times d * dx, less its
+// mins times the activation's 16-value sums times dmin * dx (both kernels, the same operations).
+SPARROW_AVX2 SPARROW_INLINE __m256 q4k_add(__m256 acc, __m256i sumi, __m256i mins, float d, float dmin,
+                                           const QuantRow& a, int64_t b) {
+  const float dx = a.d[b];
+  const __m256i summ = _mm256_madd_epi16(load(a.bsums + b * 16), mins);
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi), acc);
+  return _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(summ), acc);
+}
+
 // Q4_K x Q8_K: nibbles (u8 0..15) times x (s8), scaled by the sub-block's 6-bit scale in s32, summed over the
 // super-block exactly; the mins multiply the activation's 16-value sums.
 template <int R>
@@ -421,14 +431,18 @@ SPARROW_AVX2 void int8_q4_k_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
         sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p0, p1));
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const float dx = a[r].d[b];
-      const __m256i summ = _mm256_madd_epi16(load(a[r].bsums + b * 16), mins);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(summ), acc[r]);
-    }
+    for (int r = 0; r < R; ++r) acc[r] = q4k_add(acc[r], sumi[r], mins, d, dmin, a[r], b);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+// One Q6_K super-block into a row's float accumulator: its integer sum less 32 * sum(scale * 16-value activation
+// sum) (the offset of 32), times d * dx (both kernels, the same operations).
+SPARROW_AVX2 SPARROW_INLINE __m256 q6k_add(__m256 acc, __m256i sumi, __m256i sc16, float d, const QuantRow& a,
+                                           int64_t b) {
+  const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(load(a.bsums + b * 16), sc16), 5);
+  const __m256 s = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, offset));
+  return _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), s, acc);
 }
 
 // Q6_K x Q8_K: the 6-bit q (u8 0..63) times x (s8), scaled by the group's s8 scale in s32; the offset 32 is taken
@@ -468,11 +482,7 @@ SPARROW_AVX2 void int8_q6_k_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(load(a[r].bsums + b * 16), sc16), 5);
-      const __m256 s = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], offset));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[r].d[b]), s, acc[r]);
-    }
+    for (int r = 0; r < R; ++r) acc[r] = q6k_add(acc[r], sumi[r], sc16, d, a[r], b);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
@@ -628,12 +638,7 @@ SPARROW_AVX512 void int8_q4_k_avx512(const uint8_t* w, int64_t nb, const QuantRo
         sumi[r] = _mm512_dpwssd_epi32(sumi[r], p, s);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const float dx = a[r].d[b];
-      const __m256i summ = _mm256_madd_epi16(load(a[r].bsums + b * 16), mins);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(fold(sumi[r])), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(summ), acc[r]);
-    }
+    for (int r = 0; r < R; ++r) acc[r] = q4k_add(acc[r], fold(sumi[r]), mins, d, dmin, a[r], b);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
@@ -677,11 +682,7 @@ SPARROW_AVX512 void int8_q6_k_avx512(const uint8_t* w, int64_t nb, const QuantRo
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(load(a[r].bsums + b * 16), sc16), 5);
-      const __m256 s = _mm256_cvtepi32_ps(_mm256_sub_epi32(fold(sumi[r]), offset));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[r].d[b]), s, acc[r]);
-    }
+    for (int r = 0; r < R; ++r) acc[r] = q6k_add(acc[r], fold(sumi[r]), sc16, d, a[r], b);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
