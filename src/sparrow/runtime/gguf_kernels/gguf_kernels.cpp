@@ -925,18 +925,17 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
     for (int64_t i = 0; i < m; ++i)
       rows.push_back({q.data() + i * k, d.data() + i * (k / f.act_block), bsums.data() + i * (k / 16)});
   }
-  std::vector<const float*> xs(m);
-  for (int64_t i = 0; i < m; ++i) xs[i] = x.data_ptr<float>() + i * k;
 
-  // Threads split the output rows; each output element is one thread's, computed in one fixed order. The
-  // activation rows go in as few tiles of at most MAX_TILE as can be, of sizes differing by one at most (each tile
-  // reads a weight row once).
+  // Threads split the output rows; each output element is one thread's, computed in one fixed order (8-bit
+  // activations: see int8_range). Float activations: balanced tiles of at most MAX_FLOAT_TILE rows.
   if (int8) {
     at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
       int8_range_any({type, w, rb, nb, begin, end, rows.data(), m, n, k, bias, out});
     });
     return y;
   }
+  std::vector<const float*> xs(m);
+  for (int64_t i = 0; i < m; ++i) xs[i] = x.data_ptr<float>() + i * k;
   const int64_t tiles = (m + MAX_FLOAT_TILE - 1) / MAX_FLOAT_TILE;
   at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
     float tile[MAX_FLOAT_TILE];
