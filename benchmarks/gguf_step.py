@@ -1,7 +1,7 @@
 """One decoding step of a GGUF target (--quant gguf): milliseconds per step, variants interleaved in one process.
 
-After a prefix of `--context` random tokens, times one forward of a single token (a plain decoding step) and
-rewinds the cache, for each variant:
+After a prefix of `--context` random tokens, times one forward of a single token (a plain decoding step; with
+`--rows`, of each number of tokens listed: a verify of n - 1 drafted tokens) and rewinds the cache, for each variant:
 
 * `eager`: the model in sparrow's CachedModel (transformers' DynamicCache), what `--quant gguf` runs;
 * `compiled` (with --compile): the model in sparrow.runtime.compiled.StaticCachedModel (static cache, the one-row
@@ -20,6 +20,7 @@ variant alone to read a variant's own).
 
     python benchmarks/gguf_step.py --target qwen2.5-coder-1.5b --rounds 5 --steps 10
     python benchmarks/gguf_step.py --variants eager,compiled --compile
+    python benchmarks/gguf_step.py --variants eager,compiled --compile --rows 1,8,9,12,16 --rounds 3 --steps 3
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from sparrow.models.gguf_native import load_gguf_model
 from sparrow.paths import default_cache_dir
+from sparrow.runtime import gguf_kernels
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.compiled import StaticCachedModel
 from sparrow.runtime.cpu import cpu_info
@@ -56,9 +58,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rows", default="1", help="tokens per timed forward, comma-separated (default 1)")
     parser.add_argument("--out", type=Path, default=None, help="append a JSON row per variant")
     args = parser.parse_args()
     variants = args.variants.split(",")
+    rows = [int(n) for n in args.rows.split(",")]
     load0 = os.getloadavg()
     runners, extra = {}, {}
     model = load_gguf_model(args.target).model
@@ -70,44 +74,45 @@ def main() -> None:
         else:
             parser.error(f"unknown variant {variant!r} (eager, static, compiled; compiled needs --compile)")
     prompt = Prompt(torch.randint(100, 20000, (args.context,), generator=torch.Generator().manual_seed(0)))
-    token = torch.tensor([1234])
+    tokens = {n: torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n)) for n in rows}
     logits = {}
     for variant, runner in runners.items():
         start = time.perf_counter()
         if isinstance(runner, StaticCachedModel):
-            runner.warm_up(prompt, largest=1)
+            runner.warm_up(prompt, largest=max(rows))
         runner.prefill(prompt)
-        logits[variant] = runner.forward(token).logits
-        runner.rewind(args.context)
+        for n in rows:
+            logits[variant, n] = runner.forward(tokens[n]).logits
+            runner.rewind(args.context)
         extra[variant] = {"first_step_seconds": round(time.perf_counter() - start, 2)}
         print(f"{variant}: ready in {extra[variant]['first_step_seconds']} s (compile included)", flush=True)
-    times: dict[str, list[float]] = {v: [] for v in variants}
+    times: dict[tuple[str, int], list[float]] = {(v, n): [] for v in variants for n in rows}
     for _ in range(args.rounds):
         for variant in [*variants, *reversed(variants)]:
             runner = runners[variant]
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                runner.forward(token)
-                times[variant].append((time.perf_counter() - t) * 1e3)
-                runner.rewind(args.context)
+            for n in rows:
+                for _ in range(args.steps):
+                    t = time.perf_counter()
+                    runner.forward(tokens[n])
+                    times[variant, n].append((time.perf_counter() - t) * 1e3)
+                    runner.rewind(args.context)
     load1 = os.getloadavg()
     info = cpu_info()
-    print(f"\n{info.model} ({' '.join(f for f in info.flags if f in ('avx2', 'fma', 'f16c', 'avx512f'))}), "
+    print(f"\n{info.model} ({' '.join(f for f in info.flags if f in ('avx2', 'fma', 'avx512f', 'avx512_vnni'))}), "
           f"{torch.get_num_threads()} threads; load average {load0[0]:.2f} before, {load1[0]:.2f} after")
-    reference = logits[variants[0]]
-    for variant in variants:
-        ms = times[variant]
-        same = torch.equal(logits[variant], reference)
+    for variant, n in times:
+        ms = times[variant, n]
+        same = torch.equal(logits[variant, n], logits[variants[0], n])
         deciles = statistics.quantiles(ms, n=10)
-        row = {"bench": "gguf_step", "target": args.target, "variant": variant, "context": args.context,
+        row = {"bench": "gguf_step", "target": args.target, "variant": variant, "rows": n, "context": args.context,
                "median_ms": round(statistics.median(ms), 2), "min_ms": round(min(ms), 2), "max_ms": round(max(ms), 2),
                "p10_ms": round(deciles[0], 2), "p25_ms": round(statistics.quantiles(ms, n=4)[0], 2),
                "steps": len(ms), "same_logits_as_" + variants[0]: same, "cpu": info.model,
-               "threads": torch.get_num_threads(), "load": [round(load0[0], 2), round(load1[0], 2)],
-               "date": time.strftime("%Y-%m-%d"), **extra[variant]}
-        print(f"{variant}: median {row['median_ms']:.1f} ms (min {row['min_ms']:.1f}, p10 {row['p10_ms']:.1f}, "
-              f"p25 {row['p25_ms']:.1f}, max {row['max_ms']:.1f}, {len(ms)} steps), logits equal {variants[0]}'s: "
-              f"{same}")
+               "threads": torch.get_num_threads(), "isa": gguf_kernels.isa(),
+               "load": [round(load0[0], 2), round(load1[0], 2)], "date": time.strftime("%Y-%m-%d"), **extra[variant]}
+        print(f"{variant} {n} rows: median {row['median_ms']:.1f} ms (min {row['min_ms']:.1f}, "
+              f"p10 {row['p10_ms']:.1f}, p25 {row['p25_ms']:.1f}, max {row['max_ms']:.1f}, {len(ms)} steps), "
+              f"logits equal {variants[0]}'s: {same}")
         if args.out is not None:
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")

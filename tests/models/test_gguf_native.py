@@ -176,13 +176,17 @@ def test_a_compiled_gguf_target_verifies_exactly(gguf_file):
     assert isinstance(pipe.runner, compiled.StaticCachedModel) and pipe.runner.compiled
     assert decode.padding(2, 64, torch.float32) > 0 or not decode.short_blocks(64, torch.float32)
     runner = pipe.runner
+    assert runner.buckets == compiled.FINE_BUCKETS  # GGUF kernels: rows cost compute
     ids = torch.tensor(pipe.tokenizer(PROMPTS[2])["input_ids"])
+    assert ids.numel() >= 11
     with torch.inference_mode():
         runner.prefill(Prompt(ids[:6]))
-        block = runner.forward(ids[6:10]).logits
+        block = runner.forward(ids[6:10]).logits  # bucket 4
         runner.rewind(6)
-        steps = torch.cat([runner.forward(ids[i:i + 1]).logits for i in range(6, 10)])
-    assert torch.equal(block, steps)
+        five = runner.forward(ids[6:11]).logits  # 5 rows: the 6-row bucket, one row of padding
+        runner.rewind(6)
+        steps = torch.cat([runner.forward(ids[i:i + 1]).logits for i in range(6, 11)])
+    assert torch.equal(block, steps[:4]) and torch.equal(five, steps)
     accepted = 0
     for prompt in PROMPTS:
         result = pipe.generate(prompt, max_new_tokens=24)

@@ -20,7 +20,7 @@ from sparrow.errors import UserError
 from sparrow.models import LoadedModel
 from sparrow.pipeline import Pipeline
 from sparrow.runtime.cached_model import CachedModel
-from sparrow.runtime.compiled import HEADROOM, StaticCachedModel, check_compilable
+from sparrow.runtime.compiled import HEADROOM, Q_BUCKETS, StaticCachedModel, check_compilable
 from sparrow.tree import TreeLayout
 from sparrow.types import Prompt
 
@@ -54,6 +54,7 @@ def test_pipeline_compiles_target_and_draft(compiled_chain):
     assert isinstance(compiled_chain.runner, StaticCachedModel) and compiled_chain.runner.compiled
     assert isinstance(compiled_chain.drafter, DraftModelDrafter)
     assert isinstance(compiled_chain.drafter.draft, StaticCachedModel)
+    assert compiled_chain.runner.buckets == Q_BUCKETS  # dense linears: padded rows cost little (GGUF: FINE_BUCKETS)
     with pytest.raises(UserError, match="one generation at a time"):
         compiled_chain.sequence(PROMPTS[0], max_new_tokens=4)
 
