@@ -255,7 +255,8 @@ class StaticCachedModel(CachedModel):
         assert tokens.ndim == 1 and tokens.numel() > 0, tuple(tokens.shape)
         assert self.cache is not None, "prefill() must run before forward()"
         n, start = tokens.numel(), self._length
-        bucket = _bucket(n, self.buckets) or n
+        fits = _bucket(n, self.buckets)  # None: more rows than the last bucket, run eagerly at n
+        bucket = fits or n
         if start + bucket > self.capacity:
             self._grow(start + bucket + HEADROOM)
         if positions is None:
@@ -264,7 +265,7 @@ class StaticCachedModel(CachedModel):
         if mask is not None:
             assert mask.shape == (n, start + n) and mask.dtype == torch.bool, (tuple(mask.shape), mask.dtype, n, start)
         tokens, positions, allowed = self._padded(tokens, positions.to(self.device), mask, bucket)
-        step = self._steps.get(bucket == 1, self._step) if _bucket(n, self.buckets) is not None else self._step
+        step = self._steps.get(bucket == 1, self._step) if fits is not None else self._step
         logits, hidden = step(tokens[None], self.position_ids(positions), allowed, self._pads[bucket - n],
                               hidden_layers)
         self._length = start + n
