@@ -305,14 +305,14 @@ class StaticCachedModel(CachedModel):
         return out.logits[0], hidden
 
     @torch.inference_mode()
-    def warm_up(self, prompt: Prompt, hidden_layers: tuple[int, ...] = (), largest: int = Q_BUCKETS[-1]) -> None:
-        """Compile the step of every bucket up to `largest` at the capacity `prompt` allocates (each first call of a
+    def warm_up(self, prompt: Prompt, hidden_layers: tuple[int, ...] = (), largest: int | None = None) -> None:
+        """Compile the step of every bucket (up to `largest`) at the capacity `prompt` allocates (each first call of a
         shape compiles: tens of seconds on a CPU, which would otherwise fall inside a generation); the cache is left
         empty."""
         self.prefill(prompt)
         start = self._length
         for bucket in self.buckets:
-            if bucket > largest or start + bucket > self.capacity:
+            if (largest is not None and bucket > largest) or start + bucket > self.capacity:
                 break
             self.forward(prompt.input_ids[-1:].expand(bucket).contiguous(), hidden_layers=hidden_layers)
             self.rewind(start)
