@@ -75,6 +75,9 @@ def test_parse_cpuinfo_x86_and_arm():
     assert not cpu.parse_cpuinfo(VNNI_CPU).bf16
     empty = cpu.parse_cpuinfo("")  # no /proc/cpuinfo: a model name from the platform, no flags
     assert empty.model and empty.flags == () and not empty.bf16 and empty.physical_cores is None
+    zen5 = cpu.parse_cpuinfo("processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n")
+    zen4 = cpu.parse_cpuinfo("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n")
+    assert zen5.model == "AMD EPYC (family 26 model 2)" and zen4.model == "AMD EPYC (family 25 model 17)"
     arm = cpu.parse_cpuinfo("processor\t: 0\nFeatures\t: fp asimd asimddp bf16 i8mm sve\nCPU part\t: 0xd40\n")
     assert {"asimd", "bf16", "i8mm", "sve"} <= set(arm.flags)
 

@@ -20,7 +20,7 @@ RELEVANT_FLAGS = (
 
 @dataclass(frozen=True)
 class CpuInfo:
-    model: str  # "AMD EPYC 9R14", or what the platform says where /proc/cpuinfo has no model name
+    model: str  # "AMD EPYC 9R14 (family 25 model 17)", or what the platform says where /proc/cpuinfo has none
     arch: str  # platform.machine(): x86_64, aarch64, ...
     flags: tuple[str, ...]  # the RELEVANT_FLAGS the CPU has, in that order
     logical_cpus: int
@@ -50,7 +50,7 @@ def read_cpuinfo() -> str:
 def parse_cpuinfo(text: str) -> CpuInfo:
     """The CpuInfo of a /proc/cpuinfo text (x86's `flags` or ARM's `Features`)."""
     model, flags, cores = "", set(), set()
-    physical_id = ""
+    physical_id, family, number = "", "", ""
     for line in text.splitlines():
         key, sep, value = line.partition(":")
         if not sep:
@@ -58,12 +58,18 @@ def parse_cpuinfo(text: str) -> CpuInfo:
         key, value = key.strip().lower(), value.strip()
         if key in ("model name", "hardware", "cpu model") and not model:
             model = value
+        elif key == "cpu family" and not family:
+            family = value
+        elif key == "model" and not number:
+            number = value
         elif key in ("flags", "features"):
             flags.update(value.split())
         elif key == "physical id":
             physical_id = value
         elif key == "core id":
             cores.add((physical_id, value))
+    if model and family and number:  # a virtual machine's "AMD EPYC" is Zen 4 or Zen 5: the numbers say which
+        model = f"{model} (family {family} model {number})"
     return CpuInfo(model=model or platform.processor() or platform.machine() or "unknown CPU",
                    arch=platform.machine(), flags=tuple(f for f in RELEVANT_FLAGS if f in flags),
                    logical_cpus=os.cpu_count() or 1, physical_cores=len(cores) or None)
