@@ -188,7 +188,7 @@ SPARROW_INLINE void dequant_block(int64_t type, const uint8_t* blk, float* y) {
 struct QuantRow {
   const int8_t* q;       // [K]
   const float* d;        // [K / block]
-  const int16_t* bsums;  // [K / 16]: sums of 16 consecutive q (the K-quants' min / offset terms)
+  const int16_t* bsums;  // [K / 16]: sums of 16 consecutive q (Q6_K's offset term; the portable Q4_K kernel's mins)
   const float* msum;     // [K / 32] (Q4_K; else nullptr): d of the block times the sum of 32 consecutive q
 };
 
@@ -402,7 +402,7 @@ SPARROW_AVX2 SPARROW_INLINE __m128i q4k_scales_mins(const uint8_t* s) {
 // apart, in 8 float lanes: (dmin * min of each sub-block) times the row's msum (dx times the sub-block's activation
 // sum), one FMA a super-block. The result: the lanes' sum less the mins lanes' sum. (The mins multiplied in floats
 // rather than in integers spare each row and super-block a multiply-add, a convert and a broadcast, and the 16 lanes
-// the AVX-512 kernel's fold: 1.17x at 8 rows on hot weights, one thread, Xeon family 6 model 207; 1.0-1.2x streamed.)
+// the AVX-512 kernel's fold: 1.17x at 8 rows on hot weights, one thread, Xeon family 6 model 207; 1.05-1.25x streamed.)
 SPARROW_AVX2 SPARROW_INLINE __m256 q4k_min_weights(__m128i scales_mins, float dmin) {  // dmin * mn[j], j = 0..7
   return _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8))));
 }
@@ -946,7 +946,8 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
       for (int64_t i = begin; i < end; ++i) {
         quantize_row(xp + i * k, k, f.act_block, q.data() + i * k, d.data() + i * (k / f.act_block),
                      bsums.data() + i * (k / 16));
-        if (mins) min_sums(d.data() + i * (k / 256), bsums.data() + i * (k / 16), k, msum.data() + i * (k / 32));
+        if (mins)
+          min_sums(d.data() + i * (k / f.act_block), bsums.data() + i * (k / 16), k, msum.data() + i * (k / 32));
       }
     });
     for (int64_t i = 0; i < m; ++i)
