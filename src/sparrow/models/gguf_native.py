@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import mmap
 import struct
 import sys
 import time
@@ -135,6 +136,20 @@ def read_gguf(path: Path) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
     return fields, tensors
 
 
+def _release(view: np.ndarray) -> None:
+    """Drop the whole pages of a view of the mapped file from this process's resident memory (madvise DONTNEED: the
+    mapping stays valid, a later read faults them back in from the page cache), once a layer holds a packed copy of
+    them; else the packed Q4_K layers would count twice in the resident set (2.4 GB for the 1.07 GB 1.5B file)."""
+    mapped = getattr(view, "_mmap", None)  # numpy's memmap keeps its mmap on every view
+    if not isinstance(mapped, mmap.mmap) or not hasattr(mapped, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    base = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
+    start = -(-(view.ctypes.data - base) // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (view.ctypes.data - base + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 def _bytes(tensor: GGUFTensor) -> Tensor:
     """The tensor's bytes in the mapped file as uint8 [rows, row bytes] (a view: nothing copied)."""
     with warnings.catch_warnings():  # the mapping is read-only; the kernels only read it
@@ -173,7 +188,10 @@ def _linear(tensors: dict[str, GGUFTensor], base: str, module: nn.Linear, int8: 
         blocks = gk.check_blocks(_bytes(tensor), qtype, out_features, in_features, f"{base}.weight")
         if heads is not None:
             blocks = _unpermute_rows(blocks, heads).contiguous()
-        return GGUFLinear(blocks, qtype, out_features, in_features, bias, int8, f"{base}.weight")
+        layer = GGUFLinear(blocks, qtype, out_features, in_features, bias, int8, f"{base}.weight")
+        if layer.kernel_type != qtype:  # the layer holds its own packed copy: the file's pages are not needed
+            _release(tensor.data)
+        return layer
     weight = _float(tensor)
     if heads is not None:
         weight = _unpermute_rows(weight, heads).contiguous()

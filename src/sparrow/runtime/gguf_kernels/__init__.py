@@ -45,8 +45,11 @@ ENV = "SPARROW_GGUF_KERNELS"  # "0" / "off": never build or load the kernels
 
 # GGML type id -> (weights per block, bytes per block); the formats the kernels take
 Q5_0, Q8_0, Q4_K, Q6_K = 6, 8, 12, 14
-BLOCKS: dict[int, tuple[int, int]] = {Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
-TYPE_NAMES = {Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
+# not a GGML id: a Q4_K weight in sparrow's packed layout (`pack`: 16 rows interleaved, 148 bytes a row and 256 values)
+Q4_KX16, PACK_ROWS = 1012, 16
+BLOCKS: dict[int, tuple[int, int]] = {Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210),
+                                      Q4_KX16: (256, 148)}
+TYPE_NAMES = {Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K", Q4_KX16: "Q4_K packed"}
 SCALE_OFFSETS = {Q5_0: (0,), Q8_0: (0,), Q4_K: (0, 2), Q6_K: (208,)}  # where each block's fp16 scales lie
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
              "amx_tile", "amx_int8", "asimd", "asimddp", "i8mm")  # flags a kernel may be built or chosen for
@@ -77,6 +80,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("sparrow_gguf::matmul")
     def _(x: Tensor, blocks: Tensor, type: int, out_features: int, int8: bool, bias: Tensor | None = None) -> Tensor:
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("sparrow_gguf::pack")
+    def _(blocks: Tensor, type: int, out_features: int, in_features: int) -> Tensor:
+        return blocks.new_empty(out_features // PACK_ROWS, in_features // 256 * 148 * PACK_ROWS)
 
     @torch.library.register_fake("sparrow_gguf::dequantize")
     def _(blocks: Tensor, type: int, in_features: int) -> Tensor:
@@ -165,6 +172,20 @@ def matmul(x: Tensor, blocks: Tensor, qtype: int, out_features: int, int8: bool 
     """x [M, K] float32 times the [out_features, K] weight held in `blocks` (transposed), plus `bias` (float32
     [out_features], added to each dot product as a separate add would) -> [M, out_features]."""
     return _ops().matmul(x, blocks, qtype, out_features, int8, bias)
+
+
+def pack(blocks: Tensor, qtype: int, out_features: int, in_features: int) -> Tensor:
+    """A Q4_K weight's blocks [out_features, row bytes] (out_features a multiple of PACK_ROWS) in the Q4_KX16 layout
+    `matmul` multiplies fastest (8-bit activations; every output the same bits whatever the batch, as with the file's
+    layout, though not the same bits as it): [out_features / 16, 148 * 16 * in_features / 256] uint8, the same
+    values (`dequantize(packed, Q4_KX16, in_features)` gives the file's weight bit for bit)."""
+    return _ops().pack(blocks, qtype, out_features, in_features)
+
+
+def packs(qtype: int, out_features: int, int8: bool = True) -> bool:
+    """Whether a [out_features, *] weight of GGML type `qtype` goes packed (Q4_KX16): Q4_K with 8-bit activations
+    and a multiple of PACK_ROWS rows."""
+    return int8 and qtype == Q4_K and out_features % PACK_ROWS == 0
 
 
 def dequantize(blocks: Tensor, qtype: int, in_features: int) -> Tensor:

@@ -59,6 +59,7 @@ constexpr int64_t Q5_0 = 6;
 constexpr int64_t Q8_0 = 8;
 constexpr int64_t Q4_K = 12;
 constexpr int64_t Q6_K = 14;
+constexpr int64_t Q4_KX16 = 1012;  // not a GGML id: a Q4_K weight packed by `pack` (see Q4_KX16 below)
 
 constexpr int MAX_TILE = 8;  // activation rows per kernel call (8-bit activations; float ones: 4)
 constexpr int MAX_FLOAT_TILE = 4;
@@ -76,10 +77,11 @@ Format format_of(int64_t type) {
     case Q8_0: return {32, 34, 32};
     case Q4_K: return {256, 144, 256};
     case Q6_K: return {256, 210, 256};
+    case Q4_KX16: return {256, 148, 256};  // per row: the group's record divided among its 16 rows
     default: break;
   }
   TORCH_CHECK(false, "sparrow_gguf: unsupported GGML type ", type,
-              " (supported: Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
+              " (supported: Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14; packed Q4_K = 1012)");
 }
 
 SPARROW_INLINE float half_at(const uint8_t* p) {
@@ -190,6 +192,7 @@ struct QuantRow {
   const float* d;        // [K / block]
   const int16_t* bsums;  // [K / 16]: sums of 16 consecutive q (Q6_K's offset term; the portable Q4_K kernel's mins)
   const float* msum;     // [K / 32] (Q4_K; else nullptr): d of the block times the sum of 32 consecutive q
+  const int16_t* bs32;   // [K / 32] (Q4_KX16; else nullptr): sums of 32 consecutive q
 };
 
 // msum[g] = d[g / 8] * (bsums[2g] + bsums[2g + 1]): the float activation sums Q4_K's mins multiply (the same
@@ -280,6 +283,92 @@ void int8_rows_scalar(int64_t type, const uint8_t* w, int64_t nb, const QuantRow
       }
     }
     out[r] = acc - accm;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Q4_K packed 16 rows at a time (Q4_KX16, sparrow's own layout, made once at load by `pack`): the column-interleaved
+// form that lets one 8-bit activation quad (broadcast) multiply 16 weight rows in one vpdpbusd, each s32 lane one
+// output column's sum, so that the float steps run once per 16 columns instead of once per column, and no
+// horizontal sum is left at the end (llama.cpp's repacked Q4_K GEMM has the same idea, in another layout).
+// Weight rows 16G .. 16G + 15 (a group), super-block b: one record of PACKED_RECORD bytes at (G * nb + b) *
+// PACKED_RECORD:
+//   qs    [4 pairs j][8 quads g][16 columns c][4]: byte (j, g, c, t) = Q4_K's qs[32j + 4g + t] of row 16G + c: its low
+//         nibble is value 64j + 4g + t (sub-block 2j), its high nibble value 64j + 32 + 4g + t (sub-block 2j + 1);
+//   sc    [8 sub-blocks][16 columns] the 6-bit scales, one byte each;
+//   mn    [4 pairs j][16 columns][2] the 6-bit mins of sub-blocks 2j, 2j + 1, one byte each;
+//   d, dmin [16 columns] fp16, as in the file.
+// 148 bytes a row and super-block (the file's 144 and the scales unpacked). Every value of the file is kept, so the
+// packed weight dequantizes to the same bits (dequant_q4kx16).
+constexpr int64_t PACK_ROWS = 16;
+constexpr int64_t PACKED_RECORD = PACK_ROWS * 148;
+constexpr int64_t PK_SC = 2048, PK_MN = 2176, PK_D = 2304, PK_DMIN = 2336;
+constexpr int MAX_PACKED_TILE = 6;  // activation rows per packed kernel call (AVX-512: 30 of the 32 zmm registers)
+
+void pack_q4k_group(const uint8_t* src, int64_t rb, int64_t nb, uint8_t* dst) {  // 16 rows of rb bytes
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* rec = dst + b * PACKED_RECORD;
+    for (int c = 0; c < PACK_ROWS; ++c) {
+      const uint8_t* blk = src + c * rb + b * 144;
+      for (int j = 0; j < 4; ++j)
+        for (int g = 0; g < 8; ++g) std::memcpy(rec + ((j * 8 + g) * 16 + c) * 4, blk + 16 + 32 * j + 4 * g, 4);
+      uint8_t sc[8], mn[8];
+      q4k_scales(blk + 4, sc, mn);
+      for (int s = 0; s < 8; ++s) rec[PK_SC + s * 16 + c] = sc[s];
+      for (int j = 0; j < 4; ++j) {
+        rec[PK_MN + (j * 16 + c) * 2] = mn[2 * j];
+        rec[PK_MN + (j * 16 + c) * 2 + 1] = mn[2 * j + 1];
+      }
+      std::memcpy(rec + PK_D + 2 * c, blk, 2);
+      std::memcpy(rec + PK_DMIN + 2 * c, blk + 2, 2);
+    }
+  }
+}
+
+// Row c of a group's packed super-block b, dequantized with dequant_q4_k's operations (the same bits).
+void dequant_q4kx16(const uint8_t* rec, int c, float* y) {
+  const float d = half_at(rec + PK_D + 2 * c), dmin = half_at(rec + PK_DMIN + 2 * c);
+  for (int s = 0; s < 8; ++s) {
+    const float ds = d * static_cast<float>(rec[PK_SC + s * 16 + c]);
+    const float ms = dmin * static_cast<float>(rec[PK_MN + ((s / 2) * 16 + c) * 2 + s % 2]);
+    for (int g = 0; g < 8; ++g)
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t byte = rec[(((s / 2) * 8 + g) * 16 + c) * 4 + t];
+        y[32 * s + 4 * g + t] = ds * static_cast<float>(s % 2 ? byte >> 4 : byte & 0xF) - ms;
+      }
+  }
+}
+
+// One group's 16 columns against R activation rows -> out [R][16]. Per row and super-block, exact integers: the
+// sums sum_s sc[s] * (q . x over sub-block s) and sum_s mn[s] * bs32[s] (bs32: the row's 32-value activation
+// sums); then two float steps per column, the same on every instruction set:
+//   acc = fma(float(sumi), d * dx, acc);  acc = fma(-float(summ), dmin * dx, acc).
+template <int R>
+void q4kx16_rows_scalar(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float acc[PACK_ROWS] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* rec = w + b * PACKED_RECORD;
+      const int8_t* xq = a[r].q + b * 256;
+      const int16_t* bs = a[r].bs32 + b * 8;
+      const float dx = a[r].d[b];
+      for (int c = 0; c < PACK_ROWS; ++c) {
+        int sumi = 0, summ = 0;
+        for (int s = 0; s < 8; ++s) {
+          int p = 0;
+          for (int g = 0; g < 8; ++g)
+            for (int t = 0; t < 4; ++t) {
+              const uint8_t byte = rec[(((s / 2) * 8 + g) * 16 + c) * 4 + t];
+              p += (s % 2 ? byte >> 4 : byte & 0xF) * xq[32 * s + 4 * g + t];
+            }
+          sumi += rec[PK_SC + s * 16 + c] * p;
+          summ += rec[PK_MN + ((s / 2) * 16 + c) * 2 + s % 2] * bs[s];
+        }
+        acc[c] = std::fma(static_cast<float>(sumi), half_at(rec + PK_D + 2 * c) * dx, acc[c]);
+        acc[c] = std::fma(-static_cast<float>(summ), half_at(rec + PK_DMIN + 2 * c) * dx, acc[c]);
+      }
+    }
+    std::memcpy(out + r * PACK_ROWS, acc, sizeof(acc));
   }
 }
 
@@ -381,6 +470,63 @@ SPARROW_AVX2 void int8_q5_0_avx2(const uint8_t* w, int64_t nb, const QuantRow* a
     q8_block<R>(q5_0_vector(blk), half_f16c(blk), b, a, acc0, acc1);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+// Q4_KX16 x Q8_K (see q4kx16_rows_scalar): 8 columns a pass (the group's two halves one after the other), the
+// four-product sums as vpmaddubsw + vpmaddwd with ones (no saturation: 2 * 15 * 127 < 2^15), the same integers as
+// vpdpbusd, then the scalar kernel's float steps lane for lane.
+SPARROW_AVX2 SPARROW_INLINE __m256i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+SPARROW_AVX2 SPARROW_INLINE void prefetch_record(const uint8_t* rec, int s) {  // the record two ahead: 5 of its 37 lines, s = 0..7
+  for (int l = 0; l < 5; ++l)
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * PACKED_RECORD + 64 * (5 * s + l)),
+                 _MM_HINT_T0);
+}
+
+template <int R>
+SPARROW_AVX2 void q4kx16_rows_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+  for (int hc = 0; hc < 2; ++hc) {  // columns 8hc .. 8hc + 7
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* rec = w + b * PACKED_RECORD;
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        if (hc == 0) prefetch_record(rec, s);
+        const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + PK_SC + 16 * s + 8 * hc)));
+        __m256i p[R];
+        for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          const __m256i raw = load(rec + ((s / 2) * 8 + g) * 64 + 32 * hc);
+          const __m256i q = s % 2 ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) : _mm256_and_si256(raw, m4);
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = bcast32(a[r].q + b * 256 + 32 * s + 4 * g);
+            p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones));
+          }
+        }
+        for (int r = 0; r < R; ++r) sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(p[r], sc));
+      }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + PK_D + 16 * hc)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + PK_DMIN + 16 * hc)));
+      __m256i mn[4];
+      for (int j = 0; j < 4; ++j)
+        mn[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + PK_MN + 32 * j + 16 * hc)));
+      for (int r = 0; r < R; ++r) {
+        __m256i summ = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) summ = _mm256_add_epi32(summ, _mm256_madd_epi16(mn[j], bcast32(a[r].bs32 + b * 8 + 2 * j)));
+        const __m256 dx = _mm256_set1_ps(a[r].d[b]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(dv, dx), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(mv, dx), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * PACK_ROWS + 8 * hc, acc[r]);
+  }
 }
 
 // Q4_K's 12 scale bytes s[0..11] -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), as q4k_scales computes them:
@@ -709,6 +855,54 @@ SPARROW_AVX512 void int8_q6_k_avx512(const uint8_t* w, int64_t nb, const QuantRo
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
+// Q4_KX16 x Q8_K with vpdpbusd: the 16 columns in one zmm, four products a lane (two accumulators per row, so the
+// adds of one do not wait on the other's), the same integers and float steps as the AVX2 and scalar kernels.
+template <int R>
+SPARROW_AVX512 void q4kx16_rows_avx512(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec = w + b * PACKED_RECORD;
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int s = 0; s < 8; ++s) {
+      prefetch_record(rec, s);
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + PK_SC + 16 * s)));
+      __m512i p0[R], p1[R];
+      for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm512_setzero_si512();
+      for (int g = 0; g < 8; ++g) {
+        const __m512i raw = _mm512_loadu_si512(rec + ((s / 2) * 8 + g) * 64);
+        const __m512i q = s % 2 ? _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4) : _mm512_and_si512(raw, m4);
+        for (int r = 0; r < R; ++r) {
+          int32_t xv;
+          std::memcpy(&xv, a[r].q + b * 256 + 32 * s + 4 * g, 4);
+          const __m512i x = _mm512_set1_epi32(xv);
+          if (g % 2) p1[r] = _mm512_dpbusd_epi32(p1[r], q, x);
+          else p0[r] = _mm512_dpbusd_epi32(p0[r], q, x);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(_mm512_add_epi32(p0[r], p1[r]), sc));
+    }
+    const __m512 dv = _mm512_cvtph_ps(load(rec + PK_D)), mv = _mm512_cvtph_ps(load(rec + PK_DMIN));
+    __m512i mn[4];
+    for (int j = 0; j < 4; ++j) mn[j] = _mm512_cvtepu8_epi16(load(rec + PK_MN + 32 * j));
+    for (int r = 0; r < R; ++r) {
+      __m512i summ = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        int32_t bv;
+        std::memcpy(&bv, a[r].bs32 + b * 8 + 2 * j, 4);
+        summ = _mm512_dpwssd_epi32(summ, mn[j], _mm512_set1_epi32(bv));
+      }
+      const __m512 dx = _mm512_set1_ps(a[r].d[b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(dv, dx), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(mv, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * PACK_ROWS, acc[r]);
+}
+
 template <int R>
 SPARROW_AVX512 void int8_rows_avx512(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
   if (type == Q8_0) int8_q8_0_avx512<R>(w, nb, a, out);
@@ -771,6 +965,10 @@ struct ScalarRows {
   template <int R>
   static void rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
     int8_rows_scalar<R>(type, w, nb, a, out);
+  }
+  template <int R>
+  static void packed(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+    q4kx16_rows_scalar<R>(w, nb, a, out);
   }
 };
 
@@ -837,11 +1035,19 @@ struct Avx2Rows {
   SPARROW_AVX2 static void rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
     int8_rows_avx2<R>(type, w, nb, a, out);
   }
+  template <int R>
+  SPARROW_AVX2 static void packed(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+    q4kx16_rows_avx2<R>(w, nb, a, out);
+  }
 };
 struct Avx512Rows {
   template <int R>
   SPARROW_AVX512 static void rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
     int8_rows_avx512<R>(type, w, nb, a, out);
+  }
+  template <int R>
+  SPARROW_AVX512 static void packed(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+    q4kx16_rows_avx512<R>(w, nb, a, out);
   }
 };
 SPARROW_AVX2 void int8_range_avx2(const Int8Range& g) { int8_range<Avx2Rows>(g); }
@@ -854,6 +1060,66 @@ void int8_range_any(const Int8Range& g) {
   if (current() == Isa::Avx2) return int8_range_avx2(g);
 #endif
   int8_range_scalar(g);
+}
+
+// The outputs y[:, 16 g0 : 16 g1] of a packed Q4_K weight (Q4_KX16), the m rows in tiles and row blocks as in
+// int8_range (here each tile reads a group of 16 weight rows once).
+struct PackedRange {
+  const uint8_t* w;     // all groups, nb records each
+  int64_t nb;           // super-blocks per weight row
+  int64_t g0, g1;       // the groups of this range
+  const QuantRow* a;    // [m]
+  int64_t m, n, k;
+  const float* bias;    // [n] or nullptr
+  float* out;           // [m, n]
+};
+
+template <class Kernel>
+SPARROW_INLINE void packed_tile(int r, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  switch (r) {  // R = r in 1..MAX_PACKED_TILE
+    case 1: Kernel::template packed<1>(w, nb, a, out); break;
+    case 2: Kernel::template packed<2>(w, nb, a, out); break;
+    case 3: Kernel::template packed<3>(w, nb, a, out); break;
+    case 4: Kernel::template packed<4>(w, nb, a, out); break;
+    case 5: Kernel::template packed<5>(w, nb, a, out); break;
+    default: Kernel::template packed<6>(w, nb, a, out); break;
+  }
+}
+
+template <class Kernel>
+SPARROW_INLINE void packed_range(const PackedRange& g) {
+  const int64_t tiles = (g.m + MAX_PACKED_TILE - 1) / MAX_PACKED_TILE, base = g.m / tiles, longer = g.m % tiles;
+  const int64_t per_block = std::max<int64_t>(1, ROW_BLOCK_BYTES / (MAX_PACKED_TILE * g.k));
+  float tile[MAX_PACKED_TILE * PACK_ROWS];
+  for (int64_t t0 = 0; t0 < tiles; t0 += per_block) {
+    const int64_t t1 = std::min(tiles, t0 + per_block);
+    for (int64_t G = g.g0; G < g.g1; ++G) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t i = t * base + std::min(t, longer);
+        const int r = static_cast<int>(base + (t < longer ? 1 : 0));
+        packed_tile<Kernel>(r, g.w + G * g.nb * PACKED_RECORD, g.nb, g.a + i, tile);
+        for (int u = 0; u < r; ++u)
+          for (int c = 0; c < PACK_ROWS; ++c) {
+            const int64_t j = G * PACK_ROWS + c;
+            g.out[(i + u) * g.n + j] = g.bias != nullptr ? tile[u * PACK_ROWS + c] + g.bias[j] : tile[u * PACK_ROWS + c];
+          }
+      }
+    }
+  }
+}
+
+void packed_range_scalar(const PackedRange& g) { packed_range<ScalarRows>(g); }
+#ifdef SPARROW_X86
+SPARROW_AVX2 void packed_range_avx2(const PackedRange& g) { packed_range<Avx2Rows>(g); }
+SPARROW_AVX512 void packed_range_avx512(const PackedRange& g) { packed_range<Avx512Rows>(g); }
+#endif
+
+void packed_range_any(const PackedRange& g) {
+#ifdef SPARROW_X86
+  if (current() == Isa::Avx512) return packed_range_avx512(g);
+  if (current() == Isa::Avx2) return packed_range_avx2(g);
+#endif
+  packed_range_scalar(g);
 }
 
 template <int R>
@@ -891,6 +1157,8 @@ void check_blocks(const at::Tensor& blocks, int64_t type, int64_t n, int64_t k) 
               "sparrow_gguf: blocks must be a contiguous uint8 CPU tensor");
   TORCH_CHECK(blocks.numel() == n * row_bytes(f, k), "sparrow_gguf: blocks hold ", blocks.numel(),
               " bytes; a [", n, ", ", k, "] weight of type ", type, " needs ", n * row_bytes(f, k));
+  TORCH_CHECK(type != Q4_KX16 || n % PACK_ROWS == 0, "sparrow_gguf: a packed Q4_K weight has a multiple of ",
+              PACK_ROWS, " rows, not ", n);
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_in, int64_t block) {
@@ -934,13 +1202,17 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
   std::vector<float> d;
   std::vector<int16_t> bsums;
   std::vector<float> msum;
+  std::vector<int16_t> bs32;
   std::vector<QuantRow> rows;
+  const bool packed = type == Q4_KX16;
+  TORCH_CHECK(int8 || !packed, "sparrow_gguf: a packed Q4_K weight takes 8-bit activations only");
   if (int8) {
     const bool mins = type == Q4_K;
     q.resize(m * k);
     d.resize(m * (k / f.act_block));
     bsums.resize(m * (k / 16));
     msum.resize(mins ? m * (k / 32) : 0);
+    bs32.resize(packed ? m * (k / 32) : 0);
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
@@ -948,11 +1220,20 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
                      bsums.data() + i * (k / 16));
         if (mins)
           min_sums(d.data() + i * (k / f.act_block), bsums.data() + i * (k / 16), k, msum.data() + i * (k / 32));
+        if (packed)
+          for (int64_t g = 0; g < k / 32; ++g)
+            bs32[i * (k / 32) + g] = static_cast<int16_t>(bsums[i * (k / 16) + 2 * g] + bsums[i * (k / 16) + 2 * g + 1]);
       }
     });
     for (int64_t i = 0; i < m; ++i)
       rows.push_back({q.data() + i * k, d.data() + i * (k / f.act_block), bsums.data() + i * (k / 16),
-                      mins ? msum.data() + i * (k / 32) : nullptr});
+                      mins ? msum.data() + i * (k / 32) : nullptr, packed ? bs32.data() + i * (k / 32) : nullptr});
+  }
+  if (packed) {  // threads split the groups of 16 weight rows
+    at::parallel_for(0, n / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
+      packed_range_any({w, nb, begin, end, rows.data(), m, n, k, bias, out});
+    });
+    return y;
   }
 
   // Threads split the output rows; each output element is one thread's, computed in one fixed order (8-bit
@@ -998,6 +1279,15 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t type, int64_t k) {
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   const int64_t nb = k / f.values;
+  if (type == Q4_KX16) {
+    at::parallel_for(0, n / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g)
+        for (int64_t b = 0; b < nb; ++b)
+          for (int c = 0; c < PACK_ROWS; ++c)
+            dequant_q4kx16(w + (g * nb + b) * PACKED_RECORD, c, out + (g * PACK_ROWS + c) * k + b * 256);
+    });
+    return y;
+  }
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
 #ifdef SPARROW_X86
@@ -1010,6 +1300,21 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t type, int64_t k) {
     }
   });
   return y;
+}
+
+// A Q4_K weight [n, k] (n a multiple of 16) in the Q4_KX16 layout: the same values, 148 bytes a row and super-block.
+at::Tensor pack(const at::Tensor& blocks, int64_t type, int64_t n, int64_t k) {
+  TORCH_CHECK(type == Q4_K, "sparrow_gguf: pack takes Q4_K (12) weights, not type ", type);
+  check_blocks(blocks, type, n, k);
+  TORCH_CHECK(n % PACK_ROWS == 0, "sparrow_gguf: pack needs a multiple of ", PACK_ROWS, " rows, not ", n);
+  const int64_t nb = k / 256, rb = row_bytes(format_of(Q4_K), k);
+  at::Tensor out = at::empty({n / PACK_ROWS, nb * PACKED_RECORD}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) pack_q4k_group(src + g * PACK_ROWS * rb, rb, nb, dst + g * nb * PACKED_RECORD);
+  });
+  return out;
 }
 
 std::string isa() { return isa_name(current()); }
@@ -1037,6 +1342,7 @@ TORCH_LIBRARY(sparrow_gguf, m) {
   m.def("matmul(Tensor x, Tensor blocks, int type, int out_features, bool int8, Tensor? bias=None) -> Tensor");
   m.def("dequantize(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("quantize_activations(Tensor x, int block) -> (Tensor, Tensor)");
+  m.def("pack(Tensor blocks, int type, int out_features, int in_features) -> Tensor");
   m.def("isa() -> str", &sparrow_gguf::isa);
   m.def("set_isa(str name) -> ()", &sparrow_gguf::set_isa);
 }
@@ -1045,4 +1351,5 @@ TORCH_LIBRARY_IMPL(sparrow_gguf, CPU, m) {
   m.impl("matmul", &sparrow_gguf::matmul);
   m.impl("dequantize", &sparrow_gguf::dequantize);
   m.impl("quantize_activations", &sparrow_gguf::quantize_activations);
+  m.impl("pack", &sparrow_gguf::pack);
 }
