@@ -89,6 +89,10 @@ def test_every_linear_runs_on_the_files_blocks(target, source):
     assert {gguf_kernels.TYPE_NAMES[m.qtype] for m in model.modules() if isinstance(m, GGUFLinear)} == \
         {"Q8_0", "Q4_K", "Q6_K"}
     assert describe(model) == "gguf (15 layers)" and model.sparrow_quantization.skipped == ()
+    # Q4_K runs packed (16 rows interleaved, made at load), the other types on the file's bytes
+    kinds = {(m.qtype, m.kernel_type) for m in model.modules() if isinstance(m, GGUFLinear)}
+    assert kinds == {(gguf_kernels.Q8_0, gguf_kernels.Q8_0), (gguf_kernels.Q4_K, gguf_kernels.Q4_KX16),
+                     (gguf_kernels.Q6_K, gguf_kernels.Q6_K)}
     # the file's weights are the source's to 4-bit rounding (a check that names and rows are where they belong)
     up = model.model.layers[1].mlp.up_proj
     err = (up.dequantized() - source.model.layers[1].mlp.up_proj.weight).abs().max()
@@ -97,6 +101,7 @@ def test_every_linear_runs_on_the_files_blocks(target, source):
 
 def test_float_activations_equal_the_dequantized_model(gguf_file, target):
     model, _, _ = build_model(gguf_file, int8=False)
+    assert all(m.kernel_type == m.qtype for m in model.modules() if isinstance(m, GGUFLinear))  # float: not packed
     ids = torch.randint(0, 320, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         mine = model(ids).logits

@@ -165,7 +165,8 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
     kernels are built, see ``gguf_measurable``). The weight-only kernels compute in the dtype picked from the first
     two (as a quantized draft would), named by ``quant_activations``; w8a8 (int8 weights and per-token int8
     activations, fbgemm) takes that dtype too. gguf: ``sparrow.runtime.gguf_kernels``' matmul on Q4_K blocks with
-    8-bit activations (what ``--quant gguf`` runs the presets' big linears with), float32 activations in."""
+    8-bit activations, packed where GGUFLinear packs them (what ``--quant gguf`` runs the presets' big linears with),
+    float32 activations in."""
 
     start = time.perf_counter()
     out_features, in_features = shape
@@ -221,9 +222,11 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
                               size, working_set)
             quantized["w8a8"] = (lambda x: next(linears)[0](x), act)
         if quant and gguf_measurable(shape):
-            blocks = gguf_blocks(GGUF_TYPE, out_features, in_features)
+            blocks, kind = gguf_blocks(GGUF_TYPE, out_features, in_features), GGUF_TYPE
+            if gguf_kernels.packs(GGUF_TYPE, out_features):  # the layout GGUFLinear runs it in
+                blocks, kind = gguf_kernels.pack(blocks, GGUF_TYPE, out_features, in_features), gguf_kernels.Q4_KX16
             wq = _copies(lambda: (blocks.clone(),), blocks.numel(), working_set)
-            quantized[GGUF] = (lambda x: gguf_kernels.matmul(x, next(wq)[0], GGUF_TYPE, out_features, True),
+            quantized[GGUF] = (lambda x: gguf_kernels.matmul(x, next(wq)[0], kind, out_features, True),
                                torch.float32)
         if quantized:
             timed(quantized)
