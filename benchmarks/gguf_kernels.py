@@ -2,7 +2,7 @@
 
 Each round runs `sparrow doctor`'s own measurement of the existing formats (sparrow.runtime.microbench.measure:
 float32, bfloat16, float32 through oneDNN, int8 / int4 weight-only, w8a8) and then the GGUF kernels (8-bit
-activations for Q4_K (packed, as GGUFLinear runs it, and in the file's layout) / Q5_0 / Q6_K / Q8_0, float
+activations for Q4_K and Q6_K (packed, as GGUFLinear runs them, and in the file's layout) / Q5_0 / Q8_0, float
 activations for Q4_K) with the same harness: weights cycling through
 copies worth 2x the L3, so they stream from memory; the fastest of the turns. Rounds alternate the two groups, so a
 passing load on the (shared) machine hits both; the figures are the medians of the rounds, with min-max.
@@ -30,10 +30,10 @@ from sparrow.runtime import gguf_kernels as gk
 from sparrow.runtime.cpu import cpu_info
 from sparrow.runtime.microbench import BENCH_ROWS, BENCH_SHAPE, _copies, _time_ms, cache_bytes, gguf_blocks, measure
 
-# name, GGML type, 8-bit activations; "Q4_K-packed": the Q4_KX16 layout GGUFLinear runs Q4_K weights in, "Q4_K" the
-# file's own layout (what it ran before 2026-12-02)
-KERNELS = (("Q4_K-packed", gk.Q4_K, True), ("Q4_K", gk.Q4_K, True), ("Q6_K", gk.Q6_K, True), ("Q5_0", gk.Q5_0, True),
-           ("Q8_0", gk.Q8_0, True), ("Q4_K-float", gk.Q4_K, False))
+# name, GGML type, 8-bit activations; "-packed": the layout GGUFLinear runs Q4_K / Q6_K weights in (gk.pack), the
+# others the file's own layout (what GGUFLinear ran them in before 2026-12-02)
+KERNELS = (("Q4_K-packed", gk.Q4_K, True), ("Q4_K", gk.Q4_K, True), ("Q6_K-packed", gk.Q6_K, True),
+           ("Q6_K", gk.Q6_K, True), ("Q5_0", gk.Q5_0, True), ("Q8_0", gk.Q8_0, True), ("Q4_K-float", gk.Q4_K, False))
 
 
 def measure_gguf(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_SHAPE) -> dict[str, dict]:
@@ -44,7 +44,7 @@ def measure_gguf(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BE
     for name, qtype, int8 in KERNELS:
         blocks = gguf_blocks(qtype, out_features, in_features)
         if name.endswith("-packed"):
-            blocks, qtype = gk.pack(blocks, qtype, out_features, in_features), gk.Q4_KX16
+            blocks, qtype = gk.pack(blocks, qtype, out_features, in_features), gk.PACKED[qtype]
         weights = _copies(lambda b=blocks: (b.clone(),), blocks.numel(), working_set)
         kernels[name] = functools.partial(
             lambda x, w, q, a: gk.matmul(x, next(w)[0], q, out_features, a), w=weights, q=qtype, a=int8)

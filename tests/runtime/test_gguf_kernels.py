@@ -272,19 +272,22 @@ def test_the_micro_benchmark_times_the_gguf_kernel_beside_the_other_formats(monk
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Q4_K packed 16 rows at a time (Q4_KX16: what GGUFLinear runs a Q4_K weight on)
+# Q4_K and Q6_K packed 16 rows at a time (Q4_KX16, Q6_KX16: what GGUFLinear runs those weights on)
 
-def packed_blocks(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the file's Q4_K blocks, the same packed)."""
-    blocks = random_blocks(gk.Q4_K, rows, cols, seed=seed)
-    return blocks, gk.pack(blocks, gk.Q4_K, rows, cols)
+PACKABLE = (gk.Q4_K, gk.Q6_K)
+
+def packed_blocks(qtype: int, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the file's blocks, the same packed)."""
+    blocks = random_blocks(qtype, rows, cols, seed=seed)
+    return blocks, gk.pack(blocks, qtype, rows, cols)
 
 
-def test_packing_keeps_every_value_bit_for_bit(isa: str):
-    blocks, packed = packed_blocks(48, 768, seed=20)
-    assert packed.shape == (3, 3 * 148 * 16)
-    assert torch.equal(gk.dequantize(packed, gk.Q4_KX16, 768).view(torch.int32),
-                       reference(blocks, gk.Q4_K, 768).view(torch.int32))
+@pytest.mark.parametrize("qtype", PACKABLE)
+def test_packing_keeps_every_value_bit_for_bit(qtype: int, isa: str):
+    blocks, packed = packed_blocks(qtype, 48, 768, seed=20)
+    assert packed.shape == (3, 3 * gk.BLOCKS[gk.PACKED[qtype]][1] * 16)
+    assert torch.equal(gk.dequantize(packed, gk.PACKED[qtype], 768).view(torch.int32),
+                       reference(blocks, qtype, 768).view(torch.int32))
 
 
 def test_packing_real_blocks_keeps_every_value():
@@ -293,80 +296,86 @@ def test_packing_real_blocks_keeps_every_value():
         pytest.skip("no preset GGUF installed")
     checked = 0
     for tensor in gguf.GGUFReader(files[0]).tensors:
-        if int(tensor.tensor_type) == gk.Q4_K and len(tensor.shape) == 2 and checked < 4:
+        qtype = int(tensor.tensor_type)
+        if qtype in PACKABLE and len(tensor.shape) == 2 and checked < 8:
             cols = int(tensor.shape[0])
             raw = torch.from_numpy(np.array(tensor.data[:64]))
-            packed = gk.pack(raw, gk.Q4_K, 64, cols)
-            assert torch.equal(gk.dequantize(packed, gk.Q4_KX16, cols).view(torch.int32),
-                               reference(raw, gk.Q4_K, cols).view(torch.int32)), tensor.name
+            packed = gk.pack(raw, qtype, 64, cols)
+            assert torch.equal(gk.dequantize(packed, gk.PACKED[qtype], cols).view(torch.int32),
+                               reference(raw, qtype, cols).view(torch.int32)), tensor.name
             checked += 1
     if not checked:
-        pytest.skip("no Q4_K tensor in the installed preset")
+        pytest.skip("no Q4_K or Q6_K tensor in the installed preset")
 
 
-def test_packed_products_are_exact_integer_dots(isa: str):
+@pytest.mark.parametrize("qtype", PACKABLE)
+def test_packed_products_are_exact_integer_dots(qtype: int, isa: str):
     """The same bounds as the file's layout: float64 on the kernel's own 8-bit activations within float32 rounding,
     and close to the file's layout's product (the same integers, other float steps)."""
     cols, rows = 768, 48
-    blocks, packed = packed_blocks(rows, cols, seed=21)
-    w = reference(blocks, gk.Q4_K, cols)
+    blocks, packed = packed_blocks(qtype, rows, cols, seed=21)
+    w = reference(blocks, qtype, cols)
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(21))
     x[1] = 0.0
     x[2, :256] = 0.0
-    y = gk.matmul(x, packed, gk.Q4_KX16, rows, True)
+    y = gk.matmul(x, packed, gk.PACKED[qtype], rows, True)
     q, d = gk.quantize_activations(x, 256)
     xq = (q.double().reshape(5, -1, 256) * d.double()[..., None]).reshape(5, cols)
     assert ((y.double() - xq @ w.double().T).abs() <= _bound(w, xq, 1e-5)).all()
     assert (y[1] == 0).all()
-    torch.testing.assert_close(y, gk.matmul(x, blocks, gk.Q4_K, rows, True), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y, gk.matmul(x, blocks, qtype, rows, True), rtol=1e-5, atol=1e-4)
 
 
-def test_packed_products_are_batch_invariant_bit_for_bit(isa: str):
+@pytest.mark.parametrize("qtype", PACKABLE)
+def test_packed_products_are_batch_invariant_bit_for_bit(qtype: int, isa: str):
     """Every k (tiles of up to 6 rows), at 1 and 2 threads, and a prefill-sized forward in row blocks with a bias."""
     cols, rows = 512, 64
-    _, packed = packed_blocks(rows, cols, seed=22)
+    _, packed = packed_blocks(qtype, rows, cols, seed=22)
+    kind = gk.PACKED[qtype]
     x = torch.randn(19, cols, generator=torch.Generator().manual_seed(22)) * 3
-    singles = torch.cat([gk.matmul(x[i:i + 1], packed, gk.Q4_KX16, rows, True) for i in range(len(x))])
+    singles = torch.cat([gk.matmul(x[i:i + 1], packed, kind, rows, True) for i in range(len(x))])
     threads = torch.get_num_threads()
     try:
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
             for k in (2, 3, 4, 5, 6, 7, 8, 11, 13, 19):
                 for start in (0, len(x) - k):
-                    assert torch.equal(gk.matmul(x[start:start + k], packed, gk.Q4_KX16, rows, True),
+                    assert torch.equal(gk.matmul(x[start:start + k], packed, kind, rows, True),
                                        singles[start:start + k]), (k, start, n_threads)
     finally:
         torch.set_num_threads(threads)
     cols = 8960
-    _, packed = packed_blocks(16, cols, seed=23)
+    _, packed = packed_blocks(qtype, 16, cols, seed=23)
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(23))
     bias = torch.randn(16, generator=torch.Generator().manual_seed(24))
-    singles = torch.cat([gk.matmul(x[i:i + 1], packed, gk.Q4_KX16, 16, True, bias) for i in range(len(x))])
-    assert torch.equal(gk.matmul(x, packed, gk.Q4_KX16, 16, True, bias), singles)
-    assert torch.equal(gk.matmul(x[:3], packed, gk.Q4_KX16, 16, True, bias),
-                       gk.matmul(x[:3], packed, gk.Q4_KX16, 16, True) + bias)
+    singles = torch.cat([gk.matmul(x[i:i + 1], packed, kind, 16, True, bias) for i in range(len(x))])
+    assert torch.equal(gk.matmul(x, packed, kind, 16, True, bias), singles)
+    assert torch.equal(gk.matmul(x[:3], packed, kind, 16, True, bias),
+                       gk.matmul(x[:3], packed, kind, 16, True) + bias)
 
 
-def test_packed_products_are_the_same_bits_on_every_instruction_set():
+@pytest.mark.parametrize("qtype", PACKABLE)
+def test_packed_products_are_the_same_bits_on_every_instruction_set(qtype: int):
     """Scalar, AVX2 and AVX-512 VNNI: the same integers and the same float steps lane for lane (fused where the
     vector code fuses), so the same bits, for every tile size; a planted weight byte must show."""
     if "avx2" not in ISAS:
         pytest.skip("no AVX2 here")
     cols, rows = 1536, 32
-    blocks, packed = packed_blocks(rows, cols, seed=25)
+    blocks, packed = packed_blocks(qtype, rows, cols, seed=25)
+    kind = gk.PACKED[qtype]
     x = torch.randn(13, cols, generator=torch.Generator().manual_seed(25)) * 3
     out = {}
     try:
         for name in ISAS:
             gk.set_isa(name)
-            out[name] = [gk.matmul(x[:k], packed, gk.Q4_KX16, rows, True) for k in (1, 2, 3, 4, 5, 6, 7, 13)]
+            out[name] = [gk.matmul(x[:k], packed, kind, rows, True) for k in (1, 2, 3, 4, 5, 6, 7, 13)]
         for name in ISAS[1:]:
             for k, (a, b) in enumerate(zip(out["scalar"], out[name])):
                 assert torch.equal(a, b), (name, k)
         planted = blocks.clone()
-        planted[5, 2 * 144 + 40] ^= 0x11  # a weight byte (row 5, super-block 2: its qs), not a scale
+        planted[5, 2 * gk.BLOCKS[qtype][1] + 40] ^= 0x11  # a weight byte (row 5, super-block 2), not a scale
         gk.set_isa(ISAS[-1])
-        moved = gk.matmul(x[:1], gk.pack(planted, gk.Q4_K, rows, cols), gk.Q4_KX16, rows, True)
+        moved = gk.matmul(x[:1], gk.pack(planted, qtype, rows, cols), kind, rows, True)
         assert not torch.equal(moved[:, 5], out["scalar"][0][:, 5])
         assert torch.equal(moved[:, 6:], out["scalar"][0][:, 6:])
     finally:
@@ -377,12 +386,12 @@ def test_packing_refuses_what_it_cannot_pack():
     blocks = random_blocks(gk.Q4_K, 24, 512)
     with pytest.raises(RuntimeError, match="multiple of 16 rows"):
         gk.pack(blocks, gk.Q4_K, 24, 512)
-    with pytest.raises(RuntimeError, match="pack takes Q4_K"):
-        gk.pack(random_blocks(gk.Q6_K, 16, 512), gk.Q6_K, 16, 512)
+    with pytest.raises(RuntimeError, match="pack takes Q4_K \\(12\\) or Q6_K"):
+        gk.pack(random_blocks(gk.Q8_0, 16, 512), gk.Q8_0, 16, 512)
     packed = gk.pack(blocks[:16], gk.Q4_K, 16, 512)
     with pytest.raises(RuntimeError, match="8-bit activations only"):
         gk.matmul(torch.randn(1, 512), packed, gk.Q4_KX16, 16, False)
     with pytest.raises(RuntimeError, match="bytes"):
         gk.matmul(torch.randn(1, 512), packed.reshape(-1)[:-148], gk.Q4_KX16, 16)
-    assert gk.packs(gk.Q4_K, 32) and not gk.packs(gk.Q4_K, 24) and not gk.packs(gk.Q6_K, 32)
+    assert gk.packs(gk.Q4_K, 32) and gk.packs(gk.Q6_K, 32) and not gk.packs(gk.Q4_K, 24) and not gk.packs(gk.Q8_0, 32)
     assert not gk.packs(gk.Q4_K, 32, int8=False)

@@ -45,11 +45,14 @@ ENV = "SPARROW_GGUF_KERNELS"  # "0" / "off": never build or load the kernels
 
 # GGML type id -> (weights per block, bytes per block); the formats the kernels take
 Q5_0, Q8_0, Q4_K, Q6_K = 6, 8, 12, 14
-# not a GGML id: a Q4_K weight in sparrow's packed layout (`pack`: 16 rows interleaved, 148 bytes a row and 256 values)
-Q4_KX16, PACK_ROWS = 1012, 16
+# not GGML ids: Q4_K / Q6_K weights in sparrow's packed layouts (`pack`: 16 rows interleaved, 148 / 210 bytes a row
+# and 256 values)
+Q4_KX16, Q6_KX16, PACK_ROWS = 1012, 1014, 16
+PACKED = {Q4_K: Q4_KX16, Q6_K: Q6_KX16}  # file type -> the packed layout's type
 BLOCKS: dict[int, tuple[int, int]] = {Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210),
-                                      Q4_KX16: (256, 148)}
-TYPE_NAMES = {Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K", Q4_KX16: "Q4_K packed"}
+                                      Q4_KX16: (256, 148), Q6_KX16: (256, 210)}
+TYPE_NAMES = {Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K", Q4_KX16: "Q4_K packed",
+              Q6_KX16: "Q6_K packed"}
 SCALE_OFFSETS = {Q5_0: (0,), Q8_0: (0,), Q4_K: (0, 2), Q6_K: (208,)}  # where each block's fp16 scales lie
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
              "amx_tile", "amx_int8", "asimd", "asimddp", "i8mm")  # flags a kernel may be built or chosen for
@@ -83,7 +86,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("sparrow_gguf::pack")
     def _(blocks: Tensor, type: int, out_features: int, in_features: int) -> Tensor:
-        return blocks.new_empty(out_features // PACK_ROWS, in_features // 256 * 148 * PACK_ROWS)
+        return blocks.new_empty(out_features // PACK_ROWS, in_features // 256 * BLOCKS[PACKED[type]][1] * PACK_ROWS)
 
     @torch.library.register_fake("sparrow_gguf::dequantize")
     def _(blocks: Tensor, type: int, in_features: int) -> Tensor:
@@ -175,17 +178,18 @@ def matmul(x: Tensor, blocks: Tensor, qtype: int, out_features: int, int8: bool 
 
 
 def pack(blocks: Tensor, qtype: int, out_features: int, in_features: int) -> Tensor:
-    """A Q4_K weight's blocks [out_features, row bytes] (out_features a multiple of PACK_ROWS) in the Q4_KX16 layout
-    `matmul` multiplies fastest (8-bit activations; every output the same bits whatever the batch, as with the file's
-    layout, though not the same bits as it): [out_features / 16, 148 * 16 * in_features / 256] uint8, the same
-    values (`dequantize(packed, Q4_KX16, in_features)` gives the file's weight bit for bit)."""
+    """A Q4_K or Q6_K weight's blocks [out_features, row bytes] (out_features a multiple of PACK_ROWS) in the layout
+    `matmul` multiplies fastest, type PACKED[qtype] (8-bit activations; every output the same bits whatever the batch,
+    as with the file's layout, though not the same bits as it): [out_features / 16, 16 * row bytes] uint8 (Q4_K: 148
+    bytes a row and super-block, the scales unpacked; Q6_K: 210, the file's), the same values (`dequantize(packed,
+    PACKED[qtype], in_features)` gives the file's weight bit for bit)."""
     return _ops().pack(blocks, qtype, out_features, in_features)
 
 
 def packs(qtype: int, out_features: int, int8: bool = True) -> bool:
-    """Whether a [out_features, *] weight of GGML type `qtype` goes packed (Q4_KX16): Q4_K with 8-bit activations
-    and a multiple of PACK_ROWS rows."""
-    return int8 and qtype == Q4_K and out_features % PACK_ROWS == 0
+    """Whether a [out_features, *] weight of GGML type `qtype` goes packed (PACKED[qtype]): Q4_K or Q6_K with 8-bit
+    activations and a multiple of PACK_ROWS rows."""
+    return int8 and qtype in PACKED and out_features % PACK_ROWS == 0
 
 
 def dequantize(blocks: Tensor, qtype: int, in_features: int) -> Tensor:

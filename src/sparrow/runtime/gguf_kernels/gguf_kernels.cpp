@@ -7,6 +7,9 @@
 //     (y = x W^T + bias: each dot product, then its bias added, one rounding, as a separate add would give)
 //   dequantize(blocks uint8 [N, row bytes], type, K) -> W float32 [N, K]
 //   quantize_activations(x float32 [M, K], block) -> (q int8 [M, K], d float32 [M, K / block])
+//   pack(blocks uint8 [N, row bytes], Q4_K or Q6_K, N, K) -> uint8 [N / 16, 16 * row bytes']: the weight in sparrow's
+//     own layout of 16 rows interleaved (type Q4_KX16 / Q6_KX16 for matmul and dequantize; 8-bit activations only):
+//     the same values, the products of 1 to 256 rows ~1.1-2.3x faster (see Q4_KX16 below)
 //   isa() -> str;  set_isa(str)  (tests: run the portable or AVX2 path on a machine with more)
 //
 // Two activation modes:
@@ -59,7 +62,9 @@ constexpr int64_t Q5_0 = 6;
 constexpr int64_t Q8_0 = 8;
 constexpr int64_t Q4_K = 12;
 constexpr int64_t Q6_K = 14;
-constexpr int64_t Q4_KX16 = 1012;  // not a GGML id: a Q4_K weight packed by `pack` (see Q4_KX16 below)
+// not GGML ids: the matmul's types for weights packed 16 rows at a time by `pack` (see Q4_KX16, Q6_KX16 below)
+constexpr int64_t Q4_KX16 = 1012;
+constexpr int64_t Q6_KX16 = 1014;
 
 constexpr int MAX_TILE = 8;  // activation rows per kernel call (8-bit activations; float ones: 4)
 constexpr int MAX_FLOAT_TILE = 4;
@@ -78,10 +83,11 @@ Format format_of(int64_t type) {
     case Q4_K: return {256, 144, 256};
     case Q6_K: return {256, 210, 256};
     case Q4_KX16: return {256, 148, 256};  // per row: the group's record divided among its 16 rows
+    case Q6_KX16: return {256, 210, 256};
     default: break;
   }
   TORCH_CHECK(false, "sparrow_gguf: unsupported GGML type ", type,
-              " (supported: Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14; packed Q4_K = 1012)");
+              " (supported: Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14; packed Q4_K = 1012, Q6_K = 1014)");
 }
 
 SPARROW_INLINE float half_at(const uint8_t* p) {
@@ -372,6 +378,84 @@ void q4kx16_rows_scalar(const uint8_t* w, int64_t nb, const QuantRow* a, float* 
   }
 }
 
+// Q6_K packed 16 rows at a time (Q6_KX16), in the manner of Q4_KX16, 210 bytes a row and super-block (the file's
+// own size). Group G, super-block b: one record of Q6_RECORD bytes at (G * nb + b) * Q6_RECORD:
+//   ql [4 pairs j][8 quads g][16 columns c][4]: byte (j, g, c, t): the low 4 bits of row 16G + c's value (q, 0..63)
+//      64j + 4g + t in its low nibble, of value 64j + 32 + 4g + t in its high nibble;
+//   qh [2 halves n][8 quads g][16 columns][4]: bits 2i, 2i + 1 = the high 2 bits of value 128n + 32i + 4g + t;
+//   sc [8 pairs i][16 columns][2]: the int8 scales of the 16-value groups 2i, 2i + 1;
+//   d  [16 columns] fp16.
+// w = d * sc * (q - 32), as the file's.
+constexpr int64_t Q6_RECORD = PACK_ROWS * 210;
+constexpr int64_t P6_QH = 2048, P6_SC = 3072, P6_D = 3328;
+
+SPARROW_INLINE int q6kx16_value(const uint8_t* rec, int c, int k) {  // q in 0..63 of row c's value k
+  const int s = k / 32, g = (k % 32) / 4, t = k % 4;
+  const int lo = (rec[(((s / 2) * 8 + g) * 16 + c) * 4 + t] >> (4 * (s % 2))) & 0xF;
+  const int hi = (rec[P6_QH + (((k / 128) * 8 + g) * 16 + c) * 4 + t] >> (2 * (s % 4))) & 3;
+  return lo | hi << 4;
+}
+
+SPARROW_INLINE int8_t q6kx16_scale(const uint8_t* rec, int c, int group) {  // group of 16 values, 0..15
+  return static_cast<int8_t>(rec[P6_SC + ((group / 2) * 16 + c) * 2 + group % 2]);
+}
+
+void pack_q6k_group(const uint8_t* src, int64_t rb, int64_t nb, uint8_t* dst) {  // 16 rows of rb bytes
+  std::memset(dst, 0, nb * Q6_RECORD);
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* rec = dst + b * Q6_RECORD;
+    for (int c = 0; c < PACK_ROWS; ++c) {
+      const uint8_t* blk = src + c * rb + b * 210;
+      int8_t v[256];
+      q6k_values(blk, v);
+      for (int k = 0; k < 256; ++k) {
+        const int q = v[k] + 32, s = k / 32, g = (k % 32) / 4, t = k % 4;
+        rec[(((s / 2) * 8 + g) * 16 + c) * 4 + t] |= static_cast<uint8_t>((q & 0xF) << (4 * (s % 2)));
+        rec[P6_QH + (((k / 128) * 8 + g) * 16 + c) * 4 + t] |= static_cast<uint8_t>((q >> 4) << (2 * (s % 4)));
+      }
+      for (int group = 0; group < 16; ++group) rec[P6_SC + ((group / 2) * 16 + c) * 2 + group % 2] = blk[192 + group];
+      std::memcpy(rec + P6_D + 2 * c, blk + 208, 2);
+    }
+  }
+}
+
+// Row c of a group's packed super-block, dequantized with dequant_q6_k's operations (the same bits).
+void dequant_q6kx16(const uint8_t* rec, int c, float* y) {
+  const float d = half_at(rec + P6_D + 2 * c);
+  for (int group = 0; group < 16; ++group) {
+    const float dg = d * static_cast<float>(q6kx16_scale(rec, c, group));
+    for (int l = 0; l < 16; ++l)
+      y[16 * group + l] = dg * static_cast<float>(static_cast<int8_t>(q6kx16_value(rec, c, 16 * group + l) - 32));
+  }
+}
+
+// One group's 16 columns against R activation rows -> out [R][16]. Per row and super-block, exact integers:
+// sumi = sum over the 16-value groups of sc * (q . x), summ = sum of sc * (the group's activation sum); then one
+// float step per column, the same on every instruction set: acc = fma(float(sumi - 32 * summ), d * dx, acc).
+template <int R>
+void q6kx16_rows_scalar(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float acc[PACK_ROWS] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* rec = w + b * Q6_RECORD;
+      const int8_t* xq = a[r].q + b * 256;
+      const int16_t* bs = a[r].bsums + b * 16;
+      const float dx = a[r].d[b];
+      for (int c = 0; c < PACK_ROWS; ++c) {
+        int sumi = 0, summ = 0;
+        for (int group = 0; group < 16; ++group) {
+          int p = 0;
+          for (int l = 0; l < 16; ++l) p += q6kx16_value(rec, c, 16 * group + l) * xq[16 * group + l];
+          sumi += q6kx16_scale(rec, c, group) * p;
+          summ += q6kx16_scale(rec, c, group) * bs[group];
+        }
+        acc[c] = std::fma(static_cast<float>(sumi - 32 * summ), half_at(rec + P6_D + 2 * c) * dx, acc[c]);
+      }
+    }
+    std::memcpy(out + r * PACK_ROWS, acc, sizeof(acc));
+  }
+}
+
 template <int R>
 void float_rows_scalar(int64_t type, const uint8_t* w, int64_t nb, const Format& f, const float* const* x,
                        float* out) {
@@ -523,6 +607,78 @@ SPARROW_AVX2 void q4kx16_rows_avx2(const uint8_t* w, int64_t nb, const QuantRow*
         const __m256 dx = _mm256_set1_ps(a[r].d[b]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(dv, dx), acc[r]);
         acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(mv, dx), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * PACK_ROWS + 8 * hc, acc[r]);
+  }
+}
+
+// Q6_KX16 x Q8_K (see q6kx16_rows_scalar), 8 columns a pass as q4kx16_rows_avx2 (no saturation: 2 * 63 * 127 <
+// 2^15). The high 2 bits of sub-block s = 4n + i sit at bits 2i of the qh bytes: moved to bits 4-5 by a 16-bit
+// shift (bits shifted in from the neighbouring byte fall outside the mask).
+template <int I>
+SPARROW_AVX2 SPARROW_INLINE __m256i q6_high(__m256i h, __m256i m30) {
+  if constexpr (I == 0) return _mm256_and_si256(_mm256_slli_epi16(h, 4), m30);
+  else if constexpr (I == 1) return _mm256_and_si256(_mm256_slli_epi16(h, 2), m30);
+  else if constexpr (I == 2) return _mm256_and_si256(h, m30);
+  else return _mm256_and_si256(_mm256_srli_epi16(h, 2), m30);
+}
+
+SPARROW_AVX2 SPARROW_INLINE void prefetch_q6_record(const uint8_t* rec, int s) {  // two ahead: 7 of its 53 lines
+  for (int l = 0; l < 7; ++l)
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * Q6_RECORD + 64 * (7 * s + l)), _MM_HINT_T0);
+}
+
+template <int R, int S>
+SPARROW_AVX2 SPARROW_INLINE void q6kx16_sub_avx2(const uint8_t* rec, int64_t b, int hc, const QuantRow* a,
+                                                __m256i* sumi) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  const __m256i sc2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_SC + 32 * S + 16 * hc)));
+  const __m256i sc_lo = _mm256_srai_epi32(_mm256_slli_epi32(sc2, 16), 16), sc_hi = _mm256_srai_epi32(sc2, 16);
+  __m256i p0[R], p1[R];
+  for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm256_setzero_si256();
+  for (int g = 0; g < 8; ++g) {
+    const __m256i raw = load(rec + ((S / 2) * 8 + g) * 64 + 32 * hc);
+    const __m256i lo = S % 2 ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) : _mm256_and_si256(raw, m4);
+    const __m256i q = _mm256_or_si256(lo, q6_high<S % 4>(load(rec + P6_QH + ((S / 4) * 8 + g) * 64 + 32 * hc), m30));
+    for (int r = 0; r < R; ++r) {
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, bcast32(a[r].q + b * 256 + 32 * S + 4 * g)), ones);
+      if (g < 4) p0[r] = _mm256_add_epi32(p0[r], dot);
+      else p1[r] = _mm256_add_epi32(p1[r], dot);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_mullo_epi32(p0[r], sc_lo), _mm256_mullo_epi32(p1[r], sc_hi)));
+}
+
+template <int R>
+SPARROW_AVX2 void q6kx16_rows_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  for (int hc = 0; hc < 2; ++hc) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* rec = w + b * Q6_RECORD;
+      if (hc == 0)
+        for (int s = 0; s < 8; ++s) prefetch_q6_record(rec, s);
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+      q6kx16_sub_avx2<R, 0>(rec, b, hc, a, sumi);
+      q6kx16_sub_avx2<R, 1>(rec, b, hc, a, sumi);
+      q6kx16_sub_avx2<R, 2>(rec, b, hc, a, sumi);
+      q6kx16_sub_avx2<R, 3>(rec, b, hc, a, sumi);
+      q6kx16_sub_avx2<R, 4>(rec, b, hc, a, sumi);
+      q6kx16_sub_avx2<R, 5>(rec, b, hc, a, sumi);
+      q6kx16_sub_avx2<R, 6>(rec, b, hc, a, sumi);
+      q6kx16_sub_avx2<R, 7>(rec, b, hc, a, sumi);
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_D + 16 * hc)));
+      for (int r = 0; r < R; ++r) {
+        __m256i summ = _mm256_setzero_si256();
+        for (int i = 0; i < 8; ++i) {
+          const __m256i sc2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_SC + 32 * i + 16 * hc)));
+          summ = _mm256_add_epi32(summ, _mm256_madd_epi16(sc2, bcast32(a[r].bsums + b * 16 + 2 * i)));
+        }
+        const __m256i total = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(summ, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_set1_ps(a[r].d[b])), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * PACK_ROWS + 8 * hc, acc[r]);
@@ -903,6 +1059,72 @@ SPARROW_AVX512 void q4kx16_rows_avx512(const uint8_t* w, int64_t nb, const Quant
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * PACK_ROWS, acc[r]);
 }
 
+// Q6_KX16 x Q8_K with vpdpbusd, the 16 columns in one zmm; the same integers and float step as the AVX2 and scalar
+// kernels.
+template <int I>
+SPARROW_AVX512 SPARROW_INLINE __m512i q6_high512(__m512i h, __m512i m30) {
+  if constexpr (I == 0) return _mm512_and_si512(_mm512_slli_epi16(h, 4), m30);
+  else if constexpr (I == 1) return _mm512_and_si512(_mm512_slli_epi16(h, 2), m30);
+  else if constexpr (I == 2) return _mm512_and_si512(h, m30);
+  else return _mm512_and_si512(_mm512_srli_epi16(h, 2), m30);
+}
+
+template <int R, int S>
+SPARROW_AVX512 SPARROW_INLINE void q6kx16_sub_avx512(const uint8_t* rec, int64_t b, const QuantRow* a, __m512i* sumi) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+  prefetch_q6_record(rec, S);
+  const __m512i sc2 = _mm512_cvtepi8_epi16(load(rec + P6_SC + 32 * S));
+  const __m512i sc_lo = _mm512_srai_epi32(_mm512_slli_epi32(sc2, 16), 16), sc_hi = _mm512_srai_epi32(sc2, 16);
+  __m512i p0[R], p1[R];
+  for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm512_setzero_si512();
+  for (int g = 0; g < 8; ++g) {
+    const __m512i raw = _mm512_loadu_si512(rec + ((S / 2) * 8 + g) * 64);
+    const __m512i lo = S % 2 ? _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4) : _mm512_and_si512(raw, m4);
+    const __m512i q = _mm512_or_si512(lo, q6_high512<S % 4>(_mm512_loadu_si512(rec + P6_QH + ((S / 4) * 8 + g) * 64), m30));
+    for (int r = 0; r < R; ++r) {
+      int32_t xv;
+      std::memcpy(&xv, a[r].q + b * 256 + 32 * S + 4 * g, 4);
+      if (g < 4) p0[r] = _mm512_dpbusd_epi32(p0[r], q, _mm512_set1_epi32(xv));
+      else p1[r] = _mm512_dpbusd_epi32(p1[r], q, _mm512_set1_epi32(xv));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(_mm512_mullo_epi32(p0[r], sc_lo), _mm512_mullo_epi32(p1[r], sc_hi)));
+}
+
+template <int R>
+SPARROW_AVX512 void q6kx16_rows_avx512(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec = w + b * Q6_RECORD;
+    __m512i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+    q6kx16_sub_avx512<R, 0>(rec, b, a, sumi);
+    q6kx16_sub_avx512<R, 1>(rec, b, a, sumi);
+    q6kx16_sub_avx512<R, 2>(rec, b, a, sumi);
+    q6kx16_sub_avx512<R, 3>(rec, b, a, sumi);
+    q6kx16_sub_avx512<R, 4>(rec, b, a, sumi);
+    q6kx16_sub_avx512<R, 5>(rec, b, a, sumi);
+    q6kx16_sub_avx512<R, 6>(rec, b, a, sumi);
+    q6kx16_sub_avx512<R, 7>(rec, b, a, sumi);
+    const __m512 dv = _mm512_cvtph_ps(load(rec + P6_D));
+    __m512i sc2[8];
+    for (int i = 0; i < 8; ++i) sc2[i] = _mm512_cvtepi8_epi16(load(rec + P6_SC + 32 * i));
+    for (int r = 0; r < R; ++r) {
+      __m512i summ = _mm512_setzero_si512();
+      for (int i = 0; i < 8; ++i) {
+        int32_t bv;
+        std::memcpy(&bv, a[r].bsums + b * 16 + 2 * i, 4);
+        summ = _mm512_dpwssd_epi32(summ, sc2[i], _mm512_set1_epi32(bv));
+      }
+      const __m512i total = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32(summ, 5));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dv, _mm512_set1_ps(a[r].d[b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * PACK_ROWS, acc[r]);
+}
+
 template <int R>
 SPARROW_AVX512 void int8_rows_avx512(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
   if (type == Q8_0) int8_q8_0_avx512<R>(w, nb, a, out);
@@ -967,8 +1189,9 @@ struct ScalarRows {
     int8_rows_scalar<R>(type, w, nb, a, out);
   }
   template <int R>
-  static void packed(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
-    q4kx16_rows_scalar<R>(w, nb, a, out);
+  static void packed(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+    if (type == Q4_KX16) q4kx16_rows_scalar<R>(w, nb, a, out);
+    else q6kx16_rows_scalar<R>(w, nb, a, out);
   }
 };
 
@@ -1036,8 +1259,9 @@ struct Avx2Rows {
     int8_rows_avx2<R>(type, w, nb, a, out);
   }
   template <int R>
-  SPARROW_AVX2 static void packed(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
-    q4kx16_rows_avx2<R>(w, nb, a, out);
+  SPARROW_AVX2 static void packed(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+    if (type == Q4_KX16) q4kx16_rows_avx2<R>(w, nb, a, out);
+    else q6kx16_rows_avx2<R>(w, nb, a, out);
   }
 };
 struct Avx512Rows {
@@ -1046,8 +1270,9 @@ struct Avx512Rows {
     int8_rows_avx512<R>(type, w, nb, a, out);
   }
   template <int R>
-  SPARROW_AVX512 static void packed(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
-    q4kx16_rows_avx512<R>(w, nb, a, out);
+  SPARROW_AVX512 static void packed(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+    if (type == Q4_KX16) q4kx16_rows_avx512<R>(w, nb, a, out);
+    else q6kx16_rows_avx512<R>(w, nb, a, out);
   }
 };
 SPARROW_AVX2 void int8_range_avx2(const Int8Range& g) { int8_range<Avx2Rows>(g); }
@@ -1062,9 +1287,10 @@ void int8_range_any(const Int8Range& g) {
   int8_range_scalar(g);
 }
 
-// The outputs y[:, 16 g0 : 16 g1] of a packed Q4_K weight (Q4_KX16), the m rows in tiles and row blocks as in
+// The outputs y[:, 16 g0 : 16 g1] of a packed weight (Q4_KX16, Q6_KX16), the m rows in tiles and row blocks as in
 // int8_range (here each tile reads a group of 16 weight rows once).
 struct PackedRange {
+  int64_t type;         // Q4_KX16 or Q6_KX16
   const uint8_t* w;     // all groups, nb records each
   int64_t nb;           // super-blocks per weight row
   int64_t g0, g1;       // the groups of this range
@@ -1075,14 +1301,14 @@ struct PackedRange {
 };
 
 template <class Kernel>
-SPARROW_INLINE void packed_tile(int r, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+SPARROW_INLINE void packed_tile(int r, int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
   switch (r) {  // R = r in 1..MAX_PACKED_TILE
-    case 1: Kernel::template packed<1>(w, nb, a, out); break;
-    case 2: Kernel::template packed<2>(w, nb, a, out); break;
-    case 3: Kernel::template packed<3>(w, nb, a, out); break;
-    case 4: Kernel::template packed<4>(w, nb, a, out); break;
-    case 5: Kernel::template packed<5>(w, nb, a, out); break;
-    default: Kernel::template packed<6>(w, nb, a, out); break;
+    case 1: Kernel::template packed<1>(type, w, nb, a, out); break;
+    case 2: Kernel::template packed<2>(type, w, nb, a, out); break;
+    case 3: Kernel::template packed<3>(type, w, nb, a, out); break;
+    case 4: Kernel::template packed<4>(type, w, nb, a, out); break;
+    case 5: Kernel::template packed<5>(type, w, nb, a, out); break;
+    default: Kernel::template packed<6>(type, w, nb, a, out); break;
   }
 }
 
@@ -1091,13 +1317,14 @@ SPARROW_INLINE void packed_range(const PackedRange& g) {
   const int64_t tiles = (g.m + MAX_PACKED_TILE - 1) / MAX_PACKED_TILE, base = g.m / tiles, longer = g.m % tiles;
   const int64_t per_block = std::max<int64_t>(1, ROW_BLOCK_BYTES / (MAX_PACKED_TILE * g.k));
   float tile[MAX_PACKED_TILE * PACK_ROWS];
+  const int64_t record = g.type == Q4_KX16 ? PACKED_RECORD : Q6_RECORD;
   for (int64_t t0 = 0; t0 < tiles; t0 += per_block) {
     const int64_t t1 = std::min(tiles, t0 + per_block);
     for (int64_t G = g.g0; G < g.g1; ++G) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t i = t * base + std::min(t, longer);
         const int r = static_cast<int>(base + (t < longer ? 1 : 0));
-        packed_tile<Kernel>(r, g.w + G * g.nb * PACKED_RECORD, g.nb, g.a + i, tile);
+        packed_tile<Kernel>(r, g.type, g.w + G * g.nb * record, g.nb, g.a + i, tile);
         for (int u = 0; u < r; ++u)
           for (int c = 0; c < PACK_ROWS; ++c) {
             const int64_t j = G * PACK_ROWS + c;
@@ -1157,7 +1384,7 @@ void check_blocks(const at::Tensor& blocks, int64_t type, int64_t n, int64_t k) 
               "sparrow_gguf: blocks must be a contiguous uint8 CPU tensor");
   TORCH_CHECK(blocks.numel() == n * row_bytes(f, k), "sparrow_gguf: blocks hold ", blocks.numel(),
               " bytes; a [", n, ", ", k, "] weight of type ", type, " needs ", n * row_bytes(f, k));
-  TORCH_CHECK(type != Q4_KX16 || n % PACK_ROWS == 0, "sparrow_gguf: a packed Q4_K weight has a multiple of ",
+  TORCH_CHECK((type != Q4_KX16 && type != Q6_KX16) || n % PACK_ROWS == 0, "sparrow_gguf: a packed weight has a multiple of ",
               PACK_ROWS, " rows, not ", n);
 }
 
@@ -1204,15 +1431,15 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
   std::vector<float> msum;
   std::vector<int16_t> bs32;
   std::vector<QuantRow> rows;
-  const bool packed = type == Q4_KX16;
-  TORCH_CHECK(int8 || !packed, "sparrow_gguf: a packed Q4_K weight takes 8-bit activations only");
+  const bool packed = type == Q4_KX16 || type == Q6_KX16;
+  TORCH_CHECK(int8 || !packed, "sparrow_gguf: a packed weight takes 8-bit activations only");
   if (int8) {
     const bool mins = type == Q4_K;
     q.resize(m * k);
     d.resize(m * (k / f.act_block));
     bsums.resize(m * (k / 16));
     msum.resize(mins ? m * (k / 32) : 0);
-    bs32.resize(packed ? m * (k / 32) : 0);
+    bs32.resize(type == Q4_KX16 ? m * (k / 32) : 0);
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
@@ -1220,18 +1447,18 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
                      bsums.data() + i * (k / 16));
         if (mins)
           min_sums(d.data() + i * (k / f.act_block), bsums.data() + i * (k / 16), k, msum.data() + i * (k / 32));
-        if (packed)
+        if (type == Q4_KX16)
           for (int64_t g = 0; g < k / 32; ++g)
             bs32[i * (k / 32) + g] = static_cast<int16_t>(bsums[i * (k / 16) + 2 * g] + bsums[i * (k / 16) + 2 * g + 1]);
       }
     });
     for (int64_t i = 0; i < m; ++i)
       rows.push_back({q.data() + i * k, d.data() + i * (k / f.act_block), bsums.data() + i * (k / 16),
-                      mins ? msum.data() + i * (k / 32) : nullptr, packed ? bs32.data() + i * (k / 32) : nullptr});
+                      mins ? msum.data() + i * (k / 32) : nullptr, type == Q4_KX16 ? bs32.data() + i * (k / 32) : nullptr});
   }
   if (packed) {  // threads split the groups of 16 weight rows
     at::parallel_for(0, n / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
-      packed_range_any({w, nb, begin, end, rows.data(), m, n, k, bias, out});
+      packed_range_any({type, w, nb, begin, end, rows.data(), m, n, k, bias, out});
     });
     return y;
   }
@@ -1288,6 +1515,15 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t type, int64_t k) {
     });
     return y;
   }
+  if (type == Q6_KX16) {
+    at::parallel_for(0, n / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g)
+        for (int64_t b = 0; b < nb; ++b)
+          for (int c = 0; c < PACK_ROWS; ++c)
+            dequant_q6kx16(w + (g * nb + b) * Q6_RECORD, c, out + (g * PACK_ROWS + c) * k + b * 256);
+    });
+    return y;
+  }
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
 #ifdef SPARROW_X86
@@ -1302,17 +1538,22 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t type, int64_t k) {
   return y;
 }
 
-// A Q4_K weight [n, k] (n a multiple of 16) in the Q4_KX16 layout: the same values, 148 bytes a row and super-block.
+// A Q4_K or Q6_K weight [n, k] (n a multiple of 16) in the Q4_KX16 / Q6_KX16 layout: the same values, 148 / 210
+// bytes a row and super-block.
 at::Tensor pack(const at::Tensor& blocks, int64_t type, int64_t n, int64_t k) {
-  TORCH_CHECK(type == Q4_K, "sparrow_gguf: pack takes Q4_K (12) weights, not type ", type);
+  TORCH_CHECK(type == Q4_K || type == Q6_K, "sparrow_gguf: pack takes Q4_K (12) or Q6_K (14) weights, not type ", type);
   check_blocks(blocks, type, n, k);
   TORCH_CHECK(n % PACK_ROWS == 0, "sparrow_gguf: pack needs a multiple of ", PACK_ROWS, " rows, not ", n);
-  const int64_t nb = k / 256, rb = row_bytes(format_of(Q4_K), k);
-  at::Tensor out = at::empty({n / PACK_ROWS, nb * PACKED_RECORD}, blocks.options());
+  const int64_t nb = k / 256, rb = row_bytes(format_of(type), k);
+  const int64_t record = type == Q4_K ? PACKED_RECORD : Q6_RECORD;
+  at::Tensor out = at::empty({n / PACK_ROWS, nb * record}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, n / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) pack_q4k_group(src + g * PACK_ROWS * rb, rb, nb, dst + g * nb * PACKED_RECORD);
+    for (int64_t g = begin; g < end; ++g) {
+      if (type == Q4_K) pack_q4k_group(src + g * PACK_ROWS * rb, rb, nb, dst + g * nb * record);
+      else pack_q6k_group(src + g * PACK_ROWS * rb, rb, nb, dst + g * nb * record);
+    }
   });
   return out;
 }
