@@ -393,5 +393,12 @@ def test_packing_refuses_what_it_cannot_pack():
         gk.matmul(torch.randn(1, 512), packed, gk.Q4_KX16, 16, False)
     with pytest.raises(RuntimeError, match="bytes"):
         gk.matmul(torch.randn(1, 512), packed.reshape(-1)[:-148], gk.Q4_KX16, 16)
-    assert gk.packs(gk.Q4_K, 32) and gk.packs(gk.Q6_K, 32) and not gk.packs(gk.Q4_K, 24) and not gk.packs(gk.Q8_0, 32)
+    assert gk.packs(gk.Q4_K, 32) and not gk.packs(gk.Q4_K, 24) and not gk.packs(gk.Q8_0, 32)
+    assert gk.packs(gk.Q6_K, 32) == (gk.isa() == "avx512_vnni")  # Q6_K packs where its packed kernel is faster
+    if "avx2" in ISAS:
+        try:
+            gk.set_isa("avx2")
+            assert gk.packs(gk.Q4_K, 32) and not gk.packs(gk.Q6_K, 32)
+        finally:
+            gk.set_isa("auto")
     assert not gk.packs(gk.Q4_K, 32, int8=False)

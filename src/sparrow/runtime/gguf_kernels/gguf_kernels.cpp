@@ -613,8 +613,7 @@ SPARROW_AVX2 void q4kx16_rows_avx2(const uint8_t* w, int64_t nb, const QuantRow*
   }
 }
 
-// Q6_KX16 x Q8_K (see q6kx16_rows_scalar), 8 columns a pass as q4kx16_rows_avx2 (no saturation: 2 * 63 * 127 <
-// 2^15). The high 2 bits of sub-block s = 4n + i sit at bits 2i of the qh bytes: moved to bits 4-5 by a 16-bit
+// Q6_KX16 x Q8_K (see q6kx16_rows_scalar), 8 columns a pass as q4kx16_rows_avx2. The high 2 bits of sub-block s = 4n + i sit at bits 2i of the qh bytes: moved to bits 4-5 by a 16-bit
 // shift (bits shifted in from the neighbouring byte fall outside the mask).
 template <int I>
 SPARROW_AVX2 SPARROW_INLINE __m256i q6_high(__m256i h, __m256i m30) {
@@ -629,26 +628,39 @@ SPARROW_AVX2 SPARROW_INLINE void prefetch_q6_record(const uint8_t* rec, int s) {
     _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * Q6_RECORD + 64 * (7 * s + l)), _MM_HINT_T0);
 }
 
-template <int R, int S>
-SPARROW_AVX2 SPARROW_INLINE void q6kx16_sub_avx2(const uint8_t* rec, int64_t b, int hc, const QuantRow* a,
-                                                __m256i* sumi) {
-  const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-  const __m256i sc2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_SC + 32 * S + 16 * hc)));
-  const __m256i sc_lo = _mm256_srai_epi32(_mm256_slli_epi32(sc2, 16), 16), sc_hi = _mm256_srai_epi32(sc2, 16);
-  __m256i p0[R], p1[R];
-  for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm256_setzero_si256();
+// (sc[g], sc[g]) in each 32-bit lane from a lane's pair (sc[g], sc[g + 1]) of s16: the multiplier vpmaddwd applies
+// to a column's two four-product halves.
+SPARROW_AVX2 SPARROW_INLINE __m256i q6_scale_lo(__m256i pairs) {
+  const __m256i lo = _mm256_and_si256(pairs, _mm256_set1_epi32(0xFFFF));
+  return _mm256_or_si256(lo, _mm256_slli_epi32(lo, 16));
+}
+SPARROW_AVX2 SPARROW_INLINE __m256i q6_scale_hi(__m256i pairs) {
+  const __m256i hi = _mm256_srli_epi32(pairs, 16);
+  return _mm256_or_si256(hi, _mm256_slli_epi32(hi, 16));
+}
+
+// Sub-blocks 2J and 2J + 1 (both nibbles of the same ql bytes, and the same qh bytes) into each row's sumi: per
+// four values and column, vpmaddubsw then vpmaddwd by the 16-value group's scale (no saturation: 2 * 63 * 127 <
+// 2^15; |sum| < 2^31) -- the integers the AVX-512 kernel sums in another order.
+template <int R, int J>
+SPARROW_AVX2 SPARROW_INLINE void q6kx16_pair_avx2(const uint8_t* rec, int64_t b, int hc, const QuantRow* a,
+                                                 __m256i* sumi) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+  const __m256i sa = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_SC + 32 * (2 * J) + 16 * hc)));
+  const __m256i sb = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_SC + 32 * (2 * J + 1) + 16 * hc)));
+  const __m256i s0[2] = {q6_scale_lo(sa), q6_scale_hi(sa)}, s1[2] = {q6_scale_lo(sb), q6_scale_hi(sb)};
   for (int g = 0; g < 8; ++g) {
-    const __m256i raw = load(rec + ((S / 2) * 8 + g) * 64 + 32 * hc);
-    const __m256i lo = S % 2 ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) : _mm256_and_si256(raw, m4);
-    const __m256i q = _mm256_or_si256(lo, q6_high<S % 4>(load(rec + P6_QH + ((S / 4) * 8 + g) * 64 + 32 * hc), m30));
+    const __m256i raw = load(rec + (J * 8 + g) * 64 + 32 * hc);
+    const __m256i h = load(rec + P6_QH + ((J / 2) * 8 + g) * 64 + 32 * hc);
+    const __m256i q0 = _mm256_or_si256(_mm256_and_si256(raw, m4), q6_high<(2 * J) % 4>(h, m30));
+    const __m256i q1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), q6_high<(2 * J + 1) % 4>(h, m30));
     for (int r = 0; r < R; ++r) {
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, bcast32(a[r].q + b * 256 + 32 * S + 4 * g)), ones);
-      if (g < 4) p0[r] = _mm256_add_epi32(p0[r], dot);
-      else p1[r] = _mm256_add_epi32(p1[r], dot);
+      const int8_t* x = a[r].q + b * 256 + 64 * J + 4 * g;
+      const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, bcast32(x)), s0[g / 4]);
+      const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, bcast32(x + 32)), s1[g / 4]);
+      sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(d0, d1));
     }
   }
-  for (int r = 0; r < R; ++r)
-    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_mullo_epi32(p0[r], sc_lo), _mm256_mullo_epi32(p1[r], sc_hi)));
 }
 
 template <int R>
@@ -662,14 +674,10 @@ SPARROW_AVX2 void q6kx16_rows_avx2(const uint8_t* w, int64_t nb, const QuantRow*
         for (int s = 0; s < 8; ++s) prefetch_q6_record(rec, s);
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-      q6kx16_sub_avx2<R, 0>(rec, b, hc, a, sumi);
-      q6kx16_sub_avx2<R, 1>(rec, b, hc, a, sumi);
-      q6kx16_sub_avx2<R, 2>(rec, b, hc, a, sumi);
-      q6kx16_sub_avx2<R, 3>(rec, b, hc, a, sumi);
-      q6kx16_sub_avx2<R, 4>(rec, b, hc, a, sumi);
-      q6kx16_sub_avx2<R, 5>(rec, b, hc, a, sumi);
-      q6kx16_sub_avx2<R, 6>(rec, b, hc, a, sumi);
-      q6kx16_sub_avx2<R, 7>(rec, b, hc, a, sumi);
+      q6kx16_pair_avx2<R, 0>(rec, b, hc, a, sumi);
+      q6kx16_pair_avx2<R, 1>(rec, b, hc, a, sumi);
+      q6kx16_pair_avx2<R, 2>(rec, b, hc, a, sumi);
+      q6kx16_pair_avx2<R, 3>(rec, b, hc, a, sumi);
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_D + 16 * hc)));
       for (int r = 0; r < R; ++r) {
         __m256i summ = _mm256_setzero_si256();
