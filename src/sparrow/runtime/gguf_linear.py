@@ -1,7 +1,8 @@
 """Linear and embedding layers whose weights stay in GGUF's own block bytes (Q8_0, Q4_K, Q6_K), multiplied by the
 kernels of `sparrow.runtime.gguf_kernels`.
 
-A `GGUFLinear` holds the raw blocks (typically a view of the memory-mapped file: no float copy), the shape and the
+A `GGUFLinear` holds the raw blocks (typically a view of the memory-mapped file: no float copy; Q4_K, and Q6_K where
+the kernels run AVX-512 VNNI, repacked at construction 16 rows at a time, `gguf_kernels.pack`), the shape and the
 GGML type. Its forward is batch-invariant by construction (each output row of the kernel depends on its own input
 row only), so a verify forward over k tokens gives bit for bit what k one-token steps give, and speculation on a
 GGUF target is exact without any extra work for these layers. `GGUFEmbedding` dequantizes only the rows it looks up.
