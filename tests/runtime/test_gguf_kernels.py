@@ -146,6 +146,21 @@ def test_activation_quantization_is_the_same_on_every_instruction_set():
         assert torch.equal(scalar.isnan(), avx2.isnan()) and torch.equal(scalar.nan_to_num(), avx2.nan_to_num()), block
 
 
+def assert_batch_invariant(product, x: torch.Tensor, ks: tuple[int, ...]) -> None:
+    """product(x[i:j]) equals the one-row products of those rows bit for bit, for k = j - i in ks taken from either
+    end of x, at 1 and 2 threads."""
+    singles = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for k in ks:
+                for start in (0, len(x) - k):
+                    assert torch.equal(product(x[start:start + k]), singles[start:start + k]), (k, start, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_batch_invariant_bit_for_bit(qtype: int, int8: bool, isa: str):
@@ -154,17 +169,8 @@ def test_batch_invariant_bit_for_bit(qtype: int, int8: bool, isa: str):
     cols, rows = 512, 72
     blocks = random_blocks(qtype, rows, cols, seed=3)
     x = torch.randn(19, cols, generator=torch.Generator().manual_seed(2)) * 3
-    singles = torch.cat([gk.matmul(x[i:i + 1], blocks, qtype, rows, int8) for i in range(len(x))])
-    threads = torch.get_num_threads()
-    try:
-        for n_threads in (1, 2):
-            torch.set_num_threads(n_threads)
-            for k in (2, 3, 4, 5, 7, 8, 9, 11, 17, 19):
-                for start in (0, len(x) - k):
-                    batch = gk.matmul(x[start:start + k], blocks, qtype, rows, int8)
-                    assert torch.equal(batch, singles[start:start + k]), (k, start, n_threads)
-    finally:
-        torch.set_num_threads(threads)
+    assert_batch_invariant(lambda rows_x: gk.matmul(rows_x, blocks, qtype, rows, int8), x,
+                           (2, 3, 4, 5, 7, 8, 9, 11, 17, 19))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -333,17 +339,8 @@ def test_packed_products_are_batch_invariant_bit_for_bit(qtype: int, isa: str):
     _, packed = packed_blocks(qtype, rows, cols, seed=22)
     kind = gk.PACKED[qtype]
     x = torch.randn(19, cols, generator=torch.Generator().manual_seed(22)) * 3
-    singles = torch.cat([gk.matmul(x[i:i + 1], packed, kind, rows, True) for i in range(len(x))])
-    threads = torch.get_num_threads()
-    try:
-        for n_threads in (1, 2):
-            torch.set_num_threads(n_threads)
-            for k in (2, 3, 4, 5, 6, 7, 8, 11, 13, 19):
-                for start in (0, len(x) - k):
-                    assert torch.equal(gk.matmul(x[start:start + k], packed, kind, rows, True),
-                                       singles[start:start + k]), (k, start, n_threads)
-    finally:
-        torch.set_num_threads(threads)
+    assert_batch_invariant(lambda rows_x: gk.matmul(rows_x, packed, kind, rows, True), x,
+                           (2, 3, 4, 5, 6, 7, 8, 11, 13, 19))
     cols = 8960
     _, packed = packed_blocks(qtype, 16, cols, seed=23)
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(23))
