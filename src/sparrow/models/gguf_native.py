@@ -1,8 +1,8 @@
 """A model whose linear layers run on the GGUF file's own blocks (``--quant gguf``): no dequantized float copy.
 
 The file is memory-mapped (`read_gguf`); every linear layer whose GGML type the kernels take (Q5_0, Q8_0, Q4_K,
-Q6_K; see `sparrow.runtime.gguf_kernels`) becomes a `GGUFLinear` over a view of the mapped bytes (Q4_K, and Q6_K on AVX-512 VNNI, over a packed copy of them,
-made at load: the view's pages are then released, `_release`), the token
+Q6_K; see `sparrow.runtime.gguf_kernels`) becomes a `GGUFLinear` over a view of the mapped bytes (Q4_K, and Q6_K on
+AVX-512 VNNI: over a packed copy of them made at load, the view's pages then released, `_release`), the token
 embedding a `GGUFEmbedding` that dequantizes the rows it looks up; the small float tensors (norms, biases) and any
 tensor of another type are dequantized into memory. The config and tokenizer come from the file's metadata as
 `read_gguf` read it, built with transformers' own GGUF conversion tables once and then cached

@@ -649,6 +649,7 @@ SPARROW_AVX2 SPARROW_INLINE void q6kx16_pair_avx2(const uint8_t* rec, int64_t b,
   const __m256i sa = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_SC + 32 * (2 * J) + 16 * hc)));
   const __m256i sb = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_SC + 32 * (2 * J + 1) + 16 * hc)));
   const __m256i s0[2] = {q6_scale_lo(sa), q6_scale_hi(sa)}, s1[2] = {q6_scale_lo(sb), q6_scale_hi(sb)};
+  if (hc == 0) prefetch_q6_record(rec, 2 * J), prefetch_q6_record(rec, 2 * J + 1);
   for (int g = 0; g < 8; ++g) {
     const __m256i raw = load(rec + (J * 8 + g) * 64 + 32 * hc);
     const __m256i h = load(rec + P6_QH + ((J / 2) * 8 + g) * 64 + 32 * hc);
@@ -665,13 +666,12 @@ SPARROW_AVX2 SPARROW_INLINE void q6kx16_pair_avx2(const uint8_t* rec, int64_t b,
 
 template <int R>
 SPARROW_AVX2 void q6kx16_rows_avx2(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
-  for (int hc = 0; hc < 2; ++hc) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* rec = w + b * Q6_RECORD;
-      if (hc == 0)
-        for (int s = 0; s < 8; ++s) prefetch_q6_record(rec, s);
+  __m256 acc[2][R];  // [columns 8hc .. 8hc + 7][row]
+  for (int hc = 0; hc < 2; ++hc)
+    for (int r = 0; r < R; ++r) acc[hc][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec = w + b * Q6_RECORD;
+    for (int hc = 0; hc < 2; ++hc) {  // both halves of a record while it is in L1
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
       q6kx16_pair_avx2<R, 0>(rec, b, hc, a, sumi);
@@ -686,11 +686,12 @@ SPARROW_AVX2 void q6kx16_rows_avx2(const uint8_t* w, int64_t nb, const QuantRow*
           summ = _mm256_add_epi32(summ, _mm256_madd_epi16(sc2, bcast32(a[r].bsums + b * 16 + 2 * i)));
         }
         const __m256i total = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(summ, 5));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_set1_ps(a[r].d[b])), acc[r]);
+        acc[hc][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, _mm256_set1_ps(a[r].d[b])), acc[hc][r]);
       }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * PACK_ROWS + 8 * hc, acc[r]);
   }
+  for (int hc = 0; hc < 2; ++hc)
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * PACK_ROWS + 8 * hc, acc[hc][r]);
 }
 
 // Q4_K's 12 scale bytes s[0..11] -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), as q4k_scales computes them:
