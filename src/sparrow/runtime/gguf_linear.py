@@ -30,9 +30,7 @@ class GGUFLinear(nn.Module):
         # the kernel's type: Q4_K (and Q6_K where the kernels run AVX-512 VNNI, see gk.packs) goes packed, 16 rows
         # interleaved, made once here (products of several rows 1.3-2.3x faster, see gguf_kernels.cpp); the other
         # formats stay the file's bytes
-        self.kernel_type = gk.PACKED[qtype] if gk.packs(qtype, out_features, int8) else qtype
-        if self.kernel_type != qtype:
-            blocks = gk.pack(blocks, qtype, out_features, in_features)
+        blocks, self.kernel_type = gk.kernel_blocks(blocks, qtype, out_features, in_features, int8)
         self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 

@@ -222,10 +222,9 @@ def measure(rows: tuple[int, ...] = BENCH_ROWS, shape: tuple[int, int] = BENCH_S
                               size, working_set)
             quantized["w8a8"] = (lambda x: next(linears)[0](x), act)
         if quant and gguf_measurable(shape):
-            blocks, kind = gguf_blocks(GGUF_TYPE, out_features, in_features), GGUF_TYPE
-            if gguf_kernels.packs(GGUF_TYPE, out_features):  # the layout GGUFLinear runs it in
-                blocks = gguf_kernels.pack(blocks, GGUF_TYPE, out_features, in_features)
-                kind = gguf_kernels.PACKED[GGUF_TYPE]
+            # in the layout GGUFLinear runs it in
+            blocks, kind = gguf_kernels.kernel_blocks(gguf_blocks(GGUF_TYPE, out_features, in_features), GGUF_TYPE,
+                                                      out_features, in_features)
             wq = _copies(lambda: (blocks.clone(),), blocks.numel(), working_set)
             quantized[GGUF] = (lambda x: gguf_kernels.matmul(x, next(wq)[0], kind, out_features, True),
                                torch.float32)

@@ -197,6 +197,15 @@ def packs(qtype: int, out_features: int, int8: bool = True) -> bool:
     return qtype != Q6_K or isa() == "avx512_vnni"
 
 
+def kernel_blocks(blocks: Tensor, qtype: int, out_features: int, in_features: int,
+                  int8: bool = True) -> tuple[Tensor, int]:
+    """(the bytes `matmul` runs a weight of GGML type `qtype` on, the type to pass it): packed where `packs` says
+    so, else the file's blocks as they are. The one place that decides a weight's layout."""
+    if packs(qtype, out_features, int8):
+        return pack(blocks, qtype, out_features, in_features), PACKED[qtype]
+    return blocks, qtype
+
+
 def dequantize(blocks: Tensor, qtype: int, in_features: int) -> Tensor:
     """The float32 [rows, in_features] weight held in `blocks` (as gguf.quants.dequantize gives it)."""
     return _ops().dequantize(blocks, qtype, in_features)
