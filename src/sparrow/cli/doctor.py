@@ -144,21 +144,22 @@ def table(record: dict[str, Any]) -> Table:
 
 
 def faster_line(record: dict[str, Any]) -> str | None:
-    """One line naming the target format that ran a verification step faster here than the dense default, with the
-    flag that asks for it (None where none does): `generate` keeps its dense default (docs/models.md says why)."""
+    """One line naming the target format that ran a decoding step and a verify faster here than the dense default,
+    with the flag that asks for it (None where none does): `generate` keeps its dense default (docs/models.md says
+    why)."""
     from sparrow.runtime import hardware
 
     fmt, bench = record["auto"].get("quant"), record["benchmark"]
     if fmt is None or bench is None or not bench.get("costs") or fmt not in bench["costs"]:
         return None
-    rows = str(hardware.BENCH_ROWS[-1])
     costs = bench["costs"]
     dense = hardware.dense_costs(costs, record["auto"]["dtype"]) if record["auto"]["dtype"] in costs else None
     what = "Q4_K blocks" if fmt == hardware.GGUF else f"{fmt} weights"
-    versus = (f" {dense[rows] / costs[fmt][rows]:.1f}x {record['auto']['dtype']}" if dense is not None else "")
+    speedup = None if dense is None else hardware.target_cost(dense) / hardware.target_cost(costs[fmt])
+    versus = "" if speedup is None else f" {speedup:.1f}x {record['auto']['dtype']}"
     lossless = "the GGUF-quantized target" if fmt == hardware.GGUF else f"the {fmt}-quantized target"
-    return (f"faster here: --quant {fmt} ({what}{versus} at {rows} rows; lossless relative to {lossless}; "
-            "--quant auto picks it)")
+    return (f"faster here: --quant {fmt} ({what}{versus} over a decoding step and a verify; lossless relative to "
+            f"{lossless}; --quant auto picks it)")
 
 
 def stability_line(bench: dict[str, Any]) -> str:

@@ -126,9 +126,9 @@ def draft_format(model: nn.Module | None, draft_quant: str | None) -> str | None
 
 def target_format(model: nn.Module, quant: str | None, compile: bool = False) -> str | None:
     """The format a loaded target runs in: `quant`, or for 'auto' the format sparrow.runtime.hardware measured
-    fastest for a verification step (8 rows) on the model's device in its dtype (`choose_target_quant`; not w8a8 with
-    `compile`, which cannot trace it), where that kernel takes at least one of the model's linear layers; None
-    (dense) otherwise."""
+    fastest over a decoding step and a verify (1 and 8 rows) on the model's device in its dtype
+    (`choose_target_quant`; not w8a8 with `compile`, which cannot trace it), where that kernel takes at least one of
+    the model's linear layers; None (dense) otherwise."""
     if quant != AUTO:
         return quant
 

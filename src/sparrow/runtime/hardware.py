@@ -36,9 +36,12 @@ default): the quantized format that ran one row fastest, when it beat the dense 
 among the formats measured in the draft's own compute dtype (weight-only kernels with float32 activations ran
 4-10x slower than with bfloat16 ones on an AVX2-only CPU).
 
-``choose_target_quant(device, gguf=...)`` picks the target's (``--quant auto``): the format fastest at 8 rows (a
-verification step) when it beats the dense dtype by ``MIN_TARGET_QUANT_SPEEDUP``, among int8, int4, w8a8 and, for a
-target with a GGUF source, the GGUF file's own blocks.
+``choose_target_quant(device, gguf=...)`` picks the target's (``--quant auto``): the format with the lowest
+``target_cost``, the geometric mean of its 1-row and 8-row costs (a target runs both: plain decoding steps and
+verifications, and each counts by its ratio, so neither the larger 8-row figure nor the 1-row one alone decides),
+when it beats the dense dtype's by ``MIN_TARGET_QUANT_SPEEDUP``, among int8, int4, w8a8 and, for a target with a
+GGUF source, the GGUF file's own blocks. (It went by the 8-row cost alone until 2026-12-02: on an AMD EPYC Zen 5 that
+picked w8a8, 0.30 / 0.49 ms at 1 / 8 rows, over the GGUF blocks, 0.18 / 0.63, whose plain decoding was 1.7x faster.)
 
 ``choose_onednn(device)`` says whether a float32 model runs its linears through oneDNN (where that measured
 faster than torch's linear); float32's cost above is that of the path it runs.
@@ -89,7 +92,7 @@ from sparrow.runtime.microbench import (
 # unmeasured, never chosen, until `sparrow doctor --refresh`)
 FORMAT = 6
 MIN_DRAFT_QUANT_SPEEDUP = 1.1  # --draft-quant auto quantizes a draft only when one row runs at least this much faster
-MIN_TARGET_QUANT_SPEEDUP = 1.1  # --quant auto quantizes the target only when 8 rows run at least this much faster
+MIN_TARGET_QUANT_SPEEDUP = 1.1  # --quant auto quantizes the target only when its target_cost is this much lower
 # the weight formats --draft-quant auto chooses among (sparrow.models.quantization)
 DRAFT_QUANTS = ("int8", "int4", "w8a8")
 
@@ -256,6 +259,16 @@ class Choice:
     measured: dict[str, object] | None = field(default=None, compare=False)  # the CPU costs it was based on
 
 
+ROWS_SAID = "a decoding step and a verify (geometric mean of 1 and 8 rows)"
+"""How reasons name what `target_cost` measures."""
+
+
+def target_cost(cost: dict[str, float]) -> float:
+    """A target format's cost to rank by: the geometric mean of its costs at every BENCH_ROWS row count (1: a plain
+    decoding step, 8: a verification), so that a format twice as fast at one and as slow at the other ties."""
+    return math.prod(cost[str(n)] for n in BENCH_ROWS) ** (1 / len(BENCH_ROWS))
+
+
 def _versus(fast: dict[str, float], slow: dict[str, float]) -> str:
     """'1 row: a vs b ms; 8 rows: c vs d ms' for two kernels' costs."""
     return "; ".join(f"{n} row{'s' if n != '1' else ''}: {fast[n]:.2f} vs {slow[n]:.2f} ms"
@@ -383,21 +396,20 @@ def choose_target_quant(device: str | torch.device | None = None, *, benchmark: 
         quants.remove(GGUF)
     if not quants or dense not in costs:
         return None, "the measurement has no quantized kernels for this dtype: the target stays dense"
-    rows = str(BENCH_ROWS[-1])
-    best = min(quants, key=lambda name: costs[name][rows])
-    base = dense_costs(costs, dense)[rows]
-    speedup = base / costs[best][rows]
-    detail = f"{costs[best][rows]:.2f} vs {base:.2f} ms"
+    best = min(quants, key=lambda name: target_cost(costs[name]))
+    base = dense_costs(costs, dense)
+    speedup = target_cost(base) / target_cost(costs[best])
+    detail = _versus(costs[best], base)
     label = "gguf (Q4_K blocks, 8-bit activations)" if best == GGUF else best
     if speedup < MIN_TARGET_QUANT_SPEEDUP:
-        return None, (f"the fastest quantized format ({label}) ran only {speedup:.2f}x {dense}'s speed at {rows} rows "
-                      f"({detail}; needs {MIN_TARGET_QUANT_SPEEDUP}x): the target stays dense")
+        return None, (f"the fastest quantized format ({label}) ran only {speedup:.2f}x {dense}'s speed over "
+                      f"{ROWS_SAID} ({detail}; needs {MIN_TARGET_QUANT_SPEEDUP}x): the target stays dense")
     if best == GGUF:
-        return best, (f"the GGUF kernels (Q4_K blocks, 8-bit activations) ran {speedup:.1f}x faster than {dense} at "
-                      f"{rows} rows ({detail}): the target on its GGUF file's own blocks (lossless relative to the "
+        return best, (f"the GGUF kernels (Q4_K blocks, 8-bit activations) ran {speedup:.1f}x faster than {dense} over "
+                      f"{ROWS_SAID} ({detail}): the target on its GGUF file's own blocks (lossless relative to the "
                       "GGUF-quantized target, as llama.cpp runs it, not to the dense one)")
-    return best, (f"{best} weights ran {speedup:.1f}x faster than {dense} at {rows} rows ({detail}): a {best} target "
-                  f"(lossless relative to the {best}-quantized target, not to the dense one)")
+    return best, (f"{best} weights ran {speedup:.1f}x faster than {dense} over {ROWS_SAID} ({detail}): a {best} "
+                  f"target (lossless relative to the {best}-quantized target, not to the dense one)")
 
 
 def choose_onednn(device: str | torch.device | None = None, *, benchmark: bool | None = None) -> tuple[bool, str]:
@@ -435,4 +447,5 @@ def clear_cache(measurements: bool = True) -> None:
 
 
 __all__ = ["Choice", "choose", "choose_draft_quant", "choose_dtype", "choose_onednn", "choose_target_quant",
+           "target_cost",
            "clear_cache", "cpu_costs", "cuda_info", "inconsistencies", "measure", "measure_stable", "recheck", "usable"]
