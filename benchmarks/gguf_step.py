@@ -3,7 +3,9 @@
 After a prefix of `--context` random tokens, times one forward of a single token (a plain decoding step; with
 `--rows`, of each number of tokens listed: a verify of n - 1 drafted tokens) and rewinds the cache, for each variant:
 
-* `eager`: the model in sparrow's CachedModel (transformers' DynamicCache), what `--quant gguf` runs;
+* `eager`: the model in sparrow's CachedModel (a DynamicCache whose layers append in place,
+  `sparrow.runtime.kv_buffer`), what `--quant gguf` runs;
+* `dynamic`: the same with transformers' own DynamicCache layers (a `torch.cat` of the whole cache every forward);
 * `compiled` (with --compile): the model in sparrow.runtime.compiled.StaticCachedModel (static cache, the one-row
   step through torch.compile / inductor, the GGUF matmul an opaque custom op), what `--compile --no-exact` runs; its
   compile time is reported;
@@ -21,6 +23,10 @@ variant alone to read a variant's own).
     python benchmarks/gguf_step.py --target qwen2.5-coder-1.5b --rounds 5 --steps 10
     python benchmarks/gguf_step.py --variants eager,compiled --compile
     python benchmarks/gguf_step.py --variants eager,compiled --compile --rows 1,8,9,12,16 --rounds 3 --steps 3
+    python benchmarks/gguf_step.py --variants eager,dynamic --context 3000 --rows 1,4 [--skip-matmuls]
+
+`--skip-matmuls` replaces every GGUF matmul by a zero output of its shape: what is left is the step's cost outside
+its weights (attention, the cache, norms, Python).
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from sparrow.models.gguf_native import load_gguf_model
 from sparrow.paths import default_cache_dir
@@ -40,6 +48,7 @@ from sparrow.runtime import gguf_kernels
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.runtime.compiled import StaticCachedModel
 from sparrow.runtime.cpu import cpu_info
+from sparrow.runtime.gguf_linear import GGUFLinear
 from sparrow.types import Prompt
 
 
@@ -60,19 +69,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rows", default="1", help="tokens per timed forward, comma-separated (default 1)")
     parser.add_argument("--out", type=Path, default=None, help="append a JSON row per variant")
+    parser.add_argument("--skip-matmuls", action="store_true", help="time everything but the GGUF matmuls")
     args = parser.parse_args()
     variants = args.variants.split(",")
     rows = [int(n) for n in args.rows.split(",")]
     load0 = os.getloadavg()
     runners, extra = {}, {}
     model = load_gguf_model(args.target).model
+    if args.skip_matmuls:
+        GGUFLinear.forward = lambda self, x: x.new_zeros(*x.shape[:-1], self.out_features)
     for variant in variants:
         if variant == "eager":
             runners[variant] = CachedModel(model)
+        elif variant == "dynamic":
+            runners[variant] = CachedModel(model)
+            runners[variant]._empty = lambda: DynamicCache(config=model.config)
         elif variant in ("compiled", "static") and (args.compile or variant == "static"):
             runners[variant] = StaticCachedModel(model, compile=variant == "compiled")
         else:
-            parser.error(f"unknown variant {variant!r} (eager, static, compiled; compiled needs --compile)")
+            parser.error(f"unknown variant {variant!r} (eager, dynamic, static, compiled; compiled needs --compile)")
     prompt = Prompt(torch.randint(100, 20000, (args.context,), generator=torch.Generator().manual_seed(0)))
     tokens = {n: torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n)) for n in rows}
     logits = {}
@@ -98,6 +113,8 @@ def main() -> None:
                     runner.rewind(args.context)
     load1 = os.getloadavg()
     info = cpu_info()
+    commit = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip() or None
     print(f"\n{info.model} ({' '.join(f for f in info.flags if f in ('avx2', 'fma', 'avx512f', 'avx512_vnni'))}), "
           f"{torch.get_num_threads()} threads; load average {load0[0]:.2f} before, {load1[0]:.2f} after")
     for variant, n in times:
@@ -108,7 +125,8 @@ def main() -> None:
                "median_ms": round(statistics.median(ms), 2), "min_ms": round(min(ms), 2), "max_ms": round(max(ms), 2),
                "p10_ms": round(deciles[0], 2), "p25_ms": round(statistics.quantiles(ms, n=4)[0], 2),
                "steps": len(ms), "same_logits_as_" + variants[0]: same, "cpu": info.model,
-               "threads": torch.get_num_threads(), "isa": gguf_kernels.isa(),
+               "threads": torch.get_num_threads(), "isa": gguf_kernels.isa(), "skip_matmuls": args.skip_matmuls,
+               "sparrow": commit,
                "load": [round(load0[0], 2), round(load1[0], 2)], "date": time.strftime("%Y-%m-%d"), **extra[variant]}
         print(f"{variant} {n} rows: median {row['median_ms']:.1f} ms (min {row['min_ms']:.1f}, "
               f"p10 {row['p10_ms']:.1f}, p25 {row['p25_ms']:.1f}, max {row['max_ms']:.1f}, {len(ms)} steps), "

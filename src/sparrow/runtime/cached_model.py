@@ -16,6 +16,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from sparrow.runtime.kv_buffer import buffered
 from sparrow.runtime.prefix_cache import PrefixCache
 from sparrow.types import Prompt, TargetOutput
 
@@ -141,7 +142,9 @@ class CachedModel:
         self.held = []
 
     def _empty(self) -> DynamicCache:
-        cache = DynamicCache(config=self.model.config)
+        # full-attention layers append in place (`sparrow.runtime.kv_buffer`: transformers' own copy the whole cache
+        # every forward)
+        cache = buffered(DynamicCache(config=self.model.config))
         # Sliding-window layers (Gemma-3) drop states beyond the window unless they record the past, and
         # then could not be rewound once the window is full; rewind() trims them back to the window.
         cache.activate_past_recording()
