@@ -120,6 +120,12 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-plain-gguf": ({"drafter": "prompt-lookup", "quant": "gguf"}, True),
     "sparrow-gguf+prompt-lookup": ({"drafter": "prompt-lookup", "quant": "gguf"}, False),
     "sparrow-gguf+suffix": ({"drafter": "suffix", "quant": "gguf"}, False),
+    # ... with the 0.5B draft model on its own GGUF blocks too (--draft-quant gguf), its LM head cut to the draft
+    # vocabulary or not; and the auto drafter choosing among its candidates with that draft
+    "sparrow-gguf+draft-gguf": ({"drafter": "draft-model", "quant": "gguf", "draft_quant": "gguf"}, False),
+    "sparrow-gguf+draft-gguf-vocab-auto": ({"drafter": "draft-model", "quant": "gguf", "draft_quant": "gguf",
+                                            "draft_vocab": "auto"}, False),
+    "sparrow-gguf+auto": ({"drafter": "auto", "quant": "gguf", "draft_quant": "gguf"}, False),
     # the same compiled (--compile: static cache, inductor; exact, the GGUF kernels and attention keep their rows)
     "sparrow-plain-gguf-compiled": ({"drafter": "suffix", "quant": "gguf", "compile": True}, True),
     "sparrow-gguf-compiled+suffix": ({"drafter": "suffix", "quant": "gguf", "compile": True}, False),
@@ -905,6 +911,9 @@ def reference_config(config: str) -> str | None:
             "sparrow-w8a8-auto+auto-compiled": "sparrow-plain-w8a8-auto",
             "sparrow-gguf+prompt-lookup": "sparrow-plain-gguf",
             "sparrow-gguf+suffix": "sparrow-plain-gguf",
+            "sparrow-gguf+draft-gguf": "sparrow-plain-gguf",
+            "sparrow-gguf+draft-gguf-vocab-auto": "sparrow-plain-gguf",
+            "sparrow-gguf+auto": "sparrow-plain-gguf",
             "sparrow-gguf-compiled+suffix": "sparrow-plain-gguf-compiled",
             "sparrow-gguf-compiled+prompt-lookup": "sparrow-plain-gguf-compiled"}.get(config)
 

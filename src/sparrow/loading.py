@@ -59,7 +59,8 @@ def load(target: str | LoadedModel | SpecPlan = "qwen2.5-coder-1.5b", *, progres
     verification step (sparrow.runtime.hardware.choose_target_quant; the file's blocks among them for a target that
     runs on them, sparrow.models.gguf_source; dense where none pays; lossless then relative to the target in the
     format chosen); "none": dense.
-    draft_quant: int8 | int4 | w8a8 draft model, or the format of the "quantized-self" copy (default int4);
+    draft_quant: int8 | int4 | w8a8 draft model, or the format of the "quantized-self" copy (default int4); "gguf": a
+    draft model (a preset or a .gguf file) on its GGUF file's own blocks (CPU; `sparrow.models.gguf_native`);
     "auto": the format this machine measured fastest for one draft row (sparrow.runtime.hardware.choose_draft_quant;
     a dense draft where none pays, and for drafters without a draft model).
     compile: static KV cache and torch.compile'd decode / verify steps for the target and the draft model of
@@ -79,8 +80,8 @@ def load(target: str | LoadedModel | SpecPlan = "qwen2.5-coder-1.5b", *, progres
     """
     plan = as_plan(target, arguments)
     loaded = {}
-    for role, spec in (("target", plan.target), ("draft", plan.draft)):
-        if isinstance(spec, str) and role == "target" and plan.quant == GGUF:  # the file's own blocks, no float copy
+    for role, spec, fmt in (("target", plan.target, plan.quant), ("draft", plan.draft, plan.draft_quant)):
+        if isinstance(spec, str) and fmt == GGUF:  # the file's own blocks, no float copy
             loaded[role] = load_gguf_model(spec, device=plan.device, progress=progress)
         else:
             loaded[role] = (load_model(spec, dtype=plan.dtype, device=plan.device, progress=progress)
@@ -127,8 +128,8 @@ def _quantized(loaded: LoadedModel, quant: str | None, dense: str | None = PREFI
     if quant == GGUF:
         if getattr(loaded.model, "sparrow_quantization", None) is None or \
                 loaded.model.sparrow_quantization.format != GGUF:
-            raise UserError("quant='gguf' loads the target from its GGUF file: give a preset name or a .gguf path, "
-                            "not a loaded model")
+            raise UserError(f"gguf weights are loaded from a GGUF file: give {loaded.name!r} as a preset name or a "
+                            ".gguf path, not as a loaded model")
         return loaded
     return loaded if quant is None else quantized_copy(loaded, quant, dense=dense)
 

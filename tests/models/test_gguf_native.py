@@ -146,6 +146,63 @@ def test_draft_model_equals_plain(target, source, baselines, k):
     assert 0 < accepted <= drafted
 
 
+@pytest.mark.parametrize("target_format", ["gguf", "dense"])
+def test_a_draft_model_on_its_gguf_blocks_equals_plain(gguf_file, source, target, baselines, tmp_path, target_format):
+    """--draft-quant gguf: the draft model (another GGUF file: the source perturbed) is built from its file's blocks
+    and, under a target on GGUF blocks or a dense one, speculative output equals that target's plain decoding, with
+    drafts accepted. (The draft's format never changes the output: the target verifies.)"""
+    draft_file = write_gguf(perturbed(source, 0.02, seed=1), tmp_path / "draft.gguf", tiny_tokenizer())
+    dense = LoadedModel(dequantized_copy(target.model), target.tokenizer, "dense")
+    chosen = target if target_format == "gguf" else dense
+    pipe = sparrow.load(chosen, drafter="draft-model", draft=str(draft_file), draft_quant="gguf",
+                        num_draft_tokens=4, adaptive=False, progress=False)  # fixed: the draft is as big as the target
+    assert pipe.drafter.draft_model.sparrow_quantization.format == "gguf"
+    assert any(isinstance(m, GGUFLinear) for m in pipe.drafter.draft_model.modules())
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=40)
+        expected = baselines[prompt] if target_format == "gguf" else \
+            Pipeline(dense, None).generate_plain(prompt, max_new_tokens=40).token_ids
+        assert result.token_ids == expected, (prompt, result.stats)
+        drafted += result.stats.num_draft_tokens
+        accepted += result.stats.num_accepted_tokens
+    assert 0 < accepted < drafted  # drafts partly accepted: the perturbed draft is another model
+
+
+def test_rows_of_a_gguf_linear_are_its_columns(target):
+    """GGUFLinear.rows (a draft's reduced vocabulary on GGUF blocks): the file's blocks of those rows; in the same
+    layout (a multiple of 16 rows where the layer packs) its outputs are the layer's columns bit for bit, and
+    dequantized they are the layer's rows in any layout."""
+    generator = torch.Generator().manual_seed(3)
+    for layer in (m for m in target.model.modules() if isinstance(m, GGUFLinear)):
+        x = torch.randn(3, layer.in_features, generator=generator)
+        even = torch.arange(0, layer.out_features, 2)[: 16 * (layer.out_features // 32)]
+        rows = layer.rows(even)
+        assert rows.kernel_type == layer.kernel_type and rows.out_features == even.numel()
+        assert torch.equal(rows(x), layer(x)[:, even])
+        assert torch.equal(rows.dequantized(), layer.dequantized()[even])
+        few = torch.tensor([1, 5, 7])
+        assert layer.rows(few).kernel_type == layer.qtype  # 3 rows: the file's layout
+        assert torch.equal(layer.rows(few).dequantized(), layer.dequantized()[few])
+
+
+def test_a_gguf_draft_with_a_reduced_vocabulary_equals_plain(source, target, baselines, tmp_path):
+    """--draft-quant gguf with --draft-vocab: the draft's LM head keeps the GGUF blocks of the kept rows."""
+    from sparrow.drafters.vocab import ReducedHead
+
+    draft_file = write_gguf(perturbed(source, 0.02, seed=1), tmp_path / "draft.gguf", tiny_tokenizer())
+    pipe = sparrow.load(target, drafter="draft-model", draft=str(draft_file), draft_quant="gguf", draft_vocab=160,
+                        num_draft_tokens=4, adaptive=False, progress=False)
+    heads = [m for m in pipe.drafter.draft.model.modules() if isinstance(m, ReducedHead)]
+    assert len(heads) == 1 and isinstance(heads[0].project, GGUFLinear) and heads[0].project.out_features == 160
+    accepted = 0
+    for prompt in PROMPTS:
+        result = pipe.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == baselines[prompt], (prompt, result.stats)
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0
+
+
 def test_verify_rows_equal_one_token_steps(target):
     """The exact target (as sparrow.load builds it for --quant gguf): logits of a k-token forward equal k one-token
     forwards bit for bit."""
@@ -209,11 +266,18 @@ def test_bad_files_and_uses_are_refused(tmp_path, gguf_file, source):
         load_gguf_model(str(cut), progress=False)
     with pytest.raises(UserError, match="preset .* or a .gguf file"):
         load_gguf_model(str(tmp_path), progress=False)
-    with pytest.raises(UserError, match="not a loaded model"):
+    with pytest.raises(UserError, match="not as a loaded model"):
         sparrow.load(LoadedModel(source, tiny_tokenizer(), "dense"), quant="gguf", drafter="none", draft=None,
                      progress=False)
-    with pytest.raises(UserError, match="invalid draft_quant 'gguf'"):
-        parse_quant("gguf", "draft_quant", auto=True)
+    assert parse_quant("gguf", "draft_quant", auto=True) == "gguf"
+    with pytest.raises(UserError, match="quantized copy of the target"):
+        sparrow.load(str(gguf_file), drafter="quantized-self", draft_quant="gguf", progress=False)
+    with pytest.raises(UserError, match="neither a preset nor a .gguf file"):
+        sparrow.load(str(gguf_file), quant="gguf", drafter="draft-model", draft=str(tmp_path), draft_quant="gguf",
+                     progress=False)
+    with pytest.raises(UserError, match="loaded from a GGUF file"):
+        sparrow.load(str(gguf_file), quant="gguf", drafter="draft-model", draft=LoadedModel(source, tiny_tokenizer(),
+                     "dense"), draft_quant="gguf", progress=False)
     with pytest.raises(UserError, match="CPU only"):
         load_gguf_model(str(gguf_file), device="meta", progress=False)
     assert parse_quant("GGUF", "quant") == "gguf"
@@ -318,6 +382,35 @@ def test_quant_auto_loads_the_files_blocks_where_they_measured_fastest(gguf_file
         assert cached.target.model.sparrow_quantization.format == "gguf"
         measured(monkeypatch, tmp_path / "slow", gguf_ms=3.0)  # now slower than int8 and w8a8
         assert resolve_plan(spec, drafter="prompt-lookup", quant="auto").quant == "auto"
+    finally:
+        hardware.clear_cache()
+
+
+def test_draft_quant_auto_runs_a_gguf_draft_on_its_blocks_where_they_measured_fastest(gguf_file, target, source,
+                                                                                     monkeypatch, tmp_path):
+    """--draft-quant auto (the CLI's default) for a draft with a GGUF source: its file's own blocks where the GGUF
+    kernels ran one row fastest (loaded from the file, no dense draft); else, and for a draft that is no GGUF source,
+    the format is settled on the loaded dense draft as before."""
+    from sparrow.drafters.plan import resolve_plan
+    from sparrow.runtime import hardware
+
+    spec = str(gguf_file)
+    measured(monkeypatch, tmp_path, gguf_ms=0.5)  # one row: gguf 0.5 ms, int8 1.0, w8a8 1.5, float32 3.0
+    try:
+        fmt, reason = hardware.choose_draft_quant("cpu", gguf=True)
+        assert fmt == "gguf" and "6.0x faster than float32 at 1 row" in reason and "own blocks" in reason, reason
+        assert hardware.choose_draft_quant("cpu")[0] == "int8"  # no GGUF source: as before
+        assert hardware.choose_draft_quant("cpu", gguf=True, dtype=torch.bfloat16)[0] == "gguf"  # 8-bit activations
+        assert resolve_plan(target, drafter="draft-model", draft=spec, draft_quant="auto").draft_quant == "gguf"
+        dense = LoadedModel(source, tiny_tokenizer(), "dense")
+        assert resolve_plan(target, drafter="draft-model", draft=dense, draft_quant="auto").draft_quant == "auto"
+        pipe = sparrow.load(target, drafter="draft-model", draft=spec, draft_quant="auto", num_draft_tokens=3,
+                            progress=False)
+        assert pipe.drafter.draft_model.sparrow_quantization.format == "gguf"
+        result = pipe.generate(PROMPTS[0], max_new_tokens=24)
+        assert result.token_ids == pipe.generate_plain(PROMPTS[0], max_new_tokens=24).token_ids
+        measured(monkeypatch, tmp_path / "slow", gguf_ms=3.0)  # int8 now runs one row fastest
+        assert resolve_plan(target, drafter="draft-model", draft=spec, draft_quant="auto").draft_quant == "auto"
     finally:
         hardware.clear_cache()
 

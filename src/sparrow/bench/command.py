@@ -19,6 +19,7 @@ from sparrow.errors import UserError
 from sparrow.heads.layout import find_head
 from sparrow.models import load_model, resolve_device, resolve_dtype
 from sparrow.models.gguf_native import load_gguf_model
+from sparrow.models.gguf_source import runs_on_blocks
 from sparrow.models.quantization import AUTO, GGUF, parse_quant, quantized_copy, target_format
 from sparrow.runtime.hardware import choose_draft_quant
 
@@ -69,8 +70,8 @@ def run(*, data: Path, methods: Optional[str], categories: Optional[str], limit:
         head = str(found)
     compute = resolve_dtype(dtype, device)
     draft_quant = parse_quant(draft_quant, "draft_quant", auto=True)
-    if draft_quant == AUTO:  # recorded as the format it resolved to
-        draft_quant = choose_draft_quant(resolve_device(device), dtype=compute)[0]
+    if draft_quant == AUTO:  # recorded as the format it resolved to (gguf: a draft whose GGUF file's blocks run)
+        draft_quant = choose_draft_quant(resolve_device(device), dtype=compute, gguf=runs_on_blocks(draft))[0]
     sparrow_methods = dict.fromkeys([NONE, *(m for m in method_list if m in REGISTRY), *(drafter_options or {})])
     for name in sparrow_methods:  # each sparrow method's plan, checked as sparrow.load checks it
         options = {**(drafter_options or {}).get(name, {}), **({"head": head} if name in headed else {})}
@@ -107,7 +108,12 @@ def load_models(config, progress: bool = True):
         quant = target_format(target.model, config.quant)  # "auto": the format this machine verifies fastest in
         if quant is not None:
             target = quantized_copy(target, quant)
-    return Models(target, load(config.draft), load(config.cross_draft))
+    def load_draft(name: str | None):  # a draft model on its GGUF file's blocks where --draft-quant gguf asks
+        if name and config.draft_quant == GGUF:
+            return load_gguf_model(name, device=config.device, progress=progress)
+        return load(name)
+
+    return Models(target, load_draft(config.draft), load_draft(config.cross_draft))
 
 
 def run_to_dir(runner, questions: list, out: Path, *, repeats: int = 1, first_repeat: int = 0, warmup: int = 1,

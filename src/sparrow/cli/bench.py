@@ -65,7 +65,7 @@ def bench(
     draft_quant: Annotated[
         Optional[str],
         typer.Option(
-            help="int8|int4|w8a8 draft model for sparrow's drafters, or "
+            help="int8|int4|w8a8|gguf draft model for sparrow's drafters, or "
             "auto (the format this machine runs a one-token draft step "
             "fastest; recorded resolved). Default: dense, so every method "
             "drafts with the same weights."

@@ -21,7 +21,8 @@ Quant = Annotated[Optional[str], typer.Option(help=QUANT_HELP)]
 DraftQuant = Annotated[str, typer.Option(
     help="Weight format of the draft model (or of the quantized-self copy: int4 where auto picks none): auto "
     "(default): the format this machine runs a one-token draft step fastest (measured once, see `sparrow doctor`; "
-    "dense where none pays); none; or int8|int4|w8a8. Lossless either way: the target verifies.")]
+    "dense where none pays); none; int8|int4|w8a8; or gguf (a draft model on its GGUF file's own blocks, CPU). "
+    "Lossless either way: the target verifies.")]
 Device = Annotated[Optional[str], typer.Option(help="Default: cuda if available, else cpu.")]
 Head = Annotated[Optional[str], typer.Option(
     help="--drafter eagle: the head directory (EAGLE-3 layout as SpecForge exports it or `sparrow train head` "

@@ -34,8 +34,8 @@ from sparrow.drafters.registry import (
 from sparrow.drafters.requirements import check_models
 from sparrow.errors import UserError
 from sparrow.models import LoadedModel, resolve_dtype
-from sparrow.models.gguf_source import settle_gguf
-from sparrow.models.quantization import AUTO, W8A8, parse_quant, resolve_draft_quant
+from sparrow.models.gguf_source import gguf_file, settle_gguf, settle_gguf_draft
+from sparrow.models.quantization import AUTO, GGUF, W8A8, parse_quant, resolve_draft_quant
 from sparrow.runtime.compiled import row_invariant
 from sparrow.runtime.prefix_cache import PrefixCache
 from sparrow.speculative_config import given_arguments, merged, parse
@@ -132,8 +132,9 @@ def _draft_spec(drafter: str, draft: ModelSpec | None, num_draft_tokens: int | N
                 dtype: str | torch.dtype) -> tuple[ModelSpec | None, str | None]:
     """Check the drafter and quantization arguments; returns the draft to load ("default" resolved to the
     drafter's own default; None when the drafter runs no draft model) and its weight format (draft_quant "auto":
-    None without a draft model, quantized-self's format for the device the target is, or will be, on; it stays
-    "auto" for a draft model until `sparrow.loading` sees the loaded draft)."""
+    None without a draft model, quantized-self's format for the device the target is, or will be, on; for a draft
+    model "gguf" where the measurement runs its GGUF file's blocks fastest (`settle_gguf_draft`), else it stays
+    "auto" until `sparrow.loading` sees the loaded draft)."""
     entry = REGISTRY.get(drafter)  # None: "none"
     needs_draft = entry is not None and entry.takes_draft_model
     copy = entry is not None and entry.quantized_copy  # quantized-self: drafts with a quantized copy of the target
@@ -149,6 +150,11 @@ def _draft_spec(drafter: str, draft: ModelSpec | None, num_draft_tokens: int | N
     if isinstance(draft, str) and draft == "default":  # the drafter's own default (none for self-drafters)
         draft = entry.default_draft if entry is not None else None
     check_quant_args(drafter, quant, draft_quant, needs_draft)
+    if needs_draft:  # "auto": the draft's GGUF blocks where they ran one row fastest (loaded instead of a dense draft)
+        draft_quant = settle_gguf_draft(draft_quant, draft, where, dtype)
+    if draft_quant == GGUF and needs_draft and isinstance(draft, str) and not gguf_file(draft):
+        raise UserError(f"draft_quant='gguf' runs the draft model on its GGUF file's own blocks: {draft!r} is neither "
+                        "a preset nor a .gguf file")
     return (draft if needs_draft else None), draft_quant
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparrow.drafters.base import Drafter
 from sparrow.errors import UserError
-from sparrow.models.quantization import AUTO, parse_quant
+from sparrow.models.quantization import AUTO, GGUF, parse_quant
 
 if TYPE_CHECKING:
     from sparrow.models import LoadedModel
@@ -211,6 +211,9 @@ def check_quant_args(name: str, quant: str | None, draft_quant: str | None, has_
         raise UserError(f"drafter {name!r} needs an unquantized target ({entry.dense_target})")
     if draft_quant is not None and not has_draft_model and not quantized_copy:
         raise UserError(f"draft_quant needs a draft model, and drafter {name!r} has none")
+    if parse_quant(draft_quant, "draft_quant", auto=True) == GGUF and quantized_copy:
+        raise UserError(f"draft_quant='gguf' loads a draft model from its GGUF file; drafter {name!r} drafts with a "
+                        "quantized copy of the target instead (int8, int4 or w8a8)")
 
 
 def build_drafter(name: str, target: LoadedModel, draft: LoadedModel | None = None,

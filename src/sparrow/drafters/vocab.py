@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from sparrow.errors import UserError
 from sparrow.paths import default_cache_dir
+from sparrow.runtime.gguf_linear import GGUFLinear
 from sparrow.runtime.quant import DynamicInt8Linear, QuantizedLinear, kernel_takes
 
 if TYPE_CHECKING:
@@ -296,10 +297,12 @@ def _project(head: nn.Module, ids: Tensor) -> nn.Module:
         if not takes:
             return rows  # a row count the packed kernel does not take: these rows stay dense
         return QuantizedLinear.from_linear(rows, head.bits, head.group_size)  # per-row scales: the same values
+    if isinstance(head, GGUFLinear):  # a head on GGUF blocks: the blocks of those rows (--draft-quant gguf)
+        return head.rows(ids)
     if type(head) is nn.Linear:
         return _linear(head.weight[ids], head.bias[ids] if head.bias is not None else None)
     raise UserError(f"draft_vocab: the draft's LM head is a {type(head).__name__}; a reduced vocabulary needs "
-                    "an nn.Linear (or sparrow's QuantizedLinear / DynamicInt8Linear) head")
+                    "an nn.Linear (or sparrow's QuantizedLinear / DynamicInt8Linear / GGUFLinear) head")
 
 
 _HEADS: weakref.WeakKeyDictionary[nn.Module, dict[str, ReducedHead]] = weakref.WeakKeyDictionary()

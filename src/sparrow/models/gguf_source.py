@@ -23,7 +23,7 @@ from sparrow.models.presets import PRESETS, is_installed, open_gguf
 from sparrow.models.quantization import AUTO, GGUF
 from sparrow.runtime import gguf_kernels
 from sparrow.runtime.devices import resolve_device
-from sparrow.runtime.hardware import choose_target_quant
+from sparrow.runtime.hardware import choose_draft_quant, choose_target_quant
 
 MIN_BLOCK_SHARE = 0.5  # the share of the layers' weight bytes that must lie in blocks the kernels take
 
@@ -84,4 +84,16 @@ def settle_gguf(quant: str | None, target: object, device: str | torch.device | 
     return GGUF if fmt == GGUF and runs_on_blocks(target) else quant
 
 
-__all__ = ["gguf_file", "runs_on_blocks", "settle_gguf"]
+def settle_gguf_draft(draft_quant: str | None, draft: object, device: str | torch.device | None,
+                      dtype: str | torch.dtype) -> str | None:
+    """`draft_quant`, or "gguf" where it is "auto" and the measurement runs one draft row fastest on the draft's GGUF
+    file's own blocks (`choose_draft_quant(gguf=True)`): a GGUF source whose blocks run, on a CPU. The draft's
+    format never changes the output (the target verifies). Any other choice stays "auto", settled on the loaded
+    dense draft (`sparrow.models.quantization.draft_format`)."""
+    if draft_quant != AUTO or not gguf_file(draft) or resolve_device(device).type != "cpu":
+        return draft_quant
+    fmt = choose_draft_quant(device, dtype=resolve_dtype(dtype, device), gguf=True)[0]
+    return GGUF if fmt == GGUF and runs_on_blocks(draft) else draft_quant
+
+
+__all__ = ["gguf_file", "runs_on_blocks", "settle_gguf", "settle_gguf_draft"]

@@ -56,8 +56,9 @@ from sparrow.runtime.quant import (
 )
 
 QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4, "w8a8": 8}  # format -> bits per weight
-# a target on its GGUF file's own blocks (Q4_K / Q6_K / Q8_0 as the file has them; sparrow.models.gguf_native): loaded
-# from the file rather than quantized from a dense model, so a target format only (--quant, not --draft-quant)
+# a model on its GGUF file's own blocks (Q4_K / Q6_K / Q8_0 as the file has them; sparrow.models.gguf_native): loaded
+# from the file rather than quantized from a dense model: a target's (--quant) or a draft model's (--draft-quant)
+# format, never the quantized-self copy's
 GGUF = "gguf"
 # --draft-quant auto: the draft format this machine runs fastest (sparrow.runtime.hardware.choose_draft_quant)
 AUTO = "auto"
@@ -72,21 +73,20 @@ WEIGHTS_FILE = "weights.safetensors"  # the packed weights inside a quantized ca
 
 
 def parse_quant(quant: str | int | None, argument: str = "quant", auto: bool = False) -> str | None:
-    """'int8' / 'int4' / 'w8a8' / 8 / 4 -> the format's name; None -> None; where `auto` is allowed (a draft's
-    format), also 'auto' -> 'auto' (chosen by sparrow.runtime.hardware) and 'none' -> None (dense); for the target's
-    `quant`, also 'gguf' (GGUF). Raises UserError naming `argument`."""
+    """'int8' / 'int4' / 'w8a8' / 'gguf' / 8 / 4 -> the format's name; None -> None; where `auto` is allowed, also
+    'auto' -> 'auto' (chosen by sparrow.runtime.hardware) and 'none' -> None (dense). Raises UserError naming
+    `argument`."""
     if quant is None:
         return None
     if isinstance(quant, int) and not isinstance(quant, bool) and quant in (4, 8):
         return f"int{quant}"
     if isinstance(quant, str) and quant.lower() in QUANT_BITS:
         return quant.lower()
-    if argument == "quant" and isinstance(quant, str) and quant.lower() == GGUF:
+    if isinstance(quant, str) and quant.lower() == GGUF:
         return GGUF
     if auto and isinstance(quant, str) and quant.lower() in (AUTO, "none"):
         return AUTO if quant.lower() == AUTO else None
-    names = (AUTO, "none", *QUANT_BITS) if auto else tuple(QUANT_BITS)
-    names = (*names, GGUF) if argument == "quant" else names
+    names = (AUTO, "none", *QUANT_BITS, GGUF) if auto else (*QUANT_BITS, GGUF)
     raise UserError(f"invalid {argument} {quant!r}: expected one of {', '.join(names)}")
 
 
@@ -288,8 +288,8 @@ def quantize_model(model: nn.Module, quant: int | str, group_size: int = DEFAULT
     weight: 5.7 ms, against 9.3 ms dense in bfloat16 and 39 ms in float32; AMD EPYC Zen 5).
     """
     fmt = parse_quant(quant, "quant")
-    if fmt is None:
-        raise UserError(f"quant must be one of {', '.join(QUANT_BITS)}")
+    if fmt is None or fmt == GGUF:
+        raise UserError(f"quant must be one of {', '.join(QUANT_BITS)} (gguf weights are loaded from a GGUF file)")
     if dense is not None and dense not in DENSE_USES:
         raise UserError(f"dense must be one of {', '.join(DENSE_USES)} or None, got {dense!r}")
     if fmt == "int4" and group_size not in INT4_GROUP_SIZES:
@@ -351,8 +351,8 @@ def quantized_copy(loaded: LoadedModel, quant: str | int, group_size: int = DEFA
     for presets read from / written to the disk cache. `dense` (PREFILL for a target, LONG for a draft) and
     `report`: see quantize_model."""
     fmt = parse_quant(quant)
-    if fmt is None:
-        raise UserError(f"quant must be one of {', '.join(QUANT_BITS)}")
+    if fmt is None or fmt == GGUF:
+        raise UserError(f"quant must be one of {', '.join(QUANT_BITS)} (gguf weights are loaded from a GGUF file)")
     if getattr(loaded.model, "sparrow_quantization", None) is not None:
         raise UserError(f"{loaded.name!r} is already quantized ({loaded.model.sparrow_quantization.name})")
     copies = _COPIES.setdefault(loaded.model, {})

@@ -27,6 +27,9 @@ class GGUFLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.qtype, self.int8 = in_features, out_features, qtype, int8
         blocks = gk.check_blocks(blocks, qtype, out_features, in_features, name)
+        self.source = blocks
+        """The blocks as given (the file's layout; typically a view of the memory-mapped file, whose pages the loader
+        releases where the layer packs its own copy: kept for `rows`, costing no memory until it is read)."""
         # the kernel's type: Q4_K (and Q6_K where the kernels run AVX-512 VNNI, see gk.packs) goes packed, 16 rows
         # interleaved, made once here (products of several rows 1.3-2.3x faster, see gguf_kernels.cpp); the other
         # formats stay the file's bytes
@@ -39,6 +42,14 @@ class GGUFLinear(nn.Module):
         """A data-less [out_features, in_features] stand-in for code that reads `.weight.shape` (an LM head's width);
         `dequantized()` gives the values."""
         return torch.empty(self.out_features, self.in_features, dtype=torch.float32, device="meta")
+
+    def rows(self, ids: Tensor) -> GGUFLinear:
+        """The output rows `ids` ([n] int64) as a GGUFLinear of the same GGML type, from the file's blocks of those
+        rows (laid out as `kernel_blocks` decides for n rows): a draft's reduced vocabulary
+        (`sparrow.drafters.vocab`). Its outputs are this layer's columns `ids` where both take the same layout."""
+        ids = ids.to(self.source.device)
+        bias = None if self.bias is None else self.bias.detach()[ids]
+        return GGUFLinear(self.source.index_select(0, ids), self.qtype, ids.numel(), self.in_features, bias, self.int8)
 
     def dequantized(self) -> Tensor:
         """The float32 weight [out_features, in_features] (bit for bit gguf.quants.dequantize's)."""

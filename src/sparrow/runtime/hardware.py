@@ -30,8 +30,9 @@
 * CUDA: bfloat16 where supported natively, else float16.
 * anything else: float32.
 
-``choose_draft_quant(device)`` picks the weight format of a draft model (``--draft-quant auto``, the CLI's
-default): the quantized format that ran one row fastest, when it beat the dense dtype by ``MIN_DRAFT_QUANT_SPEEDUP``
+``choose_draft_quant(device, gguf=...)`` picks the weight format of a draft model (``--draft-quant auto``, the CLI's
+default): the quantized format (for a draft with a GGUF source, its file's own blocks among them) that ran one row
+fastest, when it beat the dense dtype by ``MIN_DRAFT_QUANT_SPEEDUP``
 (int4 here at 4.4x on an AMD EPYC with avx512_bf16; int8 was ~2.5x faster on an AVX-512/VNNI CPU without bf16),
 among the formats measured in the draft's own compute dtype (weight-only kernels with float32 activations ran
 4-10x slower than with bfloat16 ones on an AVX2-only CPU).
@@ -333,16 +334,19 @@ def choose_dtype(device: str | torch.device | None = None, *, benchmark: bool | 
 
 
 def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: bool | None = None,
-                       dtype: torch.dtype | None = None) -> tuple[str | None, str]:
+                       dtype: torch.dtype | None = None, gguf: bool = False) -> tuple[str | None, str]:
     """``(format, reason)``: the weight format ``--draft-quant auto`` gives a draft model on ``device``: the
-    quantized format (int8 / int4 weight-only, w8a8) whose one-row matmul this machine measured fastest, when it
-    ran at least ``MIN_DRAFT_QUANT_SPEEDUP`` times faster than the dense dtype the benchmark compared it with; None
-    (a dense draft) otherwise, where nothing was measured, and on CUDA (the kernels are measured on CPUs only).
-    A draft runs one token a step, so its one-row cost is what counts; it never changes the output.
+    quantized format (int8 / int4 weight-only, w8a8, and with ``gguf`` the draft's GGUF file's own blocks) whose
+    one-row matmul this machine measured fastest, when it ran at least ``MIN_DRAFT_QUANT_SPEEDUP`` times faster than
+    the dense dtype the benchmark compared it with; None (a dense draft) otherwise, where nothing was measured, and
+    on CUDA (the kernels are measured on CPUs only). A draft runs one token a step, so its one-row cost is what
+    counts; it never changes the output.
 
     dtype: the draft's compute dtype, when known. The weight-only kernels were measured with the benchmark's
-    activation dtype only, and their speed depends on it, so a draft in another dtype chooses among w8a8 (int8
-    activations, whatever the dtype) and dense."""
+    activation dtype only, and their speed depends on it, so a draft in another dtype chooses among w8a8 and gguf
+    (int8 activations, whatever the dtype) and dense. gguf: the draft has a GGUF source whose blocks run (the
+    caller knows, `sparrow.models.gguf_source`); gguf is then a candidate where the measurement has its row and the
+    kernels load now."""
 
     dev = resolve_device(device)
     if dev.type != "cpu":
@@ -351,9 +355,10 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
     if not usable(record):
         return None, f"no CPU measurement to go by ({unusable_reason(record)}): drafts stay dense"
     costs, dense = record["costs"], str(record["quant_activations"])
-    quants = [name for name in DRAFT_QUANTS if name in costs]
-    if dtype is not None and dtype_name(dtype) != dense:  # measured with other activations: only w8a8 carries over
-        quants, dense = [name for name in quants if name == "w8a8"], dtype_name(dtype)
+    candidates = (*DRAFT_QUANTS, GGUF) if gguf and gguf_kernels.available() else DRAFT_QUANTS
+    quants = [name for name in candidates if name in costs]
+    if dtype is not None and dtype_name(dtype) != dense:  # measured with other activations: only 8-bit ones carry over
+        quants, dense = [name for name in quants if name in ("w8a8", GGUF)], dtype_name(dtype)
     if not quants or dense not in costs:
         return None, "the measurement has no quantized kernels for this dtype: drafts stay dense"
     best = min(quants, key=lambda name: costs[name]["1"])
@@ -363,6 +368,10 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
     if speedup < MIN_DRAFT_QUANT_SPEEDUP:
         return None, (f"the fastest quantized format ({best}) ran only {speedup:.2f}x {dense}'s speed at 1 row "
                       f"({detail}; needs {MIN_DRAFT_QUANT_SPEEDUP}x): drafts stay dense")
+    if best == GGUF:
+        return best, (f"the GGUF kernels (Q4_K blocks, 8-bit activations) ran {speedup:.1f}x faster than {dense} at "
+                      f"1 row ({detail}): the draft on its GGUF file's own blocks (still lossless: the target "
+                      "verifies)")
     return best, (f"{best} weights ran {speedup:.1f}x faster than {dense} at 1 row ({detail}): {best} drafts "
                   "(still lossless: the target verifies)")
 
