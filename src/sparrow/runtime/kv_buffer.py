@@ -9,8 +9,8 @@ cached tokens, and 7.1 / 12.8 / 21.2 ms with this layer (`benchmarks/kv_append.p
 
 `BufferedLayer` writes a forward's keys and values into slots length .. length + n - 1 of a buffer
 [b, kv_heads, capacity, d] and hands attention the view of slots :length + n; when they do not fit, the buffer is
-replaced by one with `headroom(length)` slots to spare (at least `HEADROOM`, a quarter of the length beyond that:
-at most ~25 % more memory than the keys, and each key is copied a handful of times over a long generation instead
+replaced by one with `headroom(length)` slots to spare (at least `HEADROOM`, an eighth of the length beyond that:
+at most 12.5 % more memory than the keys, and each key is copied about eight times over a long generation instead
 of once a step). `crop` (a rewind) only moves the length: the slots after it are overwritten by the next forward.
 
 It stays a DynamicLayer to everything else: `keys` / `values` are its views (shape [b, kv_heads, length, d]), so
@@ -31,8 +31,8 @@ HEADROOM = 256
 
 
 def headroom(length: int) -> int:
-    """Spare slots a buffer grown to hold `length` keys gets: a quarter of them, at least HEADROOM."""
-    return max(HEADROOM, length // 4)
+    """Spare slots a buffer grown to hold `length` keys gets: an eighth of them, at least HEADROOM."""
+    return max(HEADROOM, length // 8)
 
 
 class BufferedLayer(DynamicLayer):
