@@ -3,9 +3,10 @@ grows ahead of them.
 
 transformers' `DynamicLayer.update` appends a step's keys with `torch.cat`: every forward copies the layer's whole
 cache into a fresh allocation (a new mapping of zeroed pages once it passes the allocator's threshold), so a decoding
-step costs O(context) in copies on top of attention. On the 1.5B preset (Intel Xeon, 2 threads; the GGUF matmuls
-taken out to see the rest) a one-token step spent 7.6 / 17.0 / 34.8 ms outside its matmuls at 100 / 1,000 / 3,000
-cached tokens, and 7.1 / 12.8 / 21.2 ms with this layer (`benchmarks/kv_append.py`).
+step costs O(context) in copies on top of attention. On the 1.5B preset (Intel Xeon family 6 model 207, 2 threads;
+the GGUF matmuls taken out to see the rest: `benchmarks/gguf_step.py --variants eager,dynamic --skip-matmuls`) a
+one-token step spent 13.4 / 17.3 / 47.8 ms outside its matmuls at 100 / 1,000 / 3,000 cached tokens, and 13.0 /
+13.2 / 31.3 ms with this layer.
 
 `BufferedLayer` writes a forward's keys and values into slots length .. length + n - 1 of a buffer
 [b, kv_heads, capacity, d] and hands attention the view of slots :length + n; when they do not fit, the buffer is
