@@ -175,8 +175,8 @@ def stability_line(bench: dict[str, Any]) -> str:
                 f"{100 * stability.get('tolerance', 0):.0f}%)")
     else:
         tolerance = 100 * stability.get("tolerance", 0)
-        text = (f"UNSTABLE (machine busy; the CPU flags decide, the figures only a draft format that beats the "
-                f"noise): {used} consistent of {rounds} rounds, spread {100 * (spread or 0):.0f}% "
+        text = (f"UNSTABLE (machine busy; the CPU flags decide, the figures only a draft or target format that "
+                f"beats the noise): {used} consistent of {rounds} rounds, spread {100 * (spread or 0):.0f}% "
                 f"(tolerance {tolerance:.0f}%)")
     if rejected:
         count = len(rejected)

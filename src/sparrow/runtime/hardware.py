@@ -345,6 +345,15 @@ def choose_dtype(device: str | torch.device | None = None, *, benchmark: bool | 
     return choice.dtype, choice.reason
 
 
+def _needs(record: dict[str, object], threshold: float, margin: float) -> str:
+    """What a quantized format's lead must clear, for a reason string: the plain threshold, or for an unstable
+    measurement (``margin`` > 1, see ``noisy_margin``) that threshold times the margin, and why."""
+    if margin > 1:
+        return (f"; {unusable_reason(record)}, so it needs {threshold * margin:.2f}x: {threshold}x times "
+                "(1 + spread)^2")
+    return f"; needs {threshold}x"
+
+
 def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: bool | None = None,
                        dtype: torch.dtype | None = None, gguf: bool = False) -> tuple[str | None, str]:
     """``(format, reason)``: the weight format ``--draft-quant auto`` gives a draft model on ``device``: the
@@ -379,13 +388,11 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
     base = dense_costs(costs, dense)["1"]
     speedup = base / costs[best]["1"]
     detail = f"{costs[best]['1']:.2f} vs {base:.2f} ms"
-    if margin > 1:  # an unstable measurement: say so, and ask for the gap its spread cannot close
-        detail += (f"; {unusable_reason(record)}, so it needs {MIN_DRAFT_QUANT_SPEEDUP * margin:.2f}x: "
-                   f"{MIN_DRAFT_QUANT_SPEEDUP}x times (1 + spread)^2")
+    needs = _needs(record, MIN_DRAFT_QUANT_SPEEDUP, margin)
     if speedup < MIN_DRAFT_QUANT_SPEEDUP * margin:
-        needs = "" if margin > 1 else f"; needs {MIN_DRAFT_QUANT_SPEEDUP}x"
         return None, (f"the fastest quantized format ({best}) ran only {speedup:.2f}x {dense}'s speed at 1 row "
                       f"({detail}{needs}): drafts stay dense")
+    detail += needs if margin > 1 else ""  # chosen by unstable figures: say what the lead cleared
     if best == GGUF:
         return best, (f"the GGUF kernels (Q4_K blocks, 8-bit activations) ran {speedup:.1f}x faster than {dense} at "
                       f"1 row ({detail}): the draft on its GGUF file's own blocks (still lossless: the target "
@@ -399,10 +406,11 @@ def choose_target_quant(device: str | torch.device | None = None, *, benchmark: 
                         gguf: bool = False) -> tuple[str | None, str]:
     """``(format, reason)``: the weight format ``--quant auto`` gives the target on ``device``: the quantized format
     (int8 / int4 weight-only, w8a8, and with ``gguf`` the GGUF file's own blocks; not those in ``exclude``) whose
-    8-row matmul this machine measured fastest (a target verifies a draft of several tokens a step), when it ran at
-    least ``MIN_TARGET_QUANT_SPEEDUP`` times faster than the dense dtype; None (dense) otherwise, without a stable
-    measurement, and on CUDA. Unlike a draft's, the target's format changes the output: decoding is then lossless
-    relative to the quantized target, not to the dense one. ``dtype``: the target's compute dtype (see
+    cost over a decoding step and a verify this machine measured lowest (``target_cost``: 1 and 8 rows), when it
+    ran at least ``MIN_TARGET_QUANT_SPEEDUP`` times faster than the dense dtype (times ``noisy_margin`` for an
+    unstable measurement, as for a draft); None (dense) otherwise, without a measurement, and on CUDA. Unlike a
+    draft's, the target's format changes the output: decoding is then lossless relative to the quantized target,
+    not to the dense one. ``dtype``: the target's compute dtype (see
     ``choose_draft_quant``; w8a8 and gguf quantize their activations whatever it is).
 
     gguf: the target has a GGUF source whose blocks ``--quant gguf`` runs (a preset or a .gguf file; the caller
@@ -412,7 +420,8 @@ def choose_target_quant(device: str | torch.device | None = None, *, benchmark: 
     if dev.type != "cpu":
         return None, f"{dev.type}: the target stays dense (the quantized kernels are measured on CPUs only)"
     record = cpu_costs(benchmark=benchmark)
-    if not usable(record):
+    margin = 1.0 if usable(record) else noisy_margin(record)  # unstable figures decide only where the gap is wide
+    if margin is None:
         return None, f"no CPU measurement to go by ({unusable_reason(record)}): the target stays dense"
     costs, dense = record["costs"], str(record["quant_activations"])
     candidates = (*DRAFT_QUANTS, GGUF) if gguf else DRAFT_QUANTS
@@ -428,9 +437,11 @@ def choose_target_quant(device: str | torch.device | None = None, *, benchmark: 
     speedup = target_cost(base) / target_cost(costs[best])
     detail = _versus(costs[best], base)
     label = "gguf (Q4_K blocks, 8-bit activations)" if best == GGUF else best
-    if speedup < MIN_TARGET_QUANT_SPEEDUP:
+    needs = _needs(record, MIN_TARGET_QUANT_SPEEDUP, margin)
+    if speedup < MIN_TARGET_QUANT_SPEEDUP * margin:
         return None, (f"the fastest quantized format ({label}) ran only {speedup:.2f}x {dense}'s speed over "
-                      f"{ROWS_SAID} ({detail}; needs {MIN_TARGET_QUANT_SPEEDUP}x): the target stays dense")
+                      f"{ROWS_SAID} ({detail}{needs}): the target stays dense")
+    detail += needs if margin > 1 else ""  # chosen by unstable figures: say what the lead cleared
     if best == GGUF:
         return best, (f"the GGUF kernels (Q4_K blocks, 8-bit activations) ran {speedup:.1f}x faster than {dense} over "
                       f"{ROWS_SAID} ({detail}): the target on its GGUF file's own blocks (lossless relative to the "
