@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from sparrow.decoding.baseline import plain_decode
 from sparrow.decoding.engine import decode
 from sparrow.decoding.round import Generation
-from sparrow.drafters.base import Drafter
+from sparrow.drafters.base import Drafter, verify_rows
 from sparrow.drafters.draft_model import draft_model_drafters
 from sparrow.errors import UserError
 from sparrow.grammar import FREE, Constraint, Grammars, guiding
@@ -85,16 +85,22 @@ class Pipeline:
         if verifier not in ("auto", *VERIFIERS):
             raise UserError(f"unknown verifier {verifier!r}; expected one of: auto, {', '.join(VERIFIERS)}")
 
-    def warm_up(self, prompt: PromptInput, chat: bool = False) -> None:
-        """Compile every step size of the compiled runners (the target's, the draft models') at the cache capacity
-        `prompt` allocates, so that no compile falls inside a timed generation; nothing to do where none is."""
-        encoded = self.encode(prompt, chat=chat)
-        runners = [self.runner] if self.compiled else []
+    def warm_up(self, prompt: PromptInput | Prompt, chat: bool = False) -> None:
+        """Compile the step sizes the compiled runners run at the cache capacity `prompt` allocates, so that no
+        compile falls inside a timed generation (nothing to do where none is): the target's up to the most rows its
+        verify scores with this drafter (`verify_rows`: k + 1 for a chain of k, a tree's budget + 1; every size
+        where the drafter does not say), with the drafter's hidden layers, and its one-row step without them (plain
+        decoding); every size of the draft models' (a catch-up after a long accepted block runs any)."""
+        encoded = prompt if isinstance(prompt, Prompt) else self.encode(prompt, chat=chat)
+        if self.compiled and isinstance(self.runner, StaticCachedModel):
+            layers = self.drafter.hidden_layers if self.drafter is not None else ()
+            self.runner.warm_up(encoded, layers, largest=verify_rows(self.drafter))
+            if layers:
+                self.runner.warm_up(encoded, largest=1)
         if self.draft_compiled:
-            runners += [d.draft for d in draft_model_drafters(self.drafter)]
-        for runner in runners:
-            if isinstance(runner, StaticCachedModel):  # a w8a8 draft stays eager
-                runner.warm_up(encoded)
+            for each in draft_model_drafters(self.drafter):
+                if isinstance(each.draft, StaticCachedModel):  # a w8a8 draft stays eager
+                    each.draft.warm_up(encoded)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

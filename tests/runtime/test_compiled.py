@@ -261,3 +261,51 @@ def test_load_refuses_a_non_bool_compile(target):
 
     with pytest.raises(UserError, match="compile must be True or False"):
         sparrow.load(target, drafter="none", compile="yes")
+
+
+def test_warm_up_compiles_the_step_sizes_a_verify_of_its_drafter_runs(target, draft):
+    """`Pipeline.warm_up` compiles the target's step for each bucket a verify of its drafter can fill: up to the
+    first bucket that holds k + 1 rows (a chain of k) or a tree's budget + 1, with the drafter's hidden layers, and
+    a one-row step without them (plain decoding). Before, it compiled every bucket (a GGUF target's ten, up to 64
+    rows: the 1.5B's first warm-up took 21 minutes on 2 cores) and never the hidden-layer steps an eagle head asks
+    for. A drafter that states no length still warms every bucket. (Eager static caches: the forwards it asks for
+    are recorded, nothing compiles.)"""
+    from sparrow.drafters.base import DrafterInfo, verify_rows
+    from sparrow.policy.length import LengthPolicy
+
+    def warmed(drafter) -> set[tuple[int, tuple[int, ...]]]:
+        pipe = Pipeline(target, drafter)
+        pipe.runner, pipe.compiled, pipe.draft_compiled = StaticCachedModel(target.model, compile=False), True, False
+        seen, forward = set(), pipe.runner.forward
+        pipe.runner.forward = lambda tokens, *a, hidden_layers=(), **k: (
+            seen.add((tokens.numel(), hidden_layers)) or forward(tokens, *a, hidden_layers=hidden_layers, **k))
+        pipe.warm_up(PROMPTS[0])
+        assert pipe.runner.length == 0
+        return seen
+
+    chain = build_drafter("draft-model", target, draft, 3, adaptive=False)
+    assert verify_rows(chain) == 4 and warmed(chain) == {(1, ()), (2, ()), (4, ())}
+    assert warmed(build_drafter("draft-model", target, draft, 4)) == {(1, ()), (2, ()), (4, ()), (8, ())}  # 5 rows
+    tree = build_drafter("draft-model", target, draft, 3, tree_budget=6, tree_topk=2, tree_depth=3)
+    assert verify_rows(tree) == 7 and {n for n, _ in warmed(tree)} == {1, 2, 4, 8}
+    assert verify_rows(None) == 1 and warmed(None) == {(1, ())}
+
+    class Head:  # an eagle-like drafter: reads two of the target's hidden layers, drafts chains of up to 2
+        name, hidden_layers, grammar = "head", (0, 1), None
+
+        def describe(self) -> DrafterInfo:
+            return DrafterInfo(length=LengthPolicy(2))
+
+    assert warmed(Head()) == {(1, (0, 1)), (2, (0, 1)), (4, (0, 1)), (1, ())}  # 3 rows: bucket 4
+
+    class Unsaid(Head):
+        def describe(self) -> DrafterInfo:
+            return DrafterInfo()
+
+    class Auto(Head):
+        def describe(self) -> DrafterInfo:
+            return DrafterInfo(candidates=(chain, tree))
+
+    assert verify_rows(Unsaid()) is None and {n for n, _ in warmed(Unsaid())} == set(Q_BUCKETS)
+    assert verify_rows(Auto()) == 7 and verify_rows(type("Mixed", (Head,), {
+        "describe": lambda self: DrafterInfo(candidates=(chain, Unsaid()))})()) is None

@@ -169,13 +169,16 @@ def check_media_target(target: str, video: str | None, images: list[str] | None)
 
 def run_compare(pipe: Any, request: Request, runs: int) -> Any:
     """Speculative and plain decoding of ``request``, each warmed up untimed on it (a few tokens: neither timed
-    path pays for cold kernels, allocator or weight pages), then timed ``runs`` times each in ABBA order."""
+    path pays for cold kernels, allocator or weight pages; with --compile, first every step size the timed runs
+    take, `Pipeline.warm_up`, so no compile falls inside them), then timed ``runs`` times each in ABBA order."""
     from sparrow.bench.compare import compare
 
     stopping = request.stopping
     warm = replace(request, stopping=replace(stopping, max_new_tokens=min(8, stopping.max_new_tokens)))
 
     def warm_up() -> None:
+        if pipe.compiled or pipe.draft_compiled:
+            pipe.warm_up(request.prompt)
         pipe.generate(warm)
         pipe.generate_plain(warm)
 

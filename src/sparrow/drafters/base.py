@@ -185,6 +185,22 @@ def draft_runners(drafter: Drafter | None) -> tuple[CachedModel, ...]:
     return distinct((info.draft, *(runner for candidate in info.candidates for runner in draft_runners(candidate))))
 
 
+def verify_rows(drafter: Drafter | None) -> int | None:
+    """The most rows a target forward of a generation with `drafter` scores, as far as its policies say: 1 (the last
+    committed token) plus its longest draft (its length policy's max_tokens, its tree's budget; for auto, its
+    candidates' largest); 1 for plain decoding; None where a drafter (or a candidate) states neither. Structured
+    output can add forced tokens beyond it (a compiled runner then compiles that size when first asked for)."""
+    if drafter is None:
+        return 1
+    info = drafter.describe()
+    if info.candidates:
+        rows = [verify_rows(candidate) for candidate in info.candidates]
+        return None if None in rows else max(rows)
+    drafts = [n for n in (info.length.max_tokens if info.length else None, info.tree.budget if info.tree else None)
+              if n is not None]
+    return 1 + max(drafts) if drafts else None
+
+
 def distinct(objects: Iterable[object]) -> tuple:
     """`objects` without repeats (by identity) and without None, in order."""
     found = {id(obj): obj for obj in objects if obj is not None}

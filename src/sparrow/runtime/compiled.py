@@ -306,13 +306,14 @@ class StaticCachedModel(CachedModel):
 
     @torch.inference_mode()
     def warm_up(self, prompt: Prompt, hidden_layers: tuple[int, ...] = (), largest: int | None = None) -> None:
-        """Compile the step of every bucket (up to `largest`) at the capacity `prompt` allocates (each first call of a
-        shape compiles: tens of seconds on a CPU, which would otherwise fall inside a generation); the cache is left
-        empty."""
+        """Compile the step of every bucket a forward of up to `largest` rows runs in (None: every bucket), with
+        `hidden_layers`, at the capacity `prompt` allocates (each first call of a shape compiles: tens of seconds on
+        a CPU, which would otherwise fall inside a generation); the cache is left empty."""
         self.prefill(prompt)
         start = self._length
+        last = self.buckets[-1] if largest is None else _bucket(largest, self.buckets) or self.buckets[-1]
         for bucket in self.buckets:
-            if (largest is not None and bucket > largest) or start + bucket > self.capacity:
+            if bucket > last or start + bucket > self.capacity:
                 break
             self.forward(prompt.input_ids[-1:].expand(bucket).contiguous(), hidden_layers=hidden_layers)
             self.rewind(start)
