@@ -360,7 +360,7 @@ def test_which_files_run_on_their_blocks(gguf_file, tmp_path):
 def test_quant_auto_loads_the_files_blocks_where_they_measured_fastest(gguf_file, monkeypatch, tmp_path):
     """--quant auto on a GGUF source: where the GGUF kernels ran a step and a verify fastest, the target is built
     from the file's blocks (never a dense copy), and speculative decoding equals its own plain decoding; where they
-    did not, auto is left to the loaded dense target; with compile, never gguf."""
+    did not, auto is left to the loaded dense target; with compile alike."""
     from sparrow.drafters.plan import resolve_plan
     from sparrow.loading import PipelineCache
     from sparrow.models.gguf_source import settle_gguf
@@ -371,7 +371,8 @@ def test_quant_auto_loads_the_files_blocks_where_they_measured_fastest(gguf_file
     try:
         assert resolve_plan(spec, drafter="prompt-lookup", quant="auto").quant == "gguf"
         assert resolve_plan(spec, drafter="quantized-self", quant="auto").quant is None  # needs a dense target
-        assert settle_gguf("auto", spec, "cpu", "auto", compile=True) == "auto"
+        # with compile too: a GGUF target compiles and stays exact (before, auto never took its blocks there)
+        assert resolve_plan(spec, drafter="prompt-lookup", quant="auto", compile=True).quant == "gguf"
         assert settle_gguf("int8", spec, "cpu", "auto") == "int8"
         pipe = sparrow.load(spec, quant="auto", drafter="prompt-lookup", num_draft_tokens=3, progress=False)
         assert pipe.target.model.sparrow_quantization.format == "gguf"

@@ -102,7 +102,7 @@ def resolve_plan(target: ModelSpec = "qwen2.5-coder-1.5b", *, drafter: str = "dr
     check_compile(drafter, compile)
     draft, draft_quant = _draft_spec(drafter, draft, num_draft_tokens, quant, draft_quant, options, target,
                                      device, dtype)
-    quant = _target_quant(quant, drafter, target, device, dtype, compile)
+    quant = _target_quant(quant, drafter, target, device, dtype)
     check_draft_only_compile(drafter, draft, compile and not target_compiles(compile, exact, quant), exact)
     check_models(drafter, options, target, draft, device=device, compile=compile, quant=quant,
                  draft_quant=draft_quant)  # what the models' configs say they cannot run, before loading them
@@ -158,8 +158,8 @@ def _draft_spec(drafter: str, draft: ModelSpec | None, num_draft_tokens: int | N
     return (draft if needs_draft else None), draft_quant
 
 
-def _target_quant(quant: str | None, drafter: str, target: ModelSpec, device: str | None, dtype: str | torch.dtype,
-                  compile: bool) -> str | None:
+def _target_quant(quant: str | None, drafter: str, target: ModelSpec, device: str | None,
+                  dtype: str | torch.dtype) -> str | None:
     """--quant parsed ('none' -> None); 'auto' stays until the loaded target settles it, except for a drafter
     drafting with a quantized copy of a dense target (quantized-self: dense), and where the measurement picks the
     target's GGUF file's own blocks, which are loaded instead of the dense model (`settle_gguf`: "gguf")."""
@@ -167,7 +167,7 @@ def _target_quant(quant: str | None, drafter: str, target: ModelSpec, device: st
     entry = REGISTRY.get(drafter)
     if quant == AUTO and entry is not None and entry.quantized_copy:
         return None
-    return settle_gguf(quant, target, device, dtype, compile)
+    return settle_gguf(quant, target, device, dtype)
 
 
 def target_compiles(compile: bool, exact: bool | None, quant: str | None, model: nn.Module | None = None) -> bool:

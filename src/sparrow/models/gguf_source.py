@@ -71,14 +71,14 @@ def runs_on_blocks(spec: object) -> bool:
     return path.is_file() and _file_runs(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
-def settle_gguf(quant: str | None, target: object, device: str | torch.device | None, dtype: str | torch.dtype,
-                compile: bool = False) -> str | None:
+def settle_gguf(quant: str | None, target: object, device: str | torch.device | None,
+                dtype: str | torch.dtype) -> str | None:
     """`quant`, or "gguf" where it is "auto" and the measurement picks the GGUF file's own blocks for this target
     (`choose_target_quant(gguf=True)`): a GGUF source whose blocks run (`runs_on_blocks`), on a CPU, against the
-    target's compute `dtype` ("auto" resolved); not with `compile` (a GGUF target runs eagerly: only a draft model
-    would compile). Any other choice stays "auto", settled on the loaded dense target (`target_format`), which then
-    chooses among the rest."""
-    if quant != AUTO or compile or not gguf_file(target) or resolve_device(device).type != "cpu":
+    target's compute `dtype` ("auto" resolved); with `--compile` too (a GGUF target compiles and stays exact). Any
+    other choice stays "auto", settled on the loaded dense target (`target_format`), which then chooses among the
+    rest."""
+    if quant != AUTO or not gguf_file(target) or resolve_device(device).type != "cpu":
         return quant
     fmt = choose_target_quant(device, dtype=resolve_dtype(dtype, device), gguf=True)[0]
     return GGUF if fmt == GGUF and runs_on_blocks(target) else quant
