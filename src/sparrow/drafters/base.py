@@ -115,6 +115,11 @@ class Drafter(Protocol):
         """A generation of `committed` ended between rounds: hand the draft model's cache (as far as it holds
         `committed`) to its prefix cache, if it has one (`Pipeline(prefix_cache=...)`); a no-op by default."""
 
+    def forget(self) -> None:
+        """Drop what it drafts from that earlier requests left (suffix's store of outputs), so that the next request
+        drafts as the first of a fresh process would: `generate --compare` times each run of a repeated prompt so,
+        not from its own earlier output. A no-op by default."""
+
     def modules(self) -> tuple[torch.nn.Module, ...]:
         """Every module it runs or changes (its draft model and views of it, a head, the target itself for
         self-drafters, its candidates' for auto): a generation holds their locks (`sparrow.locks`), and a fork
@@ -155,6 +160,9 @@ class DrafterBase:
                            enabled=self.enabled)
 
     def park(self, committed: Tensor) -> None:
+        pass
+
+    def forget(self) -> None:
         pass
 
     def watch_prefill(self, target: CachedModel) -> AbstractContextManager:

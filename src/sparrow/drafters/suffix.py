@@ -216,6 +216,10 @@ class SuffixDrafter(DrafterBase):
         """The store over outputs: one per served model, shared by every fork."""
         return (self.store,)
 
+    def forget(self) -> None:
+        """Empty the store over earlier outputs (shared: every fork forgets)."""
+        self.store.clear()
+
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
         self._local = SuffixTrie(self.config.max_tree_depth)

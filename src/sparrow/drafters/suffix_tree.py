@@ -208,6 +208,13 @@ class SuffixStore:
                 self.trie.extend(seq, tokens)
                 self._tokens += len(tokens)
 
+    def clear(self) -> None:
+        """Forget every sequence (their ids are not reused)."""
+        with self._lock:
+            self.trie = SuffixTrie(self.trie.depth)
+            self._order.clear()
+            self._tokens = 0
+
     def locked(self) -> threading.Lock:
         """Hold while reading `trie` (other threads may be feeding it)."""
         return self._lock
