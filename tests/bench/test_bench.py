@@ -341,3 +341,22 @@ def test_bench_refuses_what_the_models_configs_rule_out_before_loading(data, tmp
     assert result.exit_code != 0 and "a model was loaded" not in result.output
     assert "drafter 'sparse' needs a target whose layers all use full attention" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("forgets", [True, False], ids=["each-repeat-fresh", "negative-control"])
+def test_a_repeat_never_drafts_from_its_own_earlier_answer(data, tokenizer, one_thread, monkeypatch, forgets):
+    """suffix drafts from a store of earlier outputs: a second repeat of a question (or the warm-up's question)
+    found its own answer there and accepted it whole. Each repeat now starts with the store emptied
+    (`Runner.forget`), so a question's repeats draft and accept alike; the negative control (no forgetting) accepts
+    more in the second repeat."""
+    if not forgets:
+        monkeypatch.setattr(Runner, "forget", lambda self: None)
+    target = LoadedModel(tiny_model("llama", seed=0), tokenizer, "tiny")
+    config = BenchConfig(target="tiny", draft=None, cross_draft=None, dtype="float32", k=8, adaptive=False,
+                         max_new_tokens=24, turns=1, chat=False, device="cpu")
+    questions = load_questions(data, ["qa"], limit=2)
+    rows = Runner(["plain", "suffix"], Models(target, None), config).run(questions, repeats=2, warmup=1)
+    accepted = {(r["question_id"], r["repeat"]): r["num_accepted_tokens"] for r in rows if r["method"] == "suffix"}
+    same = all(accepted[q, 0] == accepted[q, 1] for q in {q for q, _ in accepted})
+    assert same if forgets else sum(accepted[q, 1] for q, _ in accepted) > sum(accepted[q, 0] for q, _ in accepted)
+    assert all(r["identical_to_baseline"] for r in rows if r["method"] == "suffix")

@@ -202,6 +202,14 @@ class Runner:
             turns.append(turn)
         return merge_turns(turns)
 
+    def forget(self) -> None:
+        """Every method's drafter forgets earlier requests (suffix's store of outputs, `Drafter.forget`): each
+        repeat runs the questions as a fresh process would, drafting from the answers of the questions before it in
+        this repeat, never from its own answer of an earlier repeat or of the warm-up."""
+        for pipe in self.pipes.values():
+            if pipe.drafter is not None:
+                pipe.drafter.forget()
+
     def warmup(self, question: Question, runs: int) -> None:
         """One-time kernel, allocator and cache costs stay out of the timings."""
         for _ in range(runs):
@@ -227,6 +235,7 @@ class Runner:
             if on_row is not None:
                 on_row(row)
         for repeat in range(first_repeat, first_repeat + repeats):
+            self.forget()
             for question in questions:
                 hashes: dict[str, str] = {}
                 for method in self.methods:
