@@ -238,6 +238,10 @@ def softcapped_config():
         ("gemma3", {"drafter": "layer-skip", "skip_set": {"num_layers": 2, "mlp": [1]}, "tree_budget": 4},
          "--drafter layer-skip with a draft tree (--tree-budget) needs a target without sliding-window layers"),
         ("gemma2", {"drafter": "quantized-self", "draft_vocab": 100}, "final logit soft-capping"),
+        # the draft model sharing no vocabulary (a preset target with the default draft of another family)
+        ("llama", {"drafter": "draft-model", "draft": "llama-500"},
+         "has another vocabulary than target '{target}' (500 against 320 tokens), and --drafter draft-model needs "
+         "the same one: pass --draft with the target's tokenizer, or --drafter cross-vocab"),
     ],
 )
 def test_what_the_models_config_rules_out_is_refused_before_loading(family, options, match, tmp_path, no_loading):
@@ -246,12 +250,15 @@ def test_what_the_models_config_rules_out_is_refused_before_loading(family, opti
     def config(name):
         if name == "gemma2":
             return softcapped_config()
+        if name == "llama-500":
+            return tiny_model("llama", seed=0, vocab_size=500).config
         return (tiny_gemma3(num_layers=2) if name == "gemma3" else tiny_model(name, seed=0)).config
 
     if isinstance(options.get("draft"), str):
         options = {**options, "draft": config_only(tmp_path / "draft", config(options["draft"]))}
-    with pytest.raises(ValueError, match=re.escape(match)) as error:
-        load(config_only(tmp_path / "target", config(family)), **options)
+    target = config_only(tmp_path / "target", config(family))
+    with pytest.raises(ValueError, match=re.escape(match.format(target=target))) as error:
+        load(target, **options)
     assert "\n" not in str(error.value)
 
 

@@ -121,10 +121,11 @@ def test_compare_runs_must_be_positive(model_dir):
 def test_each_timed_suffix_run_drafts_as_the_first_request_of_a_fresh_process():
     """suffix keeps a store of earlier outputs, and `--compare` repeats one prompt: the second speculative run
     drafted the answer from the first (the 1.5B on a Xeon: 37 tok/s against 15), a speedup no new request gets. Each
-    timed run now starts with the store emptied (`Drafter.forget`), so every run drafts (and accepts) what a fresh
+    timed run now starts with the store emptied (`forget_requests`), so every run drafts (and accepts) what a fresh
     process's first request does; the negative control: a repeat without forgetting accepts more."""
     from sparrow.cli.generate import run_compare
     from sparrow.drafters import build_drafter
+    from sparrow.drafters.base import forget_requests
     from sparrow.models import LoadedModel
 
     target = LoadedModel(tiny_model("llama", seed=0), tiny_tokenizer(), "tiny")
@@ -139,5 +140,5 @@ def test_each_timed_suffix_run_drafts_as_the_first_request_of_a_fresh_process():
     assert [r.stats.num_accepted_tokens for r in comparison.speculative] == [fresh, fresh]
     assert comparison.identical
     assert compared.generate(request).stats.num_accepted_tokens > fresh  # the store holds the last run's answer
-    compared.drafter.forget()
+    forget_requests(compared.drafter)
     assert compared.drafter.store.tokens() == 0 and compared.generate(request).stats.num_accepted_tokens == fresh

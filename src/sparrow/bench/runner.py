@@ -30,6 +30,7 @@ from sparrow.bench.methods import (
     parse_methods,
 )
 from sparrow.bench.peers import run_peer
+from sparrow.drafters.base import forget_requests
 from sparrow.drafters.registry import REGISTRY, takers
 from sparrow.errors import UserError
 from sparrow.loading import load
@@ -203,12 +204,11 @@ class Runner:
         return merge_turns(turns)
 
     def forget(self) -> None:
-        """Every method's drafter forgets earlier requests (suffix's store of outputs, `Drafter.forget`): each
+        """Every method's drafter forgets earlier requests (suffix's store of outputs, `forget_requests`): each
         repeat runs the questions as a fresh process would, drafting from the answers of the questions before it in
         this repeat, never from its own answer of an earlier repeat or of the warm-up."""
         for pipe in self.pipes.values():
-            if pipe.drafter is not None:
-                pipe.drafter.forget()
+            forget_requests(pipe.drafter)
 
     def warmup(self, question: Question, runs: int) -> None:
         """One-time kernel, allocator and cache costs stay out of the timings."""

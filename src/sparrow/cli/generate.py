@@ -171,10 +171,11 @@ def run_compare(pipe: Any, request: Request, runs: int) -> Any:
     """Speculative and plain decoding of ``request``, each warmed up untimed on it (a few tokens: neither timed
     path pays for cold kernels, allocator or weight pages; with --compile, first every step size the timed runs
     take, `Pipeline.warm_up`, so no compile falls inside them), then timed ``runs`` times each in ABBA order. Each
-    speculative run starts with the drafter's memory of earlier requests emptied (`Drafter.forget`): suffix would
+    speculative run starts with the drafter's memory of earlier requests emptied (`forget_requests`): suffix would
     otherwise draft the repeated prompt's answer from its own earlier runs (on the 1.5B, 37 tok/s against 15 for
     the first run), a speedup no new request gets."""
     from sparrow.bench.compare import compare
+    from sparrow.drafters.base import forget_requests
 
     stopping = request.stopping
     warm = replace(request, stopping=replace(stopping, max_new_tokens=min(8, stopping.max_new_tokens)))
@@ -186,8 +187,7 @@ def run_compare(pipe: Any, request: Request, runs: int) -> Any:
         pipe.generate_plain(warm)
 
     def speculative() -> Any:
-        if pipe.drafter is not None:
-            pipe.drafter.forget()
+        forget_requests(pipe.drafter)
         return pipe.generate(request)
 
     return compare(speculative, lambda: pipe.generate_plain(request), warm_up, runs)

@@ -187,10 +187,6 @@ class AutoDrafter(DrafterBase):
     def modules(self) -> tuple[torch.nn.Module, ...]:
         return distinct(module for candidate in self.candidates.values() for module in candidate.modules())
 
-    def forget(self) -> None:
-        for candidate in self.candidates.values():
-            candidate.forget()
-
     def shared(self) -> tuple[object, ...]:
         """Its candidates' shared objects, and the last generation's target runner (the fork's prefill replaces
         it)."""

@@ -47,6 +47,13 @@ class Batching(Protocol):
         """Feed the tokens committed while another drafter drafted (auto switching to this one) in one forward."""
 
 
+class Memory(Protocol):
+    """A drafter's store of earlier requests (`DrafterInfo.memory`)."""
+
+    def clear(self) -> None:
+        """Forget every request it holds."""
+
+
 @dataclass(frozen=True)
 class DrafterInfo:
     """What a drafter is, for those that choose among, measure or report on drafters (auto, the policies, the
@@ -73,6 +80,8 @@ class DrafterInfo:
     (a shared prefill forward of several prompts is not one prompt's forward)."""
     enabled: bool = True
     """False: it drafts nothing (a layer-skip set measured to lose decodes plainly), so auto leaves it out."""
+    memory: tuple[Memory, ...] = ()
+    """What it keeps of earlier requests and drafts from (suffix's store of outputs): `forget_requests` empties it."""
 
 
 class Drafter(Protocol):
@@ -115,11 +124,6 @@ class Drafter(Protocol):
         """A generation of `committed` ended between rounds: hand the draft model's cache (as far as it holds
         `committed`) to its prefix cache, if it has one (`Pipeline(prefix_cache=...)`); a no-op by default."""
 
-    def forget(self) -> None:
-        """Drop what it drafts from that earlier requests left (suffix's store of outputs), so that the next request
-        drafts as the first of a fresh process would: `generate --compare` times each run of a repeated prompt so,
-        not from its own earlier output. A no-op by default."""
-
     def modules(self) -> tuple[torch.nn.Module, ...]:
         """Every module it runs or changes (its draft model and views of it, a head, the target itself for
         self-drafters, its candidates' for auto): a generation holds their locks (`sparrow.locks`), and a fork
@@ -153,16 +157,14 @@ class DrafterBase:
     free_to_ask: bool = False
     watches_prefill: bool = False
     enabled: bool = True
+    memory: tuple[Memory, ...] = ()
 
     def describe(self) -> DrafterInfo:
         return DrafterInfo(draft=self.draft, length=self.length, tree_policy=self.tree_policy, tree=self.tree,
                            vocab=self.vocab, free_to_ask=self.free_to_ask, watches_prefill=self.watches_prefill,
-                           enabled=self.enabled)
+                           enabled=self.enabled, memory=self.memory)
 
     def park(self, committed: Tensor) -> None:
-        pass
-
-    def forget(self) -> None:
         pass
 
     def watch_prefill(self, target: CachedModel) -> AbstractContextManager:
@@ -191,6 +193,19 @@ def draft_runners(drafter: Drafter | None) -> tuple[CachedModel, ...]:
         return ()
     info = drafter.describe()
     return distinct((info.draft, *(runner for candidate in info.candidates for runner in draft_runners(candidate))))
+
+
+def forget_requests(drafter: Drafter | None) -> None:
+    """Empty what `drafter` (and, for auto, each candidate) keeps of earlier requests (`DrafterInfo.memory`), so that
+    its next request drafts as the first of a fresh process would: `generate --compare` and `sparrow bench
+    --repeats` time each run of a repeated prompt so, not drafting from its own earlier answer."""
+    if drafter is None:
+        return
+    info = drafter.describe()
+    for memory in info.memory:
+        memory.clear()
+    for candidate in info.candidates:
+        forget_requests(candidate)
 
 
 def verify_rows(drafter: Drafter | None) -> int | None:

@@ -64,6 +64,8 @@ def check_models(drafter: str, options: Mapping[str, Any], target: ModelSpec, dr
     if compile and drafter == "draft-model" and draft_config is not None:
         check_compilable_config(draft_config, "the draft model")
     _check_drafter(drafter, options, name, target_config, draft_config, draft is not None)
+    if drafter == "draft-model" and target_config is not None and draft_config is not None:
+        _check_same_vocab(name, draft, target_config, draft_config)
     _check_draft_vocab(drafter, options.get("draft_vocab"), target_config,
                        draft_config if drafter in LM_HEAD_OF_DRAFT else target_config)
 
@@ -101,6 +103,18 @@ def _check_drafter(drafter: str, options: Mapping[str, Any], name: str, target: 
         elif isinstance(head, (str, Path)) and not Path(head).expanduser().is_dir():
             raise UserError(f"--head {str(head)!r} is not a directory (a head: config.json and model.safetensors, "
                             "exported by SpecForge or saved by `sparrow train head`)")
+
+
+def _check_same_vocab(name: str, draft: ModelSpec, target: PretrainedConfig, drafting: PretrainedConfig) -> None:
+    """The draft-model drafter's draft must share the target's vocabulary (as the loaded drafter checks again on
+    the logits' width): refused here before either model loads, with the drafters that would run."""
+    ours, theirs = text_config(target).vocab_size, text_config(drafting).vocab_size
+    if ours is not None and theirs is not None and ours != theirs:
+        what = draft.name if isinstance(draft, LoadedModel) else draft
+        raise UserError(f"the draft model {what!r} has another vocabulary than target {name!r} ({theirs} against "
+                        f"{ours} tokens), and --drafter draft-model needs the same one: pass --draft with the "
+                        "target's tokenizer, or --drafter cross-vocab (drafts across vocabularies), auto, suffix or "
+                        "prompt-lookup")
 
 
 def _check_draft_vocab(drafter: str, size: object, target: PretrainedConfig | None,

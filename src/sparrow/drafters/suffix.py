@@ -200,6 +200,7 @@ class SuffixDrafter(DrafterBase):
         self.tree = tree
         limits = StoreLimits(config.max_cached_requests, config.max_cached_tokens)
         self.store = store if store is not None else SuffixStore(config.max_tree_depth, limits)
+        self.memory = (self.store,)  # describe(): what forget_requests empties
         self._local = SuffixTrie(config.max_tree_depth)
         self._seq = -1  # this request's sequence in the store
         self._synced = 0  # committed tokens already in the request's own trie
@@ -215,10 +216,6 @@ class SuffixDrafter(DrafterBase):
     def shared(self) -> tuple[object, ...]:
         """The store over outputs: one per served model, shared by every fork."""
         return (self.store,)
-
-    def forget(self) -> None:
-        """Empty the store over earlier outputs (shared: every fork forgets)."""
-        self.store.clear()
 
     def prefill(self, prompt: Prompt, target: CachedModel | None = None, out: TargetOutput | None = None) -> None:
         self.length.reset()
