@@ -199,7 +199,14 @@ struct QuantRow {
   const int16_t* bsums;  // [K / 16]: sums of 16 consecutive q (Q6_K's offset term; the portable Q4_K kernel's mins)
   const float* msum;     // [K / 32] (Q4_K; else nullptr): d of the block times the sum of 32 consecutive q
   const int16_t* bs32;   // [K / 32] (Q4_KX16; else nullptr): sums of 32 consecutive q
+  const int32_t* off4 = nullptr;  // [K / 4] (Q5_0; else nullptr): -16 times the sums of 4 consecutive q
 };
+
+// off4[g] = -16 * (q[4g] + ... + q[4g + 3]): the offset of Q5_0's unsigned values (q - 16) per four products, the
+// AVX-512 kernel's accumulator start.
+SPARROW_INLINE void offset_sums(const int8_t* q, int64_t k, int32_t* off4) {
+  for (int64_t g = 0; g < k / 4; ++g) off4[g] = -16 * (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
+}
 
 // msum[g] = d[g / 8] * (bsums[2g] + bsums[2g + 1]): the float activation sums Q4_K's mins multiply (the same
 // operations on every instruction set).
@@ -922,15 +929,45 @@ SPARROW_AVX512 void int8_q8_0_avx512(const uint8_t* w, int64_t nb, const QuantRo
   for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
+// Q5_0 x Q8_0, two blocks a zmm (block b in the low half, b + 1 in the high one): the values unsigned (q, 0..31:
+// the nibbles by a shift per 64-bit lane, the fifth bits by a byte-masked add of 16 from qh's 64 bits), multiplied
+// with x by vpdpbusd into an accumulator that starts at the row's -16 x (sum of four activations) (QuantRow::off4),
+// so each s32 lane ends with the four-product sum of (q - 16) x that the AVX2 kernel's lane holds. The float steps
+// are the AVX2 kernel's, lane for lane: its even blocks' accumulator is the low half, its odd blocks' the high
+// half, and an odd last block goes through the 256-bit kernel into the low half: bit for bit the same outputs.
+SPARROW_AVX512 SPARROW_INLINE __m512i q5_0_pair(const uint8_t* blk) {  // blocks blk and blk + 22: q in 0..31
+  const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6)));
+  const __m256i hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 28)));
+  const __m512i nibble = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);  // each block: low nibbles, then high ones
+  const __m512i q = _mm512_and_si512(_mm512_srlv_epi64(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), nibble),
+                                     _mm512_set1_epi8(0xF));
+  const uint64_t bits = q5_0_high_bits(blk) | static_cast<uint64_t>(q5_0_high_bits(blk + 22)) << 32;
+  return _mm512_mask_add_epi8(q, _cvtu64_mask64(bits), q, _mm512_set1_epi8(16));
+}
+
 template <int R>
 SPARROW_AVX512 void int8_q5_0_avx512(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
     const uint8_t* blk = w + b * 22;
-    if (b % 3 == 0) prefetch_ahead<66>(blk);
-    q8_block_vnni<R>(q5_0_vector(blk), half_f16c(blk), b, a, acc0, acc1);
+    if (b % 6 == 0) prefetch_ahead<132>(blk);  // six blocks' bytes every third pair
+    const __m512i q = q5_0_pair(blk);
+    const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(half_f16c(blk))),
+                                                          _mm256_castps_pd(_mm256_set1_ps(half_f16c(blk + 22))), 1));
+    for (int r = 0; r < R; ++r) {
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(a[r].off4 + b * 8), q,
+                                            _mm512_loadu_si512(a[r].q + b * 32));
+      const __m512 dx = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(
+          _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a[r].d + b)))));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(p), acc[r]);
+    }
   }
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = low_half(acc[r]), acc1[r] = high_half(acc[r]);
+  if (b < nb) q8_block_vnni<R>(q5_0_vector(w + b * 22), half_f16c(w + b * 22), b, a, acc0, acc1);  // b even
   for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
@@ -1439,6 +1476,7 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
   std::vector<int16_t> bsums;
   std::vector<float> msum;
   std::vector<int16_t> bs32;
+  std::vector<int32_t> off4;
   std::vector<QuantRow> rows;
   const bool packed = type == Q4_KX16 || type == Q6_KX16;
   TORCH_CHECK(int8 || !packed, "sparrow_gguf: a packed weight takes 8-bit activations only");
@@ -1449,6 +1487,7 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
     bsums.resize(m * (k / 16));
     msum.resize(mins ? m * (k / 32) : 0);
     bs32.resize(type == Q4_KX16 ? m * (k / 32) : 0);
+    off4.resize(type == Q5_0 ? m * (k / 4) : 0);
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
@@ -1459,11 +1498,13 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
         if (type == Q4_KX16)
           for (int64_t g = 0; g < k / 32; ++g)
             bs32[i * (k / 32) + g] = static_cast<int16_t>(bsums[i * (k / 16) + 2 * g] + bsums[i * (k / 16) + 2 * g + 1]);
+        if (type == Q5_0) offset_sums(q.data() + i * k, k, off4.data() + i * (k / 4));
       }
     });
     for (int64_t i = 0; i < m; ++i)
       rows.push_back({q.data() + i * k, d.data() + i * (k / f.act_block), bsums.data() + i * (k / 16),
-                      mins ? msum.data() + i * (k / 32) : nullptr, type == Q4_KX16 ? bs32.data() + i * (k / 32) : nullptr});
+                      mins ? msum.data() + i * (k / 32) : nullptr, type == Q4_KX16 ? bs32.data() + i * (k / 32) : nullptr,
+                      type == Q5_0 ? off4.data() + i * (k / 4) : nullptr});
   }
   if (packed) {  // threads split the groups of 16 weight rows
     at::parallel_for(0, n / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
