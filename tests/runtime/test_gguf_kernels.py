@@ -212,13 +212,13 @@ def test_the_instruction_sets_agree():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize(("qtype", "cols"), [*((t, 1536) for t in TYPES), (gk.Q5_0, 1568)],
-                         ids=[*map(str, TYPES), "Q5_0-odd-blocks"])
+@pytest.mark.parametrize(("qtype", "cols"), [*((t, 1536) for t in TYPES), (gk.Q5_0, 1568), (gk.Q8_0, 1568)],
+                         ids=[*map(str, TYPES), "Q5_0-odd-blocks", "Q8_0-odd-blocks"])
 def test_avx512_vnni_gives_the_avx2_bits(qtype: int, cols: int):
     """The AVX-512 VNNI kernels are the AVX2 kernels' integers and float steps in fewer instructions: every output
     bit for bit the same, for every tile size (1..8 rows and two tiles), with a bias, on real-sized rows, so a model
-    decodes identically on both. A planted change (one weight byte) must show. (Q5_0 runs two blocks a register: 49
-    blocks a row leave one for its 256-bit tail.)"""
+    decodes identically on both. A planted change (one weight byte) must show. (Q5_0 and Q8_0 run two blocks a
+    register: 49 blocks a row leave one for the 256-bit tail.)"""
     if "avx512_vnni" not in ISAS:
         pytest.skip("no AVX-512 VNNI here")
     rows = 24

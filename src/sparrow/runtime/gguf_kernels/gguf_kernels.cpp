@@ -199,11 +199,11 @@ struct QuantRow {
   const int16_t* bsums;  // [K / 16]: sums of 16 consecutive q (Q6_K's offset term; the portable Q4_K kernel's mins)
   const float* msum;     // [K / 32] (Q4_K; else nullptr): d of the block times the sum of 32 consecutive q
   const int16_t* bs32;   // [K / 32] (Q4_KX16; else nullptr): sums of 32 consecutive q
-  const int32_t* off4 = nullptr;  // [K / 4] (Q5_0; else nullptr): -16 times the sums of 4 consecutive q
+  const int32_t* off4 = nullptr;  // [K / 4] (Q5_0, Q8_0; else nullptr): -16 times the sums of 4 consecutive q
 };
 
 // off4[g] = -16 * (q[4g] + ... + q[4g + 3]): the offset of Q5_0's unsigned values (q - 16) per four products, the
-// AVX-512 kernel's accumulator start.
+// AVX-512 kernel's accumulator start (Q8_0's, times 8: its weights made unsigned are w + 128).
 SPARROW_INLINE void offset_sums(const int8_t* q, int64_t k, int32_t* off4) {
   for (int64_t g = 0; g < k / 4; ++g) off4[g] = -16 * (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
 }
@@ -918,14 +918,40 @@ SPARROW_AVX512 SPARROW_INLINE void q8_block_vnni(__m256i v, float dw, int64_t b,
   }
 }
 
+// Two blocks' scales, one per 256-bit half: (d0 x 8, d1 x 8); and a row's (dx[b] x 8, dx[b + 1] x 8).
+SPARROW_AVX512 SPARROW_INLINE __m512 pair_scales(float d0, float d1) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(d0)), _mm256_castps_pd(_mm256_set1_ps(d1)),
+                                             1));
+}
+SPARROW_AVX512 SPARROW_INLINE __m512 pair_dx(const float* d) {
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d)))));
+}
+
+// Q8_0 x Q8_0, two blocks a zmm as the Q5_0 kernel below: the weights made unsigned (w + 128, by flipping the sign
+// bit) times x by vpdpbusd from the row's -128 x (sum of four activations) (8 off4), so each s32 lane ends with the
+// four-product sum of w x the AVX2 kernel's lane holds; its float steps, lane for lane (bit for bit its outputs).
 template <int R>
 SPARROW_AVX512 void int8_q8_0_avx512(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    if ((b & 1) == 0) prefetch_ahead<68>(w + b * 34);
-    q8_block_vnni<R>(load(w + b * 34 + 2), half_f16c(w + b * 34), b, a, acc0, acc1);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    const uint8_t* blk = w + b * 34;
+    prefetch_ahead<68>(blk);
+    const __m512i u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(load(blk + 2)), load(blk + 36), 1),
+                                       flip);
+    const __m512 dw = pair_scales(half_f16c(blk), half_f16c(blk + 34));
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = _mm512_slli_epi32(_mm512_loadu_si512(a[r].off4 + b * 8), 3);
+      const __m512i p = _mm512_dpbusd_epi32(start, u, _mm512_loadu_si512(a[r].q + b * 32));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, pair_dx(a[r].d + b)), _mm512_cvtepi32_ps(p), acc[r]);
+    }
   }
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = low_half(acc[r]), acc1[r] = high_half(acc[r]);
+  if (b < nb) q8_block_vnni<R>(load(w + b * 34 + 2), half_f16c(w + b * 34), b, a, acc0, acc1);  // b even
   for (int r = 0; r < R; ++r) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
@@ -949,20 +975,16 @@ template <int R>
 SPARROW_AVX512 void int8_q5_0_avx512(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   int64_t b = 0;
   for (; b + 1 < nb; b += 2) {
     const uint8_t* blk = w + b * 22;
     if (b % 6 == 0) prefetch_ahead<132>(blk);  // six blocks' bytes every third pair
     const __m512i q = q5_0_pair(blk);
-    const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(half_f16c(blk))),
-                                                          _mm256_castps_pd(_mm256_set1_ps(half_f16c(blk + 22))), 1));
+    const __m512 dw = pair_scales(half_f16c(blk), half_f16c(blk + 22));
     for (int r = 0; r < R; ++r) {
       const __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(a[r].off4 + b * 8), q,
                                             _mm512_loadu_si512(a[r].q + b * 32));
-      const __m512 dx = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(
-          _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a[r].d + b)))));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(p), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, pair_dx(a[r].d + b)), _mm512_cvtepi32_ps(p), acc[r]);
     }
   }
   __m256 acc0[R], acc1[R];
@@ -1487,7 +1509,8 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
     bsums.resize(m * (k / 16));
     msum.resize(mins ? m * (k / 32) : 0);
     bs32.resize(type == Q4_KX16 ? m * (k / 32) : 0);
-    off4.resize(type == Q5_0 ? m * (k / 4) : 0);
+    const bool offsets = type == Q5_0 || type == Q8_0;
+    off4.resize(offsets ? m * (k / 4) : 0);
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
@@ -1498,13 +1521,13 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
         if (type == Q4_KX16)
           for (int64_t g = 0; g < k / 32; ++g)
             bs32[i * (k / 32) + g] = static_cast<int16_t>(bsums[i * (k / 16) + 2 * g] + bsums[i * (k / 16) + 2 * g + 1]);
-        if (type == Q5_0) offset_sums(q.data() + i * k, k, off4.data() + i * (k / 4));
+        if (offsets) offset_sums(q.data() + i * k, k, off4.data() + i * (k / 4));
       }
     });
     for (int64_t i = 0; i < m; ++i)
       rows.push_back({q.data() + i * k, d.data() + i * (k / f.act_block), bsums.data() + i * (k / 16),
                       mins ? msum.data() + i * (k / 32) : nullptr, type == Q4_KX16 ? bs32.data() + i * (k / 32) : nullptr,
-                      type == Q5_0 ? off4.data() + i * (k / 4) : nullptr});
+                      offsets ? off4.data() + i * (k / 4) : nullptr});
   }
   if (packed) {  // threads split the groups of 16 weight rows
     at::parallel_for(0, n / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
