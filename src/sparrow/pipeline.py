@@ -90,7 +90,7 @@ class Pipeline:
         compile falls inside a timed generation (nothing to do where none is): the target's up to the most rows its
         verify scores with this drafter (`verify_rows`: k + 1 for a chain of k, a tree's budget + 1; every size
         where the drafter does not say), with the drafter's hidden layers, and its one-row step without them (plain
-        decoding); every size of the draft models' (a catch-up after a long accepted block runs any)."""
+        decoding); every size of the draft models' (their catch-up after plain rounds, or auto switching, runs any)."""
         encoded = prompt if isinstance(prompt, Prompt) else self.encode(prompt, chat=chat)
         if self.compiled and isinstance(self.runner, StaticCachedModel):
             layers = self.drafter.hidden_layers if self.drafter is not None else ()
