@@ -199,7 +199,7 @@ struct QuantRow {
   const int16_t* bsums;  // [K / 16]: sums of 16 consecutive q (Q6_K's offset term; the portable Q4_K kernel's mins)
   const float* msum;     // [K / 32] (Q4_K; else nullptr): d of the block times the sum of 32 consecutive q
   const int16_t* bs32;   // [K / 32] (Q4_KX16; else nullptr): sums of 32 consecutive q
-  const int32_t* off4 = nullptr;  // [K / 4] (Q5_0, Q8_0; else nullptr): -16 times the sums of 4 consecutive q
+  const int32_t* off4 = nullptr;  // [K / 4] (Q5_0, Q8_0 on AVX-512; else nullptr): -16 x sums of 4 consecutive q
 };
 
 // off4[g] = -16 * (q[4g] + ... + q[4g + 3]): the offset of Q5_0's unsigned values (q - 16) per four products, the
@@ -1509,7 +1509,7 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type
     bsums.resize(m * (k / 16));
     msum.resize(mins ? m * (k / 32) : 0);
     bs32.resize(type == Q4_KX16 ? m * (k / 32) : 0);
-    const bool offsets = type == Q5_0 || type == Q8_0;
+    const bool offsets = (type == Q5_0 || type == Q8_0) && current() == Isa::Avx512;  // only its kernels read them
     off4.resize(offsets ? m * (k / 4) : 0);
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
