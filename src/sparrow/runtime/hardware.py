@@ -239,12 +239,14 @@ def usable(record: dict[str, object] | None) -> bool:
 
 
 def noisy_margin(record: dict[str, object] | None) -> float | None:
-    """For an unstable measurement (figures there, rounds never agreed within the tolerance), the factor by which
-    a ratio of two of its figures may be off: (1 + spread)^2, each figure off by up to its spread. A choice whose
-    measured ratio clears its threshold times this factor holds however the noise fell (a 4x faster draft format on a
-    host busy enough for a 39 % spread). None: nothing to choose by (no figures, or a stable record)."""
+    """The factor by which a ratio of two of the record's figures may be off: 1 for a stable record (``usable``);
+    for an unstable one (figures there, rounds never agreed within the tolerance) (1 + spread)^2, each figure off by
+    up to its spread. A choice whose measured ratio clears its threshold times this factor holds however the noise
+    fell (a 4x faster draft format on a host busy enough for a 39 % spread). None: nothing to choose by."""
+    if usable(record):
+        return 1.0
     stability = record.get("stability") if record is not None else None
-    if record is None or record.get("costs") is None or not isinstance(stability, dict) or stability.get("stable"):
+    if record is None or record.get("costs") is None or not isinstance(stability, dict):
         return None
     spread = stability.get("spread")
     return (1 + spread) ** 2 if isinstance(spread, (int, float)) and spread >= 0 else None
@@ -374,7 +376,7 @@ def choose_draft_quant(device: str | torch.device | None = None, *, benchmark: b
     if dev.type != "cpu":
         return None, f"{dev.type}: drafts stay dense (the quantized kernels are measured on CPUs only)"
     record = cpu_costs(benchmark=benchmark)
-    margin = 1.0 if usable(record) else noisy_margin(record)  # unstable figures decide only where the gap is wide
+    margin = noisy_margin(record)  # unstable figures decide only where the gap is wide
     if margin is None:
         return None, f"no CPU measurement to go by ({unusable_reason(record)}): drafts stay dense"
     costs, dense = record["costs"], str(record["quant_activations"])
@@ -420,7 +422,7 @@ def choose_target_quant(device: str | torch.device | None = None, *, benchmark: 
     if dev.type != "cpu":
         return None, f"{dev.type}: the target stays dense (the quantized kernels are measured on CPUs only)"
     record = cpu_costs(benchmark=benchmark)
-    margin = 1.0 if usable(record) else noisy_margin(record)  # unstable figures decide only where the gap is wide
+    margin = noisy_margin(record)  # unstable figures decide only where the gap is wide
     if margin is None:
         return None, f"no CPU measurement to go by ({unusable_reason(record)}): the target stays dense"
     costs, dense = record["costs"], str(record["quant_activations"])
