@@ -387,19 +387,24 @@ void q4kx16_rows_scalar(const uint8_t* w, int64_t nb, const QuantRow* a, float* 
 
 // Q6_K packed 16 rows at a time (Q6_KX16), in the manner of Q4_KX16, 210 bytes a row and super-block (the file's
 // own size). Group G, super-block b: one record of Q6_RECORD bytes at (G * nb + b) * Q6_RECORD:
-//   ql [4 pairs j][8 quads g][16 columns c][4]: byte (j, g, c, t): the low 4 bits of row 16G + c's value (q, 0..63)
-//      64j + 4g + t in its low nibble, of value 64j + 32 + 4g + t in its high nibble;
-//   qh [2 halves n][8 quads g][16 columns][4]: bits 2i, 2i + 1 = the high 2 bits of value 128n + 32i + 4g + t;
-//   sc [8 pairs i][16 columns][2]: the int8 scales of the 16-value groups 2i, 2i + 1;
+//   sc [8 pairs i][16 columns c][2]: the int8 scales of the 16-value groups 2i, 2i + 1;
+//   16 chunks (n, g) of 192 bytes, n = 0, 1 the halves, g = 0..7 the quads, each three 64-byte lines [16 columns][4]:
+//     qh(n, g): bits 2i, 2i + 1 of byte (c, t) = the high 2 bits of row 16G + c's value (q, 0..63) 128n + 32i + 4g + t;
+//     ql(2n, g), ql(2n + 1, g): byte (c, t) of ql(j, g) = the low 4 bits of value 64j + 4g + t in its low nibble, of
+//     value 64j + 32 + 4g + t in its high nibble;
 //   d  [16 columns] fp16.
-// w = d * sc * (q - 32), as the file's.
+// w = d * sc * (q - 32), as the file's. The kernels read the chunks in this order, each line once (the hardware's
+// prefetchers follow an ascending stream; the first layout, ql then qh, read each record in three interleaved
+// passes and streamed at half the bandwidth on Zen 4).
 constexpr int64_t Q6_RECORD = PACK_ROWS * 210;
-constexpr int64_t P6_QH = 2048, P6_SC = 3072, P6_D = 3328;
+constexpr int64_t P6_SC = 0, P6_Q = 256, P6_D = 3328;
+constexpr int64_t p6_ql(int j, int g) { return P6_Q + (((j / 2) * 8 + g) * 3 + 1 + j % 2) * 64; }
+constexpr int64_t p6_qh(int n, int g) { return P6_Q + (n * 8 + g) * 3 * 64; }
 
 SPARROW_INLINE int q6kx16_value(const uint8_t* rec, int c, int k) {  // q in 0..63 of row c's value k
   const int s = k / 32, g = (k % 32) / 4, t = k % 4;
-  const int lo = (rec[(((s / 2) * 8 + g) * 16 + c) * 4 + t] >> (4 * (s % 2))) & 0xF;
-  const int hi = (rec[P6_QH + (((k / 128) * 8 + g) * 16 + c) * 4 + t] >> (2 * (s % 4))) & 3;
+  const int lo = (rec[p6_ql(s / 2, g) + c * 4 + t] >> (4 * (s % 2))) & 0xF;
+  const int hi = (rec[p6_qh(k / 128, g) + c * 4 + t] >> (2 * (s % 4))) & 3;
   return lo | hi << 4;
 }
 
@@ -417,8 +422,8 @@ void pack_q6k_group(const uint8_t* src, int64_t rb, int64_t nb, uint8_t* dst) { 
       q6k_values(blk, v);
       for (int k = 0; k < 256; ++k) {
         const int q = v[k] + 32, s = k / 32, g = (k % 32) / 4, t = k % 4;
-        rec[(((s / 2) * 8 + g) * 16 + c) * 4 + t] |= static_cast<uint8_t>((q & 0xF) << (4 * (s % 2)));
-        rec[P6_QH + (((k / 128) * 8 + g) * 16 + c) * 4 + t] |= static_cast<uint8_t>((q >> 4) << (2 * (s % 4)));
+        rec[p6_ql(s / 2, g) + c * 4 + t] |= static_cast<uint8_t>((q & 0xF) << (4 * (s % 2)));
+        rec[p6_qh(k / 128, g) + c * 4 + t] |= static_cast<uint8_t>((q >> 4) << (2 * (s % 4)));
       }
       for (int group = 0; group < 16; ++group) rec[P6_SC + ((group / 2) * 16 + c) * 2 + group % 2] = blk[192 + group];
       std::memcpy(rec + P6_D + 2 * c, blk + 208, 2);
@@ -630,9 +635,11 @@ SPARROW_AVX2 SPARROW_INLINE __m256i q6_high(__m256i h, __m256i m30) {
   else return _mm256_and_si256(_mm256_srli_epi16(h, 2), m30);
 }
 
-SPARROW_AVX2 SPARROW_INLINE void prefetch_q6_record(const uint8_t* rec, int s) {  // two ahead: 7 of its 53 lines
-  for (int l = 0; l < 7; ++l)
-    _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * Q6_RECORD + 64 * (7 * s + l)), _MM_HINT_T0);
+// The bytes PREFETCH_BYTES past chunk i (0..15) of a record: as the kernels read a record's 16 chunks in order, the
+// lines of the records ahead (a sixteenth of a record, 210 bytes, in four lines), one chunk's worth per chunk read.
+SPARROW_AVX2 SPARROW_INLINE void prefetch_q6_chunk(const uint8_t* rec, int i) {
+  for (int l = 0; l < 4; ++l)
+    _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_BYTES + 210 * i + 64 * l), _MM_HINT_T0);
 }
 
 // (sc[g], sc[g]) in each 32-bit lane from a lane's pair (sc[g], sc[g + 1]) of s16: the multiplier vpmaddwd applies
@@ -646,27 +653,34 @@ SPARROW_AVX2 SPARROW_INLINE __m256i q6_scale_hi(__m256i pairs) {
   return _mm256_or_si256(hi, _mm256_slli_epi32(hi, 16));
 }
 
-// Sub-blocks 2J and 2J + 1 (both nibbles of the same ql bytes, and the same qh bytes) into each row's sumi: per
-// four values and column, vpmaddubsw then vpmaddwd by the 16-value group's scale (no saturation: 2 * 63 * 127 <
-// 2^15; |sum| < 2^31) -- the integers the AVX-512 kernel sums in another order.
-template <int R, int J>
-SPARROW_AVX2 SPARROW_INLINE void q6kx16_pair_avx2(const uint8_t* rec, int64_t b, int hc, const QuantRow* a,
-                                                 __m256i* sumi) {
+// Columns 8hc .. 8hc + 7 of sub-blocks 4N .. 4N + 3, their first or second 16-value groups (P = 0, 1), as
+// q6kx16_quarter_avx512 reads them: per four values and column, vpmaddubsw then vpmaddwd by the group's scale (no
+// saturation: 2 * 63 * 127 < 2^15; |sum| < 2^31) -- the integers the AVX-512 kernel sums in another order.
+template <int R, int N, int P>
+SPARROW_AVX2 SPARROW_INLINE void q6kx16_quarter_avx2(const uint8_t* rec, int64_t b, int hc, const QuantRow* a,
+                                                    __m256i* sumi) {
   const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
-  const __m256i sa = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_SC + 32 * (2 * J) + 16 * hc)));
-  const __m256i sb = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_SC + 32 * (2 * J + 1) + 16 * hc)));
-  const __m256i s0[2] = {q6_scale_lo(sa), q6_scale_hi(sa)}, s1[2] = {q6_scale_lo(sb), q6_scale_hi(sb)};
-  if (hc == 0) prefetch_q6_record(rec, 2 * J), prefetch_q6_record(rec, 2 * J + 1);
-  for (int g = 0; g < 8; ++g) {
-    const __m256i raw = load(rec + (J * 8 + g) * 64 + 32 * hc);
-    const __m256i h = load(rec + P6_QH + ((J / 2) * 8 + g) * 64 + 32 * hc);
-    const __m256i q0 = _mm256_or_si256(_mm256_and_si256(raw, m4), q6_high<(2 * J) % 4>(h, m30));
-    const __m256i q1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), q6_high<(2 * J + 1) % 4>(h, m30));
+  __m256i sc[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256i pairs = _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_SC + 32 * (4 * N + i) + 16 * hc)));
+    sc[i] = P == 0 ? q6_scale_lo(pairs) : q6_scale_hi(pairs);
+  }
+  for (int g = 4 * P; g < 4 * P + 4; ++g) {
+    if (hc == 0) prefetch_q6_chunk(rec, N * 8 + g);
+    const __m256i h = load(rec + p6_qh(N, g) + 32 * hc);
+    const __m256i r0 = load(rec + p6_ql(2 * N, g) + 32 * hc), r1 = load(rec + p6_ql(2 * N + 1, g) + 32 * hc);
+    const __m256i q[4] = {_mm256_or_si256(_mm256_and_si256(r0, m4), q6_high<0>(h, m30)),
+                          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r0, 4), m4), q6_high<1>(h, m30)),
+                          _mm256_or_si256(_mm256_and_si256(r1, m4), q6_high<2>(h, m30)),
+                          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r1, 4), m4), q6_high<3>(h, m30))};
     for (int r = 0; r < R; ++r) {
-      const int8_t* x = a[r].q + b * 256 + 64 * J + 4 * g;
-      const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, bcast32(x)), s0[g / 4]);
-      const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, bcast32(x + 32)), s1[g / 4]);
-      sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(d0, d1));
+      const int8_t* x = a[r].q + b * 256 + 128 * N + 4 * g;
+      const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q[0], bcast32(x)), sc[0]);
+      const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q[1], bcast32(x + 32)), sc[1]);
+      const __m256i d2 = _mm256_madd_epi16(_mm256_maddubs_epi16(q[2], bcast32(x + 64)), sc[2]);
+      const __m256i d3 = _mm256_madd_epi16(_mm256_maddubs_epi16(q[3], bcast32(x + 96)), sc[3]);
+      sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_add_epi32(d0, d1), _mm256_add_epi32(d2, d3)));
     }
   }
 }
@@ -681,10 +695,10 @@ SPARROW_AVX2 void q6kx16_rows_avx2(const uint8_t* w, int64_t nb, const QuantRow*
     for (int hc = 0; hc < 2; ++hc) {  // both halves of a record while it is in L1
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-      q6kx16_pair_avx2<R, 0>(rec, b, hc, a, sumi);
-      q6kx16_pair_avx2<R, 1>(rec, b, hc, a, sumi);
-      q6kx16_pair_avx2<R, 2>(rec, b, hc, a, sumi);
-      q6kx16_pair_avx2<R, 3>(rec, b, hc, a, sumi);
+      q6kx16_quarter_avx2<R, 0, 0>(rec, b, hc, a, sumi);
+      q6kx16_quarter_avx2<R, 0, 1>(rec, b, hc, a, sumi);
+      q6kx16_quarter_avx2<R, 1, 0>(rec, b, hc, a, sumi);
+      q6kx16_quarter_avx2<R, 1, 1>(rec, b, hc, a, sumi);
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + P6_D + 16 * hc)));
       for (int r = 0; r < R; ++r) {
         __m256i summ = _mm256_setzero_si256();
@@ -1137,27 +1151,43 @@ SPARROW_AVX512 SPARROW_INLINE __m512i q6_high512(__m512i h, __m512i m30) {
   else return _mm512_and_si512(_mm512_srli_epi16(h, 2), m30);
 }
 
-template <int R, int S>
-SPARROW_AVX512 SPARROW_INLINE void q6kx16_sub_avx512(const uint8_t* rec, int64_t b, const QuantRow* a, __m512i* sumi) {
+// Sub-blocks 4N .. 4N + 3, their first or second 16-value groups (P = 0, 1): the record's chunks N * 8 + 4P .. + 3
+// (p6_qh) in the order they lie, each qh line read once for its four sub-blocks and each ql line once for its two
+// (tiles of more than four rows: two sub-blocks a pass, within the 32 zmm registers), with an independent vpdpbusd
+// chain per row and sub-block; then each chain times its group's scale into sumi.
+template <int R, int N, int P>
+SPARROW_AVX512 SPARROW_INLINE void q6kx16_quarter_avx512(const uint8_t* rec, int64_t b, const QuantRow* a,
+                                                         __m512i* sumi) {
+  constexpr int W = R <= 4 ? 4 : 2;  // sub-blocks a pass
   const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
-  prefetch_q6_record(rec, S);
-  const __m512i sc2 = _mm512_cvtepi8_epi16(load(rec + P6_SC + 32 * S));
-  const __m512i sc_lo = _mm512_srai_epi32(_mm512_slli_epi32(sc2, 16), 16), sc_hi = _mm512_srai_epi32(sc2, 16);
-  __m512i p0[R], p1[R];
-  for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm512_setzero_si512();
-  for (int g = 0; g < 8; ++g) {
-    const __m512i raw = _mm512_loadu_si512(rec + ((S / 2) * 8 + g) * 64);
-    const __m512i lo = S % 2 ? _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4) : _mm512_and_si512(raw, m4);
-    const __m512i q = _mm512_or_si512(lo, q6_high512<S % 4>(_mm512_loadu_si512(rec + P6_QH + ((S / 4) * 8 + g) * 64), m30));
-    for (int r = 0; r < R; ++r) {
-      int32_t xv;
-      std::memcpy(&xv, a[r].q + b * 256 + 32 * S + 4 * g, 4);
-      if (g < 4) p0[r] = _mm512_dpbusd_epi32(p0[r], q, _mm512_set1_epi32(xv));
-      else p1[r] = _mm512_dpbusd_epi32(p1[r], q, _mm512_set1_epi32(xv));
+  for (int i0 = 0; i0 < 4; i0 += W) {
+    __m512i p[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < W; ++i) p[r][i] = _mm512_setzero_si512();
+    for (int g = 4 * P; g < 4 * P + 4; ++g) {
+      if (i0 == 0) prefetch_q6_chunk(rec, N * 8 + g);
+      const __m512i h = _mm512_loadu_si512(rec + p6_qh(N, g));
+      __m512i q[W];
+      for (int i = 0; i < W; ++i) {
+        const int s = i0 + i;  // sub-block 4N + s: ql line 2N + s / 2, nibble s % 2; qh bits 2s
+        const __m512i raw = _mm512_loadu_si512(rec + p6_ql(2 * N + s / 2, g));
+        const __m512i hi = s == 0 ? q6_high512<0>(h, m30) : s == 1 ? q6_high512<1>(h, m30)
+                                  : s == 2 ? q6_high512<2>(h, m30) : q6_high512<3>(h, m30);
+        q[i] = _mm512_or_si512(_mm512_and_si512(s % 2 ? _mm512_srli_epi16(raw, 4) : raw, m4), hi);
+      }
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < W; ++i) {
+          int32_t xv;
+          std::memcpy(&xv, a[r].q + b * 256 + 32 * (4 * N + i0 + i) + 4 * g, 4);
+          p[r][i] = _mm512_dpbusd_epi32(p[r][i], q[i], _mm512_set1_epi32(xv));
+        }
+    }
+    for (int i = 0; i < W; ++i) {
+      const __m512i sc2 = _mm512_cvtepi8_epi16(load(rec + P6_SC + 32 * (4 * N + i0 + i)));
+      const __m512i sc = P == 0 ? _mm512_srai_epi32(_mm512_slli_epi32(sc2, 16), 16) : _mm512_srai_epi32(sc2, 16);
+      for (int r = 0; r < R; ++r) sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(p[r][i], sc));
     }
   }
-  for (int r = 0; r < R; ++r)
-    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(_mm512_mullo_epi32(p0[r], sc_lo), _mm512_mullo_epi32(p1[r], sc_hi)));
 }
 
 template <int R>
@@ -1168,14 +1198,10 @@ SPARROW_AVX512 void q6kx16_rows_avx512(const uint8_t* w, int64_t nb, const Quant
     const uint8_t* rec = w + b * Q6_RECORD;
     __m512i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-    q6kx16_sub_avx512<R, 0>(rec, b, a, sumi);
-    q6kx16_sub_avx512<R, 1>(rec, b, a, sumi);
-    q6kx16_sub_avx512<R, 2>(rec, b, a, sumi);
-    q6kx16_sub_avx512<R, 3>(rec, b, a, sumi);
-    q6kx16_sub_avx512<R, 4>(rec, b, a, sumi);
-    q6kx16_sub_avx512<R, 5>(rec, b, a, sumi);
-    q6kx16_sub_avx512<R, 6>(rec, b, a, sumi);
-    q6kx16_sub_avx512<R, 7>(rec, b, a, sumi);
+    q6kx16_quarter_avx512<R, 0, 0>(rec, b, a, sumi);
+    q6kx16_quarter_avx512<R, 0, 1>(rec, b, a, sumi);
+    q6kx16_quarter_avx512<R, 1, 0>(rec, b, a, sumi);
+    q6kx16_quarter_avx512<R, 1, 1>(rec, b, a, sumi);
     const __m512 dv = _mm512_cvtph_ps(load(rec + P6_D));
     __m512i sc2[8];
     for (int i = 0; i < 8; ++i) sc2[i] = _mm512_cvtepi8_epi16(load(rec + P6_SC + 32 * i));
