@@ -188,10 +188,11 @@ def pack(blocks: Tensor, qtype: int, out_features: int, in_features: int) -> Ten
 
 def packs(qtype: int, out_features: int, int8: bool = True) -> bool:
     """Whether a [out_features, *] weight of GGML type `qtype` goes packed (PACKED[qtype]): with 8-bit activations and
-    a multiple of PACK_ROWS rows, Q4_K everywhere, Q6_K where the kernels run AVX-512 VNNI (its packed AVX2 kernel
-    measured 1.15-1.3x slower than the file's layout, streamed, at 1 and 8 rows; AVX-512 VNNI 1.1-1.8x faster at 4-32
-    rows, level at one). Every kernel takes both layouts; the layout decides the bits (each layout the same bits on
-    every instruction set), so a Q6_K layer rounds differently on an AVX2-only CPU than on an AVX-512 one."""
+    a multiple of PACK_ROWS rows, Q4_K everywhere, Q6_K where the kernels run AVX-512 VNNI (streamed, 8960 x 1536:
+    level with the file's layout or faster at one row, 1.1-1.8x faster at 4-32 rows; its packed AVX2 kernel 1.08x
+    slower at one row and 1.13x faster at 8 on Zen 4, docs/results/gguf-kernels.md). Every kernel takes both layouts;
+    the layout decides the bits (each layout the same bits on every instruction set), so a Q6_K layer rounds
+    differently on an AVX2-only CPU than on an AVX-512 one."""
     if not (int8 and qtype in PACKED and out_features % PACK_ROWS == 0):
         return False
     return qtype != Q6_K or isa() == "avx512_vnni"
