@@ -4,7 +4,8 @@ After a prefix of `--context` random tokens, times one forward of a single token
 `--rows`, of each number of tokens listed: a verify of n - 1 drafted tokens) and rewinds the cache, for each variant:
 
 * `eager`: the model in sparrow's CachedModel (a DynamicCache whose layers append in place,
-  `sparrow.runtime.kv_buffer`), what `--quant gguf` runs;
+  `sparrow.runtime.kv_buffer`; the forward of `sparrow.runtime.decoder`), what `--quant gguf` runs;
+* `transformers`: the same through transformers' own model forward (the same bits);
 * `dynamic`: the same with transformers' own DynamicCache layers (a `torch.cat` of the whole cache every forward);
 * `compiled` (with --compile): the model in sparrow.runtime.compiled.StaticCachedModel (static cache, the one-row
   step through torch.compile / inductor, the GGUF matmul an opaque custom op), what `--compile --no-exact` runs; its
@@ -24,6 +25,7 @@ variant alone to read a variant's own).
     python benchmarks/gguf_step.py --variants eager,compiled --compile
     python benchmarks/gguf_step.py --variants eager,compiled --compile --rows 1,8,9,12,16 --rounds 3 --steps 3
     python benchmarks/gguf_step.py --variants eager,dynamic --context 3000 --rows 1,4 [--skip-matmuls]
+    python benchmarks/gguf_step.py --variants eager,transformers --rounds 5 --steps 3 --rows 1,4,9
 
 `--skip-matmuls` replaces every GGUF matmul by a zero output of its shape: what is left is the step's cost outside
 its weights (attention, the cache, norms, Python).
@@ -81,13 +83,17 @@ def main() -> None:
     for variant in variants:
         if variant == "eager":
             runners[variant] = CachedModel(model)
+        elif variant == "transformers":
+            runners[variant] = CachedModel(model)
+            runners[variant].decoder = None
         elif variant == "dynamic":
             runners[variant] = CachedModel(model)
             runners[variant]._empty = lambda: DynamicCache(config=model.config)
         elif variant in ("compiled", "static") and (args.compile or variant == "static"):
             runners[variant] = StaticCachedModel(model, compile=variant == "compiled")
         else:
-            parser.error(f"unknown variant {variant!r} (eager, dynamic, static, compiled; compiled needs --compile)")
+            parser.error(f"unknown variant {variant!r} (eager, transformers, dynamic, static, compiled; compiled "
+                         "needs --compile)")
     prompt = Prompt(torch.randint(100, 20000, (args.context,), generator=torch.Generator().manual_seed(0)))
     tokens = {n: torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(n)) for n in rows}
     logits = {}

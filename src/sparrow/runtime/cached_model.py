@@ -16,6 +16,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from sparrow.runtime import decoder
 from sparrow.runtime.kv_buffer import buffered
 from sparrow.runtime.prefix_cache import PrefixCache
 from sparrow.types import Prompt, TargetOutput
@@ -55,6 +56,9 @@ class CachedModel:
         """Token ids whose KV the cache holds at positions 0.. (the prompt after a prefill; `hold` extends it)."""
         self.reused = 0
         """Prompt tokens the last prefill took from the prefix cache."""
+        self.decoder = decoder.plan(model)
+        """The forward of steps and verifies without transformers' plumbing, where it computes the model's own
+        (`sparrow.runtime.decoder`: Llama / Qwen2 of their own modules, no hooks); None: the model's forward."""
 
     @property
     def vocab_size(self) -> int:
@@ -169,6 +173,10 @@ class CachedModel:
         if mask is not None:
             assert mask.shape == (n, start + n) and mask.dtype == torch.bool, (tuple(mask.shape), mask.dtype, n, start)
             extra["attention_mask"] = self._attention_mask(mask.to(self.device), positions.to(self.device))
+        if self.decoder is not None and not self.decoder.hooked():
+            logits, hidden = self.decoder.forward(tokens.to(self.device)[None], self.cache, self.position_ids(positions),
+                                                  extra.get("attention_mask"), hidden_layers)
+            return TargetOutput(logits, hidden)
         out = self.model(
             input_ids=tokens.to(self.device)[None],
             cache=self.cache,
