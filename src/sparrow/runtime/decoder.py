@@ -4,26 +4,28 @@ A decoding step or a verify forward (one to a few dozen tokens after the cache) 
 matmuls, the time transformers' model forward spends around them: its decorators (output capture, config
 defaults, deprecated-argument checks), a module call with hook dispatch for every layer, norm, projection and
 activation, keyword arguments rebuilt at every level, output dataclasses. On a CPU, where a step of a 1.5B model on
-GGUF blocks takes ~35-40 ms, that is measurable: on an AMD EPYC Zen 4 (2 threads; qwen2.5-coder-1.5b on its Q4_K_M
-blocks, one row after 200 cached tokens, the matmuls replaced by zeros) 9.0-9.7 ms a step through transformers,
-6.8-7.7 ms here; with the matmuls, steps of 37-41 ms against 33.5-35.5 (medians of alternated runs).
+GGUF blocks takes ~35-45 ms, that is measurable: on an AMD EPYC Zen 4 (2 threads; qwen2.5-coder-1.5b on its Q4_K_M
+blocks after 200 cached tokens; `benchmarks/gguf_step.py --variants eager,transformers --rows 1,4,9`, medians of
+30 alternated steps) the step outside the matmuls took 8.8 / 11.4 / 14.2 ms for 1 / 4 / 9 tokens through
+transformers and 6.6 / 9.0 / 11.7 ms here; whole steps 47.3 / 53.5 / 85.3 against 43.6 / 50.0 / 82.3 ms.
 
-`Decoder.forward` runs the very same computation: each module's own `forward` (so a layer that sparrow switched in place,
-`batch_invariant.make_exact`'s or `onednn`'s linears, runs as switched), in the same order, with the mask
+`Decoder.forward` runs the very same computation: each module's own `forward` (so a layer that sparrow switched
+in place, `batch_invariant.make_exact`'s or `onednn`'s linears, runs as switched), in the same order, with the mask
 transformers builds (`create_causal_mask`, or the caller's 4-D mask as it is) and the attention function the config
-names (so `sparrow_sdpa`, `sparrow_rowwise` and a running query capture apply). Logits and hidden states are
-therefore bit for bit transformers' (tests/runtime/test_decoder.py, float32 and bfloat16: one row, causal chains,
-tree masks, hidden states). `plan` admits a model only when that holds by construction: a `LlamaForCausalLM` or
-`Qwen2ForCausalLM` built of its architecture's own module classes (a subclass or a replaced module may compute
-something else), no sliding-window layers, no module hooks (a drafter that hooks a decoder, or a counter of
-forwards, keeps transformers' forward). Anything else runs through the model's own forward.
+names (so `sparrow_sdpa`, `sparrow_rowwise` and a running query capture apply). Logits, hidden states and the
+cache are therefore bit for bit transformers' (tests/runtime/test_decoder.py, float32 and bfloat16: one row, causal
+chains, tree masks, hidden states, rewinds, exact copies). `plan` admits a model only when that holds by
+construction: a `LlamaForCausalLM` or `Qwen2ForCausalLM` built of its architecture's own module classes (a subclass
+or a replaced module may compute something else), no sliding-window layers, no module hooks (a drafter that hooks
+a decoder, or a counter of forwards, keeps transformers' forward). Anything else runs through the model's own
+forward.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -46,11 +48,42 @@ def _global_hooks() -> bool:
     return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
 
 
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One decoder layer's modules, looked up once (each `nn.Module.__getattr__` is a Python call: ~700 a step of a
+    28-layer model, ~0.6 ms of it)."""
+
+    input_norm: nn.Module
+    attention: nn.Module
+    q: nn.Module
+    k: nn.Module
+    v: nn.Module
+    o: nn.Module
+    post_norm: nn.Module
+    gate: nn.Module
+    up: nn.Module
+    down: nn.Module
+    act: Callable
+    head_dim: int
+    index: int
+    scaling: float
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> Layer:
+        attention, mlp = layer.self_attn, layer.mlp
+        return cls(layer.input_layernorm, attention, attention.q_proj, attention.k_proj, attention.v_proj,
+                   attention.o_proj, layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+                   mlp.act_fn, attention.head_dim, attention.layer_idx, attention.scaling)
+
+
 @dataclass(frozen=True)
 class Decoder:
-    """A model `forward` computes (made by `plan`), with the functions of its modeling file it calls."""
+    """A model `forward` computes (made by `plan`): its modules as they were then (each called through its `forward`
+    as it is at the call, so a forward switched in place later applies; a module replaced later would not, and sparrow
+    replaces modules only in copies, before a runner is made) and the functions of its modeling file it calls."""
 
-    model: PreTrainedModel
+    model: PreTrainedModel = field(repr=False)
+    layers: tuple[Layer, ...] = field(repr=False)
     rotary: Callable
     """The modeling file's `apply_rotary_pos_emb` (as transformers' attention calls it)."""
     attention_kwargs: dict
@@ -71,47 +104,40 @@ class Decoder:
         `out.hidden_states[i][0]`). The cache takes the new keys and values."""
         inner = self.model.model
         config = inner.config
-        layers = inner.layers[: config.num_hidden_layers]
         embeds = inner.embed_tokens.forward(input_ids)
         if not (isinstance(attention_mask, Tensor) and attention_mask.dim() == 4):
             attention_mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask,
                                                 cache=cache, position_ids=position_ids)
         attend = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
         cos, sin = inner.rotary_emb.forward(embeds, position_ids)
-        count = len(layers) + 1  # hidden states: the embeddings, then every layer's output (the last one normed)
+        kwargs = {"position_ids": position_ids, "use_cache": True}  # what a decoder layer hands its attention
+        count = len(self.layers) + 1  # hidden states: the embeddings, then every layer's output (the last one normed)
         wanted = {i % count for i in hidden_layers}
         kept: dict[int, Tensor] = {}
         hidden = embeds
-        for index, layer in enumerate(layers):
+        for index, layer in enumerate(self.layers):
             if index in wanted:
                 kept[index] = hidden
-            hidden = self._layer(layer, hidden, cos, sin, attention_mask, cache, position_ids, attend)
+            # DecoderLayer.forward with its attention and MLP inlined, [1, n, d] -> [1, n, d]
+            residual = hidden
+            x = layer.input_norm.forward(hidden)
+            shape = (*x.shape[:-1], -1, layer.head_dim)
+            query = layer.q.forward(x).view(shape).transpose(1, 2)
+            key = layer.k.forward(x).view(shape).transpose(1, 2)
+            value = layer.v.forward(x).view(shape).transpose(1, 2)
+            query, key = self.rotary(query, key, cos, sin)
+            key, value = cache.update(key, value, layer.index, kwargs=kwargs)
+            out, _ = attend(layer.attention, query, key, value, attention_mask, dropout=0.0, scaling=layer.scaling,
+                            **self.attention_kwargs, **kwargs)
+            hidden = residual + layer.o.forward(out.reshape(*x.shape[:-1], -1).contiguous())
+            residual = hidden
+            x = layer.post_norm.forward(hidden)
+            hidden = residual + layer.down.forward(layer.act(layer.gate.forward(x)) * layer.up.forward(x))
         hidden = inner.norm.forward(hidden)
         kept[count - 1] = hidden  # transformers ties the last hidden state to the normed output
         logits = self.model.lm_head.forward(hidden)[0]
         states = torch.stack([kept[i % count][0] for i in hidden_layers]) if hidden_layers else None
         return logits, states
-
-    def _layer(self, layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache,
-               position_ids: Tensor, attend: Callable) -> Tensor:
-        """One decoder layer, [1, n, d] -> [1, n, d]: `DecoderLayer.forward` with its attention and MLP inlined."""
-        attention, mlp = layer.self_attn, layer.mlp
-        residual = hidden
-        x = layer.input_layernorm.forward(hidden)
-        shape = (*x.shape[:-1], -1, attention.head_dim)
-        query = attention.q_proj.forward(x).view(shape).transpose(1, 2)
-        key = attention.k_proj.forward(x).view(shape).transpose(1, 2)
-        value = attention.v_proj.forward(x).view(shape).transpose(1, 2)
-        query, key = self.rotary(query, key, cos, sin)
-        kwargs = {"position_ids": position_ids, "use_cache": True}  # what the decoder layer hands its attention
-        key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
-        out, _ = attend(attention, query, key, value, mask, dropout=0.0, scaling=attention.scaling,
-                        **self.attention_kwargs, **kwargs)
-        hidden = residual + attention.o_proj.forward(out.reshape(*x.shape[:-1], -1).contiguous())
-        residual = hidden
-        x = layer.post_attention_layernorm.forward(hidden)
-        x = mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
-        return residual + x
 
 
 def plan(model: nn.Module) -> Decoder | None:
@@ -140,5 +166,6 @@ def plan(model: nn.Module) -> Decoder | None:
     if _global_hooks() or any(_hooked(m) for m in model.modules()):
         return None
     # Qwen2's attention names its sliding window (None for full attention) to the attention function; Llama's none
+    layers = tuple(Layer.of(layer) for layer in inner.layers[: config.num_hidden_layers])
     extra = {"sliding_window": None} if hasattr(inner.layers[0].self_attn, "sliding_window") else {}
-    return Decoder(model, rotary, extra)
+    return Decoder(model, layers, rotary, extra)
