@@ -96,6 +96,9 @@ def test_other_models_keep_transformers_forward():
     hooked = copy.deepcopy(model)
     hooked.model.layers[1].mlp.register_forward_hook(lambda *args: None)
     assert decoder.plan(hooked) is None
+    wrapped = copy.deepcopy(model)
+    wrapped.model.layers[0].self_attn.forward = lambda *args, **kwargs: None  # a wrapper the decoder would skip
+    assert decoder.plan(wrapped) is None
 
 
 def test_hooks_set_later_run_through_transformers(target_model):
@@ -112,3 +115,22 @@ def test_hooks_set_later_run_through_transformers(target_model):
         handle.remove()
     runner.forward(torch.tensor([6]))
     assert calls == [1] and not runner.decoder.hooked()
+
+
+def test_a_forward_replaced_later_is_called(target_model):
+    """A wrapper set on the model's forward (a test's counter of forwards) is called, as hooks are."""
+    runner = CachedModel(target_model)
+    runner.prefill(Prompt(torch.arange(3, 12)))
+    forward, calls = target_model.forward, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    target_model.forward = counted
+    try:
+        runner.forward(torch.tensor([5, 6]))
+    finally:
+        del target_model.forward
+    runner.forward(torch.tensor([7]))
+    assert calls == [1]

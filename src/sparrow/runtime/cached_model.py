@@ -174,8 +174,9 @@ class CachedModel:
             assert mask.shape == (n, start + n) and mask.dtype == torch.bool, (tuple(mask.shape), mask.dtype, n, start)
             extra["attention_mask"] = self._attention_mask(mask.to(self.device), positions.to(self.device))
         if self.decoder is not None and not self.decoder.hooked():
-            logits, hidden = self.decoder.forward(tokens.to(self.device)[None], self.cache, self.position_ids(positions),
-                                                  extra.get("attention_mask"), hidden_layers)
+            logits, hidden = self.decoder.forward(tokens.to(self.device)[None], self.cache,
+                                                  self.position_ids(positions), extra.get("attention_mask"),
+                                                  hidden_layers)
             return TargetOutput(logits, hidden)
         out = self.model(
             input_ids=tokens.to(self.device)[None],

@@ -16,8 +16,9 @@ names (so `sparrow_sdpa`, `sparrow_rowwise` and a running query capture apply). 
 cache are therefore bit for bit transformers' (tests/runtime/test_decoder.py, float32 and bfloat16: one row, causal
 chains, tree masks, hidden states, rewinds, exact copies). `plan` admits a model only when that holds by
 construction: a `LlamaForCausalLM` or `Qwen2ForCausalLM` built of its architecture's own module classes (a subclass
-or a replaced module may compute something else), no sliding-window layers, no module hooks (a drafter that hooks
-a decoder, or a counter of forwards, keeps transformers' forward). Anything else runs through the model's own
+or a replaced module may compute something else), no sliding-window layers, no module hooks and no forward
+replaced on the model or its decoder (a drafter that hooks a decoder, or a counter of forwards, keeps
+transformers' forward). Anything else runs through the model's own
 forward.
 """
 
@@ -42,6 +43,13 @@ PARTS = ("Model", "DecoderLayer", "Attention", "MLP", "RMSNorm", "RotaryEmbeddin
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks)
+
+
+def _inlined(module: nn.Module) -> bool:
+    """Whether `module`'s forward is its class's: `Decoder.forward` computes what the classes' forwards of the model,
+    its decoder, layers, attention and MLP compute (a wrapper set on the instance, which counts or changes its calls,
+    would be skipped); the other modules' forwards it calls, as they are."""
+    return "forward" not in module.__dict__
 
 
 def _global_hooks() -> bool:
@@ -91,9 +99,10 @@ class Decoder:
     `sliding_window`, None)."""
 
     def hooked(self) -> bool:
-        """Whether hooks were set since `plan` (on the model, its decoder, or every module): then the caller runs
-        transformers' forward, which calls them."""
-        return _global_hooks() or _hooked(self.model) or _hooked(self.model.model)
+        """Whether hooks were set, or the forward replaced, on the model or its decoder since `plan` (which checked
+        every module): then the caller runs the model's own forward, which calls them."""
+        model, inner = self.model, self.model.model
+        return _global_hooks() or _hooked(model) or _hooked(inner) or not (_inlined(model) and _inlined(inner))
 
     def forward(self, input_ids: Tensor, cache, position_ids: Tensor, attention_mask: Tensor | None = None,
                 hidden_layers: tuple[int, ...] = ()) -> tuple[Tensor, Tensor | None]:
@@ -163,7 +172,8 @@ def plan(model: nn.Module) -> Decoder | None:
                 or type(layer.post_attention_layernorm) is not classes["RMSNorm"]
                 or getattr(layer.self_attn, "sliding_window", None) is not None):
             return None
-    if _global_hooks() or any(_hooked(m) for m in model.modules()):
+    inlined = [model, inner, *(m for layer in inner.layers for m in (layer, layer.self_attn, layer.mlp))]
+    if _global_hooks() or any(_hooked(m) for m in model.modules()) or not all(map(_inlined, inlined)):
         return None
     # Qwen2's attention names its sliding window (None for full attention) to the attention function; Llama's none
     layers = tuple(Layer.of(layer) for layer in inner.layers[: config.num_hidden_layers])
