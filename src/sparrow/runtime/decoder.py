@@ -92,15 +92,17 @@ class Decoder:
 
     model: PreTrainedModel = field(repr=False)
     layers: tuple[Layer, ...] = field(repr=False)
-    rotary: Callable
-    """The modeling file's `apply_rotary_pos_emb` (as transformers' attention calls it)."""
+    modeling: str
+    """The modeling file's module, whose `apply_rotary_pos_emb` the attention calls (looked up at each forward: it is
+    an `nn.Module` wrapper in transformers, which a runner holding it would reach and share)."""
     attention_kwargs: dict
     """What the architecture's attention passes to the attention function besides the tensors (Qwen2: its
     `sliding_window`, None)."""
 
     def hooked(self) -> bool:
         """Whether hooks were set, or the forward replaced, on the model or its decoder since `plan` (which checked
-        every module): then the caller runs the model's own forward, which calls them."""
+        every module): then the caller runs the model's own forward, which calls them. (Hooks set later on a layer
+        or a projection are not looked for at each call, ~400 modules: set them before the runner is made.)"""
         model, inner = self.model, self.model.model
         return _global_hooks() or _hooked(model) or _hooked(inner) or not (_inlined(model) and _inlined(inner))
 
@@ -119,6 +121,7 @@ class Decoder:
                                                 cache=cache, position_ids=position_ids)
         attend = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
         cos, sin = inner.rotary_emb.forward(embeds, position_ids)
+        rotary = sys.modules[self.modeling].apply_rotary_pos_emb
         kwargs = {"position_ids": position_ids, "use_cache": True}  # what a decoder layer hands its attention
         count = len(self.layers) + 1  # hidden states: the embeddings, then every layer's output (the last one normed)
         wanted = {i % count for i in hidden_layers}
@@ -134,7 +137,7 @@ class Decoder:
             query = layer.q.forward(x).view(shape).transpose(1, 2)
             key = layer.k.forward(x).view(shape).transpose(1, 2)
             value = layer.v.forward(x).view(shape).transpose(1, 2)
-            query, key = self.rotary(query, key, cos, sin)
+            query, key = rotary(query, key, cos, sin)
             key, value = cache.update(key, value, layer.index, kwargs=kwargs)
             out, _ = attend(layer.attention, query, key, value, attention_mask, dropout=0.0, scaling=layer.scaling,
                             **self.attention_kwargs, **kwargs)
@@ -158,9 +161,8 @@ def plan(model: nn.Module) -> Decoder | None:
     if prefix is None or modeling is None or type(model) is not getattr(modeling, name, None):
         return None
     classes = {part: getattr(modeling, prefix + part, None) for part in PARTS}
-    rotary = getattr(modeling, "apply_rotary_pos_emb", None)
     inner = getattr(model, "model", None)
-    if (rotary is None or inner is None or type(inner) is not classes["Model"]
+    if (not hasattr(modeling, "apply_rotary_pos_emb") or inner is None or type(inner) is not classes["Model"]
             or type(inner.norm) is not classes["RMSNorm"] or type(inner.rotary_emb) is not classes["RotaryEmbedding"]):
         return None
     config = inner.config
@@ -175,7 +177,7 @@ def plan(model: nn.Module) -> Decoder | None:
     inlined = [model, inner, *(m for layer in inner.layers for m in (layer, layer.self_attn, layer.mlp))]
     if _global_hooks() or any(_hooked(m) for m in model.modules()) or not all(map(_inlined, inlined)):
         return None
-    # Qwen2's attention names its sliding window (None for full attention) to the attention function; Llama's none
     layers = tuple(Layer.of(layer) for layer in inner.layers[: config.num_hidden_layers])
+    # Qwen2's attention names its sliding window (None for full attention) to the attention function; Llama's none
     extra = {"sliding_window": None} if hasattr(inner.layers[0].self_attn, "sliding_window") else {}
-    return Decoder(model, layers, rotary, extra)
+    return Decoder(model, layers, modeling.__name__, extra)
