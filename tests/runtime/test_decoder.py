@@ -11,6 +11,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from sparrow.runtime import batch_invariant, decoder
+from sparrow.runtime.attention import decode as decode_attention
 from sparrow.runtime.cached_model import CachedModel
 from sparrow.types import Prompt
 from tests.conftest import tiny_gemma3, tiny_model
@@ -68,8 +69,15 @@ def walk(model: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_is_transformers_own_bit_for_bit(arch, dtype):
-    walk(copy.deepcopy(tiny_model(arch, seed=3, num_layers=3)).to(dtype))
+@pytest.mark.parametrize("attention", ["sdpa", "sparrow_sdpa", "eager"])
+def test_forward_is_transformers_own_bit_for_bit(arch, dtype, attention):
+    model = copy.deepcopy(tiny_model(arch, seed=3, num_layers=3)).to(dtype)
+    if attention == "sparrow_sdpa":
+        decode_attention.use(model)
+    else:
+        model.set_attn_implementation(attention)
+    assert model.config._attn_implementation == attention
+    walk(model)
 
 
 def test_exact_copy_takes_the_same_path_bit_for_bit(arch):

@@ -93,8 +93,9 @@ class Decoder:
     model: PreTrainedModel = field(repr=False)
     layers: tuple[Layer, ...] = field(repr=False)
     modeling: str
-    """The modeling file's module, whose `apply_rotary_pos_emb` the attention calls (looked up at each forward: it is
-    an `nn.Module` wrapper in transformers, which a runner holding it would reach and share)."""
+    """The modeling file's module, whose `apply_rotary_pos_emb` and `eager_attention_forward` the attention calls
+    (looked up at each forward: the first is an `nn.Module` wrapper in transformers, which a runner holding it would
+    reach and share)."""
     attention_kwargs: dict
     """What the architecture's attention passes to the attention function besides the tensors (Qwen2: its
     `sliding_window`, None)."""
@@ -119,9 +120,12 @@ class Decoder:
         if not (isinstance(attention_mask, Tensor) and attention_mask.dim() == 4):
             attention_mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask,
                                                 cache=cache, position_ids=position_ids)
-        attend = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+        modeling = sys.modules[self.modeling]
+        # as the attention modules pick it: the implementation their config names, else the file's eager attention
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.layers[0].attention.config._attn_implementation,
+                                                       modeling.eager_attention_forward)
         cos, sin = inner.rotary_emb.forward(embeds, position_ids)
-        rotary = sys.modules[self.modeling].apply_rotary_pos_emb
+        rotary = modeling.apply_rotary_pos_emb
         kwargs = {"position_ids": position_ids, "use_cache": True}  # what a decoder layer hands its attention
         count = len(self.layers) + 1  # hidden states: the embeddings, then every layer's output (the last one normed)
         wanted = {i % count for i in hidden_layers}
@@ -162,7 +166,8 @@ def plan(model: nn.Module) -> Decoder | None:
         return None
     classes = {part: getattr(modeling, prefix + part, None) for part in PARTS}
     inner = getattr(model, "model", None)
-    if (not hasattr(modeling, "apply_rotary_pos_emb") or inner is None or type(inner) is not classes["Model"]
+    functions = all(hasattr(modeling, f) for f in ("apply_rotary_pos_emb", "eager_attention_forward"))
+    if (not functions or inner is None or type(inner) is not classes["Model"]
             or type(inner.norm) is not classes["RMSNorm"] or type(inner.rotary_emb) is not classes["RotaryEmbedding"]):
         return None
     config = inner.config
