@@ -390,8 +390,7 @@ def sparrow_row(config: str, pipe: Any, plain: bool, prompt: dict, max_new_token
         "drafted": None if plain else stats.num_draft_tokens,
         "accepted": None if plain else stats.num_accepted_tokens,
         "mean_accepted_tokens": 1.0 if plain else stats.mean_accepted_tokens,
-        "text": result.text,
-        "token_ids": result.token_ids,
+        "token_ids": result.token_ids,  # the text is theirs decoded: rows keep ids only (results stay under 1 MB)
     }
 
 
