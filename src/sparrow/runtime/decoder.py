@@ -6,8 +6,9 @@ defaults, deprecated-argument checks), a module call with hook dispatch for ever
 activation, keyword arguments rebuilt at every level, output dataclasses. On a CPU, where a step of a 1.5B model on
 GGUF blocks takes ~35-45 ms, that is measurable: on an AMD EPYC Zen 4 (2 threads; qwen2.5-coder-1.5b on its Q4_K_M
 blocks after 200 cached tokens; `benchmarks/gguf_step.py --variants eager,transformers --rows 1,4,9`, medians of
-30 alternated steps) the step outside the matmuls took 8.8 / 11.4 / 14.2 ms for 1 / 4 / 9 tokens through
-transformers and 6.6 / 9.0 / 11.7 ms here; whole steps 47.3 / 53.5 / 85.3 against 43.6 / 50.0 / 82.3 ms.
+30 alternated steps; rows in benchmarks/results/gguf_step.jsonl.gz) the step outside the matmuls took 9.1 / 11.6 /
+14.4 ms for 1 / 4 / 9 tokens through transformers and 6.7 / 9.2 / 11.8 ms here; whole steps 47.8 / 53.2 / 89.0
+against 45.2 / 50.4 / 85.2 ms.
 
 `Decoder.forward` runs the very same computation: each module's own `forward` (so a layer that sparrow switched
 in place, `batch_invariant.make_exact`'s or `onednn`'s linears, runs as switched), in the same order, with the mask
@@ -18,8 +19,7 @@ chains, tree masks, hidden states, rewinds, exact copies). `plan` admits a model
 construction: a `LlamaForCausalLM` or `Qwen2ForCausalLM` built of its architecture's own module classes (a subclass
 or a replaced module may compute something else), no sliding-window layers, no module hooks and no forward
 replaced on the model or its decoder (a drafter that hooks a decoder, or a counter of forwards, keeps
-transformers' forward). Anything else runs through the model's own
-forward.
+transformers' forward). Anything else runs through the model's own forward.
 """
 
 from __future__ import annotations
