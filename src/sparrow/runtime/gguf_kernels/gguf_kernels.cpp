@@ -316,7 +316,12 @@ void int8_rows_scalar(int64_t type, const uint8_t* w, int64_t nb, const QuantRow
 constexpr int64_t PACK_ROWS = 16;
 constexpr int64_t PACKED_RECORD = PACK_ROWS * 148;
 constexpr int64_t PK_SC = 2048, PK_MN = 2176, PK_D = 2304, PK_DMIN = 2336;
-constexpr int MAX_PACKED_TILE = 6;  // activation rows per packed kernel call (AVX-512: 30 of the 32 zmm registers)
+// activation rows per packed kernel call: up to 6 with every accumulator in a register (AVX-512: 30 of the 32 zmm
+// registers; AVX2 and the portable code stop there), 7 to 12 on AVX-512 with the float accumulators in memory and one
+// integer accumulator a row and sub-block (Avx512Rows::PACKED_TILE), so a verify of up to 12 rows reads and unpacks each
+// weight record once, its compute overlapping the stream (in tiles of 6, 12 rows took 3x one row's time on Zen 4)
+constexpr int MAX_PACKED_TILE = 12;
+constexpr int REGISTER_PACKED_TILE = 6;
 
 void pack_q4k_group(const uint8_t* src, int64_t rb, int64_t nb, uint8_t* dst) {  // 16 rows of rb bytes
   for (int64_t b = 0; b < nb; ++b) {
@@ -1097,9 +1102,14 @@ SPARROW_AVX512 void int8_q6_k_avx512(const uint8_t* w, int64_t nb, const QuantRo
 // adds of one do not wait on the other's), the same integers and float steps as the AVX2 and scalar kernels.
 template <int R>
 SPARROW_AVX512 void q4kx16_rows_avx512(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
+  // R <= 6: two integer accumulators a row and sub-block (the adds of one do not wait on the other's), the float
+  // accumulators in registers; R > 6: one integer accumulator, the float ones in out (the same integers and float
+  // steps, so the same bits)
+  constexpr bool WIDE = R > REGISTER_PACKED_TILE;
   const __m512i m4 = _mm512_set1_epi8(0xF);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[WIDE ? 1 : R];
+  if constexpr (WIDE) for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * PACK_ROWS, _mm512_setzero_ps());
+  else for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = w + b * PACKED_RECORD;
     __m512i sumi[R];
@@ -1107,8 +1117,9 @@ SPARROW_AVX512 void q4kx16_rows_avx512(const uint8_t* w, int64_t nb, const Quant
     for (int s = 0; s < 8; ++s) {
       prefetch_record(rec, s);
       const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + PK_SC + 16 * s)));
-      __m512i p0[R], p1[R];
-      for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm512_setzero_si512();
+      __m512i p0[R], p1[WIDE ? 1 : R];
+      for (int r = 0; r < R; ++r) p0[r] = _mm512_setzero_si512();
+      if constexpr (!WIDE) for (int r = 0; r < R; ++r) p1[r] = _mm512_setzero_si512();
       for (int g = 0; g < 8; ++g) {
         const __m512i raw = _mm512_loadu_si512(rec + ((s / 2) * 8 + g) * 64);
         const __m512i q = s % 2 ? _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4) : _mm512_and_si512(raw, m4);
@@ -1116,12 +1127,12 @@ SPARROW_AVX512 void q4kx16_rows_avx512(const uint8_t* w, int64_t nb, const Quant
           int32_t xv;
           std::memcpy(&xv, a[r].q + b * 256 + 32 * s + 4 * g, 4);
           const __m512i x = _mm512_set1_epi32(xv);
-          if (g % 2) p1[r] = _mm512_dpbusd_epi32(p1[r], q, x);
-          else p0[r] = _mm512_dpbusd_epi32(p0[r], q, x);
+          if (WIDE || g % 2 == 0) p0[r] = _mm512_dpbusd_epi32(p0[r], q, x);
+          else p1[WIDE ? 0 : r] = _mm512_dpbusd_epi32(p1[WIDE ? 0 : r], q, x);
         }
       }
       for (int r = 0; r < R; ++r)
-        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(_mm512_add_epi32(p0[r], p1[r]), sc));
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(WIDE ? p0[r] : _mm512_add_epi32(p0[r], p1[WIDE ? 0 : r]), sc));
     }
     const __m512 dv = _mm512_cvtph_ps(load(rec + PK_D)), mv = _mm512_cvtph_ps(load(rec + PK_DMIN));
     __m512i mn[4];
@@ -1134,11 +1145,14 @@ SPARROW_AVX512 void q4kx16_rows_avx512(const uint8_t* w, int64_t nb, const Quant
         summ = _mm512_dpwssd_epi32(summ, mn[j], _mm512_set1_epi32(bv));
       }
       const __m512 dx = _mm512_set1_ps(a[r].d[b]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(dv, dx), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(mv, dx), acc[r]);
+      __m512 ar = WIDE ? _mm512_loadu_ps(out + r * PACK_ROWS) : acc[WIDE ? 0 : r];
+      ar = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(dv, dx), ar);
+      ar = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(mv, dx), ar);
+      if constexpr (WIDE) _mm512_storeu_ps(out + r * PACK_ROWS, ar);
+      else acc[r] = ar;
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * PACK_ROWS, acc[r]);
+  if constexpr (!WIDE) for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * PACK_ROWS, acc[r]);
 }
 
 // Q6_KX16 x Q8_K with vpdpbusd, the 16 columns in one zmm; the same integers and float step as the AVX2 and scalar
@@ -1153,12 +1167,12 @@ SPARROW_AVX512 SPARROW_INLINE __m512i q6_high512(__m512i h, __m512i m30) {
 
 // Sub-blocks 4N .. 4N + 3, their first or second 16-value groups (P = 0, 1): the record's chunks N * 8 + 4P .. + 3
 // (p6_qh) in the order they lie, each qh line read once for its four sub-blocks and each ql line once for its two
-// (tiles of more than four rows: two sub-blocks a pass, within the 32 zmm registers), with an independent vpdpbusd
+// (tiles of more than four rows: two sub-blocks a pass, of more than six one, within the 32 zmm registers), with an independent vpdpbusd
 // chain per row and sub-block; then each chain times its group's scale into sumi.
 template <int R, int N, int P>
 SPARROW_AVX512 SPARROW_INLINE void q6kx16_quarter_avx512(const uint8_t* rec, int64_t b, const QuantRow* a,
                                                          __m512i* sumi) {
-  constexpr int W = R <= 4 ? 4 : 2;  // sub-blocks a pass
+  constexpr int W = R <= 4 ? 4 : R <= REGISTER_PACKED_TILE ? 2 : 1;  // sub-blocks a pass
   const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
   for (int i0 = 0; i0 < 4; i0 += W) {
     __m512i p[R][W];
@@ -1192,8 +1206,10 @@ SPARROW_AVX512 SPARROW_INLINE void q6kx16_quarter_avx512(const uint8_t* rec, int
 
 template <int R>
 SPARROW_AVX512 void q6kx16_rows_avx512(const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr bool WIDE = R > REGISTER_PACKED_TILE;  // the float accumulators in out (see q4kx16_rows_avx512)
+  __m512 acc[WIDE ? 1 : R];
+  if constexpr (WIDE) for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * PACK_ROWS, _mm512_setzero_ps());
+  else for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = w + b * Q6_RECORD;
     __m512i sumi[R];
@@ -1213,10 +1229,13 @@ SPARROW_AVX512 void q6kx16_rows_avx512(const uint8_t* w, int64_t nb, const Quant
         summ = _mm512_dpwssd_epi32(summ, sc2[i], _mm512_set1_epi32(bv));
       }
       const __m512i total = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32(summ, 5));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dv, _mm512_set1_ps(a[r].d[b])), acc[r]);
+      __m512 ar = WIDE ? _mm512_loadu_ps(out + r * PACK_ROWS) : acc[WIDE ? 0 : r];
+      ar = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dv, _mm512_set1_ps(a[r].d[b])), ar);
+      if constexpr (WIDE) _mm512_storeu_ps(out + r * PACK_ROWS, ar);
+      else acc[r] = ar;
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * PACK_ROWS, acc[r]);
+  if constexpr (!WIDE) for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * PACK_ROWS, acc[r]);
 }
 
 template <int R>
@@ -1278,6 +1297,7 @@ void quantize_row(const float* x, int64_t k, int64_t block, int8_t* q, float* d,
 
 // Each instruction set's kernels, one weight row against R activation rows.
 struct ScalarRows {
+  static constexpr int PACKED_TILE = REGISTER_PACKED_TILE;  // activation rows per packed kernel call, at most
   template <int R>
   static void rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
     int8_rows_scalar<R>(type, w, nb, a, out);
@@ -1348,6 +1368,7 @@ void int8_range_scalar(const Int8Range& g) { int8_range<ScalarRows>(g); }
 
 #ifdef SPARROW_X86
 struct Avx2Rows {
+  static constexpr int PACKED_TILE = REGISTER_PACKED_TILE;
   template <int R>
   SPARROW_AVX2 static void rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
     int8_rows_avx2<R>(type, w, nb, a, out);
@@ -1359,6 +1380,7 @@ struct Avx2Rows {
   }
 };
 struct Avx512Rows {
+  static constexpr int PACKED_TILE = MAX_PACKED_TILE;
   template <int R>
   SPARROW_AVX512 static void rows(int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
     int8_rows_avx512<R>(type, w, nb, a, out);
@@ -1396,21 +1418,33 @@ struct PackedRange {
 
 template <class Kernel>
 SPARROW_INLINE void packed_tile(int r, int64_t type, const uint8_t* w, int64_t nb, const QuantRow* a, float* out) {
-  switch (r) {  // R = r in 1..MAX_PACKED_TILE
+  switch (r) {  // R = r in 1..Kernel::PACKED_TILE
     case 1: Kernel::template packed<1>(type, w, nb, a, out); break;
     case 2: Kernel::template packed<2>(type, w, nb, a, out); break;
     case 3: Kernel::template packed<3>(type, w, nb, a, out); break;
     case 4: Kernel::template packed<4>(type, w, nb, a, out); break;
     case 5: Kernel::template packed<5>(type, w, nb, a, out); break;
-    default: Kernel::template packed<6>(type, w, nb, a, out); break;
+    case 6: Kernel::template packed<6>(type, w, nb, a, out); break;
+    default:
+      if constexpr (Kernel::PACKED_TILE > REGISTER_PACKED_TILE) {
+        switch (r) {
+          case 7: Kernel::template packed<7>(type, w, nb, a, out); break;
+          case 8: Kernel::template packed<8>(type, w, nb, a, out); break;
+          case 9: Kernel::template packed<9>(type, w, nb, a, out); break;
+          case 10: Kernel::template packed<10>(type, w, nb, a, out); break;
+          case 11: Kernel::template packed<11>(type, w, nb, a, out); break;
+          default: Kernel::template packed<12>(type, w, nb, a, out); break;
+        }
+      }
   }
 }
 
 template <class Kernel>
 SPARROW_INLINE void packed_range(const PackedRange& g) {
-  const int64_t tiles = (g.m + MAX_PACKED_TILE - 1) / MAX_PACKED_TILE, base = g.m / tiles, longer = g.m % tiles;
-  const int64_t per_block = std::max<int64_t>(1, ROW_BLOCK_BYTES / (MAX_PACKED_TILE * g.k));
-  float tile[MAX_PACKED_TILE * PACK_ROWS];
+  constexpr int most = Kernel::PACKED_TILE;
+  const int64_t tiles = (g.m + most - 1) / most, base = g.m / tiles, longer = g.m % tiles;
+  const int64_t per_block = std::max<int64_t>(1, ROW_BLOCK_BYTES / (most * g.k));
+  float tile[most * PACK_ROWS];
   const int64_t record = g.type == Q4_KX16 ? PACKED_RECORD : Q6_RECORD;
   for (int64_t t0 = 0; t0 < tiles; t0 += per_block) {
     const int64_t t1 = std::min(tiles, t0 + per_block);
