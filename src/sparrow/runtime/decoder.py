@@ -173,16 +173,17 @@ def plan(model: nn.Module) -> Decoder | None:
     config = inner.config
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return None
-    for layer in inner.layers[: config.num_hidden_layers]:
+    used = inner.layers[: config.num_hidden_layers]
+    for layer in used:
         if (type(layer) is not classes["DecoderLayer"] or type(layer.self_attn) is not classes["Attention"]
                 or type(layer.mlp) is not classes["MLP"] or type(layer.input_layernorm) is not classes["RMSNorm"]
                 or type(layer.post_attention_layernorm) is not classes["RMSNorm"]
                 or getattr(layer.self_attn, "sliding_window", None) is not None):
             return None
-    inlined = [model, inner, *(m for layer in inner.layers for m in (layer, layer.self_attn, layer.mlp))]
+    inlined = [model, inner, *(m for layer in used for m in (layer, layer.self_attn, layer.mlp))]
     if _global_hooks() or any(_hooked(m) for m in model.modules()) or not all(map(_inlined, inlined)):
         return None
-    layers = tuple(Layer.of(layer) for layer in inner.layers[: config.num_hidden_layers])
+    layers = tuple(Layer.of(layer) for layer in used)
     # Qwen2's attention names its sliding window (None for full attention) to the attention function; Llama's none
-    extra = {"sliding_window": None} if hasattr(inner.layers[0].self_attn, "sliding_window") else {}
+    extra = {"sliding_window": None} if hasattr(used[0].self_attn, "sliding_window") else {}
     return Decoder(model, layers, modeling.__name__, extra)
