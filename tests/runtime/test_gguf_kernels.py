@@ -336,7 +336,8 @@ def test_packed_products_are_exact_integer_dots(qtype: int, isa: str):
 
 @pytest.mark.parametrize("qtype", PACKABLE)
 def test_packed_products_are_batch_invariant_bit_for_bit(qtype: int, isa: str):
-    """Every k (tiles of up to 6 rows, 12 on AVX-512), at 1 and 2 threads, and a prefill-sized forward in row blocks with a bias."""
+    """Every k (tiles of up to 6 rows, 12 on AVX-512), at 1 and 2 threads, and a prefill-sized forward in row blocks
+    with a bias."""
     cols, rows = 512, 64
     _, packed = packed_blocks(qtype, rows, cols, seed=22)
     kind = gk.PACKED[qtype]
