@@ -7,7 +7,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 # generate's (and bench's) default target and draft; the presets the real_model tests load
 RUN_PRESETS ?= qwen2.5-coder-1.5b qwen2.5-coder-0.5b
-TEST_PRESETS ?= smollm2-135m qwen2.5-coder-0.5b gemma3-270m
+TEST_PRESETS ?= smollm2-135m qwen2.5-coder-0.5b gemma3-270m qwen2.5-coder-1.5b
 PROMPT ?= Write a Python function `is_prime(n)` that checks whether n is a prime number, with a docstring and a short example.
 
 .PHONY: setup run test bench browser lint

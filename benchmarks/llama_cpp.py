@@ -126,6 +126,10 @@ SPARROW_CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {
     "sparrow-gguf+draft-gguf-vocab-auto": ({"drafter": "draft-model", "quant": "gguf", "draft_quant": "gguf",
                                             "draft_vocab": "auto"}, False),
     "sparrow-gguf+auto": ({"drafter": "auto", "quant": "gguf", "draft_quant": "gguf"}, False),
+    # the trained head shipped for the target (src/sparrow/heads/shipped/<preset>/), alone and as auto's candidate:
+    # auto without it is the comparison issue #42 asks for
+    "sparrow-gguf+eagle": ({"drafter": "eagle", "quant": "gguf"}, False),
+    "sparrow-gguf+auto-no-head": ({"drafter": "auto", "quant": "gguf", "draft_quant": "gguf", "eagle": False}, False),
     # the same compiled (--compile: static cache, inductor; exact, the GGUF kernels and attention keep their rows)
     "sparrow-plain-gguf-compiled": ({"drafter": "suffix", "quant": "gguf", "compile": True}, True),
     "sparrow-gguf-compiled+suffix": ({"drafter": "suffix", "quant": "gguf", "compile": True}, False),
@@ -913,6 +917,8 @@ def reference_config(config: str) -> str | None:
             "sparrow-gguf+draft-gguf": "sparrow-plain-gguf",
             "sparrow-gguf+draft-gguf-vocab-auto": "sparrow-plain-gguf",
             "sparrow-gguf+auto": "sparrow-plain-gguf",
+            "sparrow-gguf+eagle": "sparrow-plain-gguf",
+            "sparrow-gguf+auto-no-head": "sparrow-plain-gguf",
             "sparrow-gguf-compiled+suffix": "sparrow-plain-gguf-compiled",
             "sparrow-gguf-compiled+prompt-lookup": "sparrow-plain-gguf-compiled"}.get(config)
 

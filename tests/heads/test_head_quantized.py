@@ -325,6 +325,36 @@ def test_every_shipped_head_is_a_whole_export_within_16_mb_for_its_preset(direct
     assert sorted(p.name for p in directory.iterdir()) == sorted([MANIFEST, *(r["file"] for r in manifest["shards"])])
 
 
+SHIPPED_PROMPTS = ("Write a Python function `is_prime(n)` that checks whether n is a prime number.",
+                   "Explain in two sentences what a hash table is.")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("directory", SHIPPED_DIRS, ids=[p.name for p in SHIPPED_DIRS])
+def test_every_shipped_head_decodes_its_preset_losslessly_with_drafts_accepted(directory):
+    """`--drafter eagle` without `--head` on the preset's target (its GGUF blocks: rows are batch-invariant, so a
+    verify computes what one-token steps do) takes the shipped head, and its greedy output equals plain decoding
+    token for token with drafts accepted (`make test` installs every preset a head is shipped for)."""
+    import sparrow
+    from sparrow.models.gguf_native import load_gguf_model
+    from sparrow.models.presets import PRESETS, is_installed
+
+    if not is_installed(PRESETS[directory.name]):
+        pytest.skip(f"preset {directory.name} not installed (make test installs it)")
+    target = load_gguf_model(directory.name, progress=False)
+    from sparrow.heads.layout import find_head
+
+    assert find_head(directory.name) == directory
+    pipe = sparrow.load(target, drafter="eagle", draft=None, progress=False)
+    assert torch.equal(pipe.drafter.head.fc.weight, load_head(directory, target.model).fc.weight)  # the shipped one
+    accepted = 0
+    for prompt in SHIPPED_PROMPTS:
+        spec = pipe.generate(prompt, max_new_tokens=40, chat=True)
+        assert spec.token_ids == pipe.generate_plain(prompt, max_new_tokens=40, chat=True).token_ids, prompt
+        accepted += spec.stats.num_accepted_tokens
+    assert accepted > 0
+
+
 # shipping: a head in the package, found before the user cache (issue #28 item 6) ---------------------------------
 
 
@@ -364,6 +394,7 @@ def test_auto_counts_an_available_head_among_its_candidates_and_stays_lossless(t
     as_preset = LoadedModel(target.model, target.tokenizer, "smollm2-135m")
     drafter = build_drafter("auto", as_preset, None, 4)
     assert "eagle" in drafter.candidates and drafter.hidden_layers == drafter.candidates["eagle"].hidden_layers
+    assert "eagle" not in build_drafter("auto", as_preset, None, 4, eagle=False).candidates  # left out when asked
     plain, pipe = Pipeline(as_preset, None), Pipeline(as_preset, drafter)
     eagle = drafter.candidates["eagle"]
     head = eagle.head

@@ -40,7 +40,7 @@ BLOCKED = ("typer", "rich", "gguf", "av", "accelerate", "PIL", "torchvision", "s
            "matplotlib", "prometheus_client", "ray")
 SMALL = {"batch_size": 8, "seq_len": 64, "distill": 16, "distill_tokens": 32, "distill_batch": 8, "draft_vocab": 200,
          "intermediate_size": 128, "ttt_steps": 3, "lr": 3e-3, "warmup": 10, "tokens": 4000,
-         "held_out_tokens": 300, "threads": 1}
+         "held_out_tokens": 300, "threads": 1, "dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +282,25 @@ def test_bad_recipe_options_are_one_line_errors(tmp_path, capsys):
     assert "--optimizer must be adamw or muon, got 'sgd'" in capsys.readouterr().err
     assert main(["run", "--out", str(tmp_path / "p"), "--target", "x", "--init-from-target", "none"]) == 2
     assert "--init-from-target must be lm_head or layer, got 'none'" in capsys.readouterr().err
+    assert main(["run", "--out", str(tmp_path / "p"), "--target", "x", "--dtype", "float16"]) == 2
+    assert "--dtype must be auto, bfloat16 or float32, got 'float16'" in capsys.readouterr().err
+
+
+def test_the_target_runs_in_bf16_on_a_gpu_and_on_cpus_with_bf16_instructions(monkeypatch):
+    from sparrow.runtime.cpu import CpuInfo
+    from sparrow.training import recipe_data
+
+    def cpu(*flags: str) -> CpuInfo:
+        return CpuInfo(model="test", arch="x86_64", flags=flags, logical_cpus=2, physical_cores=2)
+
+    cuda, host = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(recipe_data, "cpu_info", lambda: cpu("avx2", "avx512f", "avx512_vnni"))
+    assert recipe_data.target_dtype("auto", host) == torch.float32  # torch would emulate bf16 there
+    assert recipe_data.target_dtype("auto", cuda) == torch.bfloat16
+    assert recipe_data.target_dtype("bfloat16", host) == torch.bfloat16
+    monkeypatch.setattr(recipe_data, "cpu_info", lambda: cpu("avx2", "avx512f", "avx512_bf16"))
+    assert recipe_data.target_dtype("auto", host) == torch.bfloat16
+    assert recipe_data.target_dtype("float32", host) == torch.float32
 
 
 def test_muon_and_a_head_from_the_targets_last_layer_train_checkpoint_and_resume(files, target, tmp_path):

@@ -342,7 +342,7 @@ class AutoDrafter(DrafterBase):
 def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int, adaptive: bool,
           quantized_self: bool = False, layer_skip: bool = True, config: AutoConfig | None = None,
           tree_budget: int | str = 0, tree_topk: int = 4, tree_depth: int = 8,
-          draft_vocab: int | str | DraftVocab | None = None, suffix: bool = True) -> AutoDrafter:
+          draft_vocab: int | str | DraftVocab | None = None, suffix: bool = True, eagle: bool = True) -> AutoDrafter:
     """Registry builder for "auto". `num_draft_tokens` caps every candidate (each keeps its own default
     when that is lower). quantized_self: also try an int4 copy of the target (built now: memory and
     seconds). layer_skip: try "layer-skip" when it is registered and tuned for this target.
@@ -350,7 +350,8 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
     drafters ("draft-model+tree"), so auto chooses between chain, tree and plain decoding.
     draft_vocab (N, "auto" or a DraftVocab): the candidates with a draft LM head (a same-vocabulary draft model,
     layer-skip, quantized-self) score only the N most frequent target tokens (FR-Spec).
-    suffix: try "suffix" (Suffix Decoding: drafts from the request's text and the outputs auto saw before)."""
+    suffix: try "suffix" (Suffix Decoding: drafts from the request's text and the outputs auto saw before).
+    eagle: try the eagle head shipped or trained for a preset target (`sparrow.heads.layout.find_head`), if any."""
     tree = {"tree_budget": tree_budget, "tree_topk": tree_topk, "tree_depth": tree_depth} if tree_budget else None
     vocab = resolve_draft_vocab(draft_vocab, target, CachedModel(target.model).vocab_size)  # once, shared
     heads = {"draft_vocab": vocab} if vocab is not None else {}
@@ -379,7 +380,7 @@ def build(target: LoadedModel, draft: LoadedModel | None, num_draft_tokens: int,
         candidates.append(make("quantized-self", None, **heads))
         if tree:
             candidates.append(make("quantized-self", None, **tree, **heads))
-    head = _available_head(target)
+    head = _available_head(target) if eagle else None
     if head is not None:
         candidates.append(make("eagle", None, head=head))
     if suffix and "suffix" in REGISTRY:

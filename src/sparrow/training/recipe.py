@@ -6,7 +6,8 @@ latest results survive the process being killed.
 
 `run`, in order, all inside `--time-budget` seconds of wall time from its start:
 1. the target: a transformers directory, a GGUF file, or a GGUF carried over as numbered chunks (`--gguf-chunks`,
-   joined and sha256-checked: `sparrow.training.chunks`); bf16 on a GPU, float32 on a CPU;
+   joined and sha256-checked: `sparrow.training.chunks`); `--dtype` auto: bf16 on a GPU and on a CPU with bf16
+   instructions (avx512_bf16, AMX), else float32;
 2. the corpus (`sparrow.training.data`): token sequences from offline .py/.md/.rst files (`--data`, default the
    standard library and installed packages), a held-out split by file; then the target's own greedy answers to
    prompts built from the training files (self-distillation), `--distill-batch` prompts a `generate` call, for at
@@ -23,7 +24,8 @@ latest results survive the process being killed.
 4. training: each step draws `--batch-size` sequences, runs the target over them ONLINE (no_grad; its hidden
    states of the head's three layers and its top-k next-token log-probs, nothing cached on disk), then the head's
    training-time test over `--ttt-steps` draft depths on the whole padded batch (`sparrow.training.batched`) under
-   bf16 autocast on a GPU; AdamW (0.9, 0.95), linear warmup, then a cosine decay over the training time left;
+   bf16 autocast where the target runs in bf16; AdamW (0.9, 0.95), linear warmup, then a cosine decay over the
+   training time left;
 5. at the end (always, also when the budget or `--max-steps` ends training, or training fails): a held-out
    evaluation (top-1 agreement per depth, expected tokens per round), the checkpoint, the int4 export and
    OUT/eval.json.
@@ -72,6 +74,7 @@ from sparrow.training.recipe_data import (
     load_target,
     padded,
     save_corpus,
+    target_dtype,
     target_features,
 )
 from sparrow.training.trainer import resumed_head
@@ -235,7 +238,8 @@ def run(settings: RecipeSettings, started: float | None = None) -> dict[str, Any
             raise UserError(f"--answers {file!r}: no such file")
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    autocast = settings.autocast if settings.autocast is not None else device.type == "cuda"
+    bf16 = target_dtype(settings.dtype, device) == torch.bfloat16
+    autocast = settings.autocast if settings.autocast is not None else bf16
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     if device.type == "cuda":

@@ -18,17 +18,28 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from sparrow.errors import UserError
+from sparrow.runtime.cpu import cpu_info
 from sparrow.training.answers import Answers
 from sparrow.training.chunks import join_chunks
 from sparrow.training.data import CorpusSpec, default_roots, distill_prompt, file_sequences
 
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def target_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """The target's dtype for `--dtype` (auto: bfloat16 on a GPU and on a CPU with bfloat16 instructions, where it
+    runs ~2x the float32 rate; float32 on a CPU without them, where torch would emulate bfloat16)."""
+    if setting != "auto":
+        return DTYPES[setting]
+    return torch.bfloat16 if device.type != "cpu" or cpu_info().bf16 else torch.float32
+
 
 def load_target(settings: RecipeSettings, device: torch.device) -> tuple[nn.Module, Any]:
-    """The target model (eval, frozen; bf16 on a GPU, float32 on a CPU) and its tokenizer."""
+    """The target model (eval, frozen; in `target_dtype`) and its tokenizer."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = target_dtype(settings.dtype, device)
     spec = settings.target
     if settings.gguf_chunks is not None:
         spec = str(join_chunks(settings.gguf_chunks))
@@ -283,12 +294,15 @@ class RecipeSettings:
     max_steps: int | None = None
     seed: int = 0
     resume: bool = False
-    autocast: bool | None = None  # bf16 autocast (default: on a GPU)
+    dtype: str = "auto"  # the target's: auto (target_dtype), bfloat16 or float32
+    autocast: bool | None = None  # the head's steps under bf16 autocast (default: where the target runs in bf16)
     threads: int | None = None  # CPU threads for torch (default: torch's)
 
     def __post_init__(self) -> None:
         if self.init_from_target not in ("lm_head", "layer"):  # "none" would leave a frozen random LM head
             raise UserError(f"--init-from-target must be lm_head or layer, got {self.init_from_target!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise UserError(f"--dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
         if self.optimizer not in ("adamw", "muon"):
             raise UserError(f"--optimizer must be adamw or muon, got {self.optimizer!r}")
         if (self.target is None) == (self.gguf_chunks is None):
